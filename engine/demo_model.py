@@ -1,0 +1,357 @@
+"""Tiny random-weight multimodal models, built offline and deterministically.
+
+The service uses one as its demo model when none is configured, and tests build one per
+architecture. A build writes a normal Hugging Face model directory (``save_pretrained``), so the
+model, tokenizer and image processor load back through ``from_pretrained`` like any hub model.
+
+Builds are byte-identical (fixed seeds, a fixed corpus, JSON written with sorted keys), and a
+directory that already holds a complete build of the same format is returned as is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Bump when what a build writes changes: older builds on disk are then rebuilt.
+BUILD_FORMAT = 1
+MARKER = "rollout_demo_build.json"
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral")
+
+# Small enough to train in milliseconds, varied enough to give a vocabulary of several hundred.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words.
+Describe the image in one sentence. What colour is the square in the picture?
+There is a red square on a blue background, and a small green circle near the corner.
+The trainer sends token ids and images; the service answers with sampled tokens and logprobs.
+Reinforcement learning needs the same tokens on both sides, so nothing is tokenised twice.
+Count the objects in the picture and answer with a number. How many cats are on the sofa?
+The weather today is sunny with a light breeze from the west, and the sea is calm.
+Please answer briefly. Yes. No. Maybe. I do not know. The answer is four.
+A man is riding a bicycle along the river while children play football in the park.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 3.14 2.71 -1 +1 = * / ( ) [ ] { } < > , ; : ! ?
+The image shows a kitchen with a wooden table, two chairs, a window and a plant on the shelf.
+Mathematics: if x + 2 = 5 then x = 3. The sum of the angles of a triangle is 180 degrees.
+Code: def f(x): return x * 2; print(f(21)) prints 42. for i in range(10): total += i
+User: what is in this photo? Assistant: a dog sitting on the grass in front of a house.
+Rollouts are scored offline; every job carries a seed so that results can be reproduced.
+"""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    special_tokens: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    chat_template: str
+    write: Callable[[Path, object, dict[str, int]], None]
+
+
+def build_demo_model(directory: Path, *, arch: str = "qwen2_vl") -> Path:
+    """Build (or reuse) a tiny random-weight ``arch`` model in ``directory`` and return it.
+
+    ``arch`` is one of :data:`ARCHS`. The build is written to a temporary sibling directory and
+    moved into place, so a concurrent builder or a crash never leaves a half-written model behind.
+    """
+    if arch not in _SPECS:
+        raise ValueError(f"unknown demo arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    directory = Path(directory)
+    if _is_complete(directory, arch):
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        _build(tmp, arch)
+        if directory.exists():
+            if _is_complete(directory, arch):  # another builder won the race
+                return directory
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def _is_complete(directory: Path, arch: str) -> bool:
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == {"arch": arch, "format": BUILD_FORMAT}
+
+
+def _build(out: Path, arch: str) -> None:
+    spec = _SPECS[arch]
+    tokenizer = _train_tokenizer(spec)
+    token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in spec.special_tokens}
+    tokenizer.save_pretrained(out)
+    spec.write(out, tokenizer, token_ids)
+    _sort_json_files(out)
+    # Written last: its presence means the build is complete.
+    (out / MARKER).write_text(json.dumps({"arch": arch, "format": BUILD_FORMAT}, sort_keys=True))
+
+
+def _train_tokenizer(spec: _Spec):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=640,
+        special_tokens=list(spec.special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        pad_token=spec.pad,
+        chat_template=spec.chat_template,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _sort_json_files(out: Path) -> None:
+    # tokenizer.json is serialized by the Rust side in a fixed order and is large; the others
+    # come from Python dicts whose order depends on code paths, so sort them.
+    for path in sorted(out.glob("*.json")):
+        if path.name == "tokenizer.json":
+            continue
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _save_model(out: Path, model_cls, config) -> None:
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+
+
+# --- Qwen-VL family ---------------------------------------------------------------------------
+
+_QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2-VL's own chat template (images and videos as the native vision triple).
+_QWEN_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+def _qwen_ids(ids: dict[str, int]) -> dict:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _qwen_text(tokenizer, ids: dict[str, int], **extra) -> dict:
+    return {
+        **_TEXT,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        **extra,
+    }
+
+
+def _save_qwen_image_processor(out: Path, patch_size: int) -> None:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    factor = patch_size * 2
+    # min: one merged 2x2 block of patches; max: 256 tokens (a 448x448 image at patch 14).
+    Qwen2VLImageProcessorPil(
+        patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+        min_pixels=factor * factor, max_pixels=factor * factor * 256,
+    ).save_pretrained(out)
+
+
+def _write_qwen2_vl(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=_qwen_text(tokenizer, ids, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        **_qwen_ids(ids),
+        architectures=["Qwen2VLForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen2VLForConditionalGeneration, config)
+    _save_qwen_image_processor(out, 14)
+
+
+def _write_qwen2_5_vl(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        text_config=_qwen_text(tokenizer, ids, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+        **_qwen_ids(ids),
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen2_5_VLForConditionalGeneration, config)
+    _save_qwen_image_processor(out, 14)
+
+
+def _write_qwen3_vl(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        text_config=_qwen_text(tokenizer, ids, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True}),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 64,
+                       "deepstack_visual_indexes": [1]},
+        **_qwen_ids(ids),
+        architectures=["Qwen3VLForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen3VLForConditionalGeneration, config)
+    _save_qwen_image_processor(out, 16)
+
+
+# --- LLaVA and Pixtral ------------------------------------------------------------------------
+
+_LLAVA_SPECIALS = ("<unk>", "<s>", "</s>", "<image>")
+_LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<image>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}</s>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+_PIXTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+_PIXTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}[IMG]"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] if message['content'] is string else '' }}{% endif %}{% endfor %}"
+)
+
+_LLAMA_TEXT = {**_TEXT, "model_type": "llama", "head_dim": 16}
+
+
+def _write_llava(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
+
+    image_size, patch = 56, 14  # 4x4 patches + CLS; the "default" strategy drops CLS: 16 tokens
+    config = LlavaConfig(
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": image_size,
+                       "patch_size": patch, "projection_dim": 32},
+        text_config={**_LLAMA_TEXT, "vocab_size": len(tokenizer), "bos_token_id": ids["<s>"],
+                     "eos_token_id": ids["</s>"], "pad_token_id": ids["<unk>"]},
+        image_token_index=ids["<image>"],
+        image_seq_length=(image_size // patch) ** 2,
+        vision_feature_layer=-1,
+        architectures=["LlavaForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, LlavaForConditionalGeneration, config)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+    ).save_pretrained(out)
+    _write_processor_config(out, "LlavaProcessor", {
+        "patch_size": patch, "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1, "image_token": "<image>"})
+
+
+def _write_pixtral(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    patch = 16
+    config = LlavaConfig(
+        vision_config={"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16,
+                       "image_size": 1024, "patch_size": patch},
+        text_config={**_LLAMA_TEXT, "vocab_size": len(tokenizer), "bos_token_id": ids["<s>"],
+                     "eos_token_id": ids["</s>"], "pad_token_id": ids["<unk>"]},
+        image_token_index=ids["[IMG]"],
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        spatial_merge_size=1,
+        projector_hidden_act="gelu",
+        multimodal_projector_bias=False,
+        architectures=["LlavaForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, LlavaForConditionalGeneration, config)
+    PixtralImageProcessorPil(
+        size={"longest_edge": 256}, patch_size={"height": patch, "width": patch},
+    ).save_pretrained(out)
+    _write_processor_config(out, "PixtralProcessor", {
+        "patch_size": patch, "spatial_merge_size": 1, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+
+
+def _write_processor_config(out: Path, processor_class: str, fields: dict) -> None:
+    # LLaVA-style processors keep their own settings (patch size, token names) here.
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class, **fields}, sort_keys=True))
+
+
+_SPECS = {
+    "qwen2_vl": _Spec(_QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _QWEN_CHAT_TEMPLATE, _write_qwen2_vl),
+    "qwen2_5_vl": _Spec(_QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _QWEN_CHAT_TEMPLATE,
+                        _write_qwen2_5_vl),
+    "qwen3_vl": _Spec(_QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _QWEN_CHAT_TEMPLATE, _write_qwen3_vl),
+    "llava": _Spec(_LLAVA_SPECIALS, "<s>", "</s>", "<unk>", _LLAVA_CHAT_TEMPLATE, _write_llava),
+    "pixtral": _Spec(_PIXTRAL_SPECIALS, "<s>", "</s>", "<unk>", _PIXTRAL_CHAT_TEMPLATE, _write_pixtral),
+}

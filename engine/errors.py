@@ -1,0 +1,138 @@
+"""The one tree of typed errors.
+
+Every error a user can see derives from :class:`RolloutError` and carries a stable ``code``,
+the ``http_status`` the API answers with and whether retrying may help (``retryable``).
+Code branches on the type or on ``code``, never on message text. It lives in ``engine`` because
+that is the lowest layer: every other layer may import it.
+
+    RolloutError
+    ├── InvalidRequestError (422)
+    │   ├── PlaceholderMismatchError
+    │   ├── ContextLengthError
+    │   └── ModelLoadError
+    ├── NotFoundError (404)
+    ├── UnauthorizedError (401)
+    ├── PayloadTooLargeError (413)
+    ├── RateLimitedError (429)
+    ├── ServiceUnavailableError (503)
+    ├── JobTimeoutError (504)
+    ├── MediaError  (processors.fetch.errors adds the media tree)
+    ├── TransportError
+    │   ├── HandleUnavailableError
+    │   └── WrappedFeatureAccessError
+    └── InternalError (500, message never shows the cause)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RolloutError(Exception):
+    code: ClassVar[str] = "internal_error"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, errors: Any = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.errors = errors
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.errors is not None:
+            body["errors"] = self.errors
+        return body
+
+
+class InvalidRequestError(RolloutError):
+    code = "invalid_request"
+    http_status = 422
+
+
+class PlaceholderMismatchError(InvalidRequestError):
+    """The prompt's media placeholders do not match its media items."""
+
+    code = "placeholder_mismatch"
+
+    def __init__(self, message: str, *, placeholders: int, items: int):
+        super().__init__(message, errors={"placeholders": placeholders, "items": items})
+        self.placeholders = placeholders
+        self.items = items
+
+
+class ContextLengthError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelLoadError(InvalidRequestError):
+    """The model path or hub id does not name a loadable model (missing, empty or unsupported)."""
+
+    code = "model_load_failed"
+
+
+class NotFoundError(RolloutError):
+    code = "not_found"
+    http_status = 404
+
+
+class UnauthorizedError(RolloutError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class PayloadTooLargeError(RolloutError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class RateLimitedError(RolloutError):
+    code = "rate_limited"
+    http_status = 429
+    retryable = True
+
+
+class ServiceUnavailableError(RolloutError):
+    code = "service_unavailable"
+    http_status = 503
+    retryable = True
+
+
+class JobTimeoutError(RolloutError):
+    code = "job_time_limit_exceeded"
+    http_status = 504
+
+
+class MediaError(RolloutError):
+    """Base of the media fetching and decoding errors (see ``processors.fetch``)."""
+
+    code = "media_error"
+    http_status = 422
+
+
+class TransportError(RolloutError):
+    code = "transport_error"
+    http_status = 500
+
+
+class HandleUnavailableError(TransportError):
+    """A feature handle cannot be opened (producer gone or memory reclaimed): re-preprocess."""
+
+    code = "handle_unavailable"
+    retryable = True
+
+
+class WrappedFeatureAccessError(TransportError):
+    """Code indexed, sliced or computed on a feature already wrapped for transport (a bug).
+
+    Wrapping is the last step of finalizing an item; reshape and slice before it, or open the
+    handle with ``engine.transport.open_feature`` first.
+    """
+
+    code = "wrapped_feature_access"
+
+
+class InternalError(RolloutError):
+    code = "internal_error"
+    http_status = 500

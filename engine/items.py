@@ -1,0 +1,40 @@
+"""Finalized multimodal items: what the processors hand the engine.
+
+The lifecycle is fixed (see ``processors.finalize``): a model hook reshapes the item while its
+features are real tensors, then pad value and content hash are set, then every feature is wrapped
+for transport, last. After the wrap, features are opaque handles; the GPU side opens them back
+into tensors before the model sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MultimodalItem:
+    modality: str  # "image" | "video" | "audio"
+    # Model inputs for this item, e.g. {"pixel_values": ..., "image_grid_thw": ...}. Real tensors
+    # until the transport wrap; afterwards each value is a ``engine.transport.WrappedFeature``.
+    features: dict[str, Any]
+    # Placeholder range [start, end) of this item in the prompt token ids.
+    offset: tuple[int, int]
+    content_hash: str = ""
+    pad_value: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_placeholders(self) -> int:
+        return self.offset[1] - self.offset[0]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The features as tensors; fails on wrapped ones (open them with the transport first)."""
+        out = {}
+        for name, value in self.features.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"feature {name!r} is wrapped for transport; open it first")
+            out[name] = value
+        return out

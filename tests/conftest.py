@@ -1,0 +1,55 @@
+"""Session-wide test infrastructure: an isolated Redis, tiny models, real Celery workers.
+
+Nothing here talks to a Redis the developer may already run: every session starts its own on a
+free loopback port. Torch runs one thread per process (two threads on two cores can make
+generation ten times slower).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import redis  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    from workers.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persistent=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory):
+    from engine.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "demo-qwen2-vl")

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+
+from web.app import create_app
+from workers.settings import Settings
+
+KEY_A = "key-a-secret"
+KEY_B = "key-b-secret"
+
+
+@pytest.fixture
+def make_app(redis_url, redis_client, demo_model_dir, tmp_path):
+    """Build the API with test settings (no workers: jobs stay queued)."""
+
+    def make(**overrides):
+        redis_client.flushdb()
+        settings = Settings(state_dir=tmp_path, model=str(demo_model_dir), api_keys=(KEY_A, KEY_B), **overrides)
+        app = create_app(settings, redis_url)
+        app.config["TESTING"] = True
+        return app
+
+    return make
+
+
+@pytest.fixture
+def client(make_app):
+    return make_app().test_client()
+
+
+def auth(key: str = KEY_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

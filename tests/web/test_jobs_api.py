@@ -1,0 +1,165 @@
+"""The job API against a real Redis, without workers (so jobs stay where the API left them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.web.conftest import KEY_B, auth
+
+PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0}}
+
+
+def submit(client, body=None, key=None):
+    return client.post("/v1/jobs", json=PROMPT if body is None else body, headers=auth(key) if key else auth())
+
+
+def test_submit_returns_202_with_job_and_link(client):
+    response = submit(client)
+    assert response.status_code == 202
+    job = response.get_json()
+    assert job["status"] == "queued" and job["kind"] == "generate"
+    assert response.headers["Location"] == f"/v1/jobs/{job['id']}" == job["links"]["self"]
+    assert len(job["id"]) > 20
+    polled = client.get(job["links"]["self"], headers=auth()).get_json()
+    assert polled["id"] == job["id"] and polled["status"] == "queued"
+
+
+def test_other_key_sees_404_exactly_like_unknown_id(client):
+    job = submit(client).get_json()
+    stranger = client.get(f"/v1/jobs/{job['id']}", headers=auth(KEY_B))
+    unknown = client.get("/v1/jobs/job_doesnotexist", headers=auth(KEY_B))
+    assert stranger.status_code == unknown.status_code == 404
+    assert stranger.get_json()["code"] == unknown.get_json()["code"] == "not_found"
+    assert client.delete(f"/v1/jobs/{job['id']}", headers=auth(KEY_B)).status_code == 404
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}])
+def test_missing_or_wrong_key_is_401(client, headers):
+    response = client.post("/v1/jobs", json=PROMPT, headers=headers)
+    assert response.status_code == 401
+    assert response.get_json()["code"] == "unauthorized"
+
+
+def test_unknown_fields_are_named_in_a_422(client):
+    response = submit(client, {**PROMPT, "tokens": [1], "sampling_params": {"max_tokens": 2, "beam": 3}})
+    assert response.status_code == 422
+    body = response.get_json()
+    assert body["code"] == "invalid_request"
+    assert "tokens" in body["errors"] and "beam" in body["errors"]["sampling_params"]
+
+
+def test_content_parts_and_features_together_is_422_naming_both(client):
+    body = {**PROMPT, "content_parts": [{"type": "image_url", "url": "https://example.com/a.png"}],
+            "features": [{"modality": "image", "tensors": {"x": {"dtype": "float32", "shape": [1], "data": "AAAAAA=="}}}]}
+    response = submit(client, body)
+    assert response.status_code == 422
+    message = str(response.get_json())
+    assert "content_parts" in message and "features" in message
+
+
+@pytest.mark.parametrize("body", [
+    {"token_ids": []},
+    {"token_ids": [-1]},
+    {"token_ids": [1.5]},
+    {"token_ids": ["1"]},
+    {"prompt": "hi", "token_ids": [1]},
+    {},
+    {"prompt": "hi", "sampling_params": {"temperature": -1}},
+    {"prompt": "hi", "sampling_params": {"max_tokens": 2.5e-42}},
+    {"prompt": "hi", "sampling_params": {"max_tokens": 2, "max_new_tokens": 2}},
+    {"prompt": "hi", "kind": "score"},
+    {"prompt": "hi", "completion_token_ids": [1]},
+    {"prompt": "hi", "metadata": {"x": "y" * 5000}},
+    {"prompt": "hi", "webhook": {"url": "ftp://example.com/hook"}},
+    {"prompt": "hi", "content_parts": [{"type": "pdf_url", "url": "https://example.com/a.pdf"}]},
+])
+def test_bad_requests_are_422_with_a_code(client, body):
+    response = submit(client, body)
+    assert response.status_code == 422, response.get_json()
+    assert response.get_json()["code"] in {"invalid_request"}
+
+
+def test_non_json_body_is_a_4xx(client):
+    response = client.post("/v1/jobs", data="not json", headers={**auth(), "Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500
+    assert "code" in response.get_json()
+
+
+def test_sglang_aliases_are_accepted(client):
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+            "image_data": "data:image/png;base64,AAAA"}
+    job_id = submit(client, body).get_json()["id"]
+    services = client.application.extensions["rollout"]
+    stored = services.jobs.get(job_id)["request"]
+    assert stored["token_ids"] == [5, 6]
+    assert stored["sampling_params"]["max_tokens"] == 3 and stored["sampling_params"]["logprobs"] is True
+    assert stored["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAAA"}]
+
+
+def test_default_max_tokens_comes_from_settings(make_app):
+    client = make_app(default_max_tokens=7).test_client()
+    job_id = submit(client, {"prompt": "hello"}).get_json()["id"]
+    stored = client.application.extensions["rollout"].jobs.get(job_id)["request"]
+    assert stored["sampling_params"]["max_tokens"] == 7
+
+
+def test_too_many_content_parts(make_app):
+    client = make_app(max_content_parts=1).test_client()
+    parts = [{"type": "image_url", "url": "https://example.com/a.png"}] * 2
+    response = submit(client, {"prompt": "x", "content_parts": parts})
+    assert response.status_code == 422 and response.get_json()["code"] == "too_many_content_parts"
+
+
+def test_context_length_is_checked_on_submit(make_app):
+    client = make_app(max_model_len=10).test_client()
+    response = submit(client, {"token_ids": [1] * 8, "sampling_params": {"max_tokens": 5}})
+    assert response.status_code == 422 and response.get_json()["code"] == "context_length_exceeded"
+
+
+def test_body_size_limit_is_413(make_app):
+    client = make_app(max_body_bytes=2048).test_client()
+    response = submit(client, {"prompt": "x" * 4096})
+    assert response.status_code == 413 and response.get_json()["code"] == "payload_too_large"
+
+
+def test_queue_cap_per_key_is_429_with_retry_after(make_app):
+    client = make_app(max_queued_per_key=2).test_client()
+    assert submit(client).status_code == 202 and submit(client).status_code == 202
+    response = submit(client)
+    assert response.status_code == 429 and response.get_json()["code"] == "queue_full"
+    assert int(response.headers["Retry-After"]) > 0
+    assert submit(client, key=KEY_B).status_code == 202  # another key is not affected
+
+
+def test_cancel_queued_job_is_immediate_and_idempotent(client):
+    job = submit(client).get_json()
+    first = client.delete(f"/v1/jobs/{job['id']}", headers=auth())
+    second = client.delete(f"/v1/jobs/{job['id']}", headers=auth())
+    assert first.status_code == second.status_code == 200
+    assert first.get_json()["status"] == second.get_json()["status"] == "cancelled"
+
+
+def test_list_own_jobs_newest_first_with_pagination(client):
+    ids = [submit(client).get_json()["id"] for _ in range(5)]
+    submit(client, key=KEY_B)
+    page = client.get("/v1/jobs?limit=3", headers=auth()).get_json()
+    assert [j["id"] for j in page["data"]] == ids[::-1][:3]
+    rest = client.get(f"/v1/jobs?limit=3&cursor={page['next_cursor']}", headers=auth()).get_json()
+    assert [j["id"] for j in rest["data"]] == ids[::-1][3:]
+    client.delete(f"/v1/jobs/{ids[0]}", headers=auth())
+    cancelled = client.get("/v1/jobs?status=cancelled", headers=auth()).get_json()
+    assert [j["id"] for j in cancelled["data"]] == [ids[0]]
+    assert client.get("/v1/jobs?bogus=1", headers=auth()).status_code == 422
+
+
+def test_unknown_route_and_method_use_the_error_shape(client):
+    missing = client.get("/v1/nothing", headers=auth())
+    assert missing.status_code == 404 and missing.get_json()["code"] == "not_found"
+    wrong = client.put("/v1/jobs", headers=auth())
+    assert wrong.status_code == 405 and wrong.get_json()["code"] == "method_not_allowed"
+
+
+def test_openapi_lists_statuses(client):
+    spec = client.get("/openapi.json").get_json()
+    post = spec["paths"]["/v1/jobs"]["post"]["responses"]
+    assert {"202", "401", "413", "422", "429", "503"} <= set(post)

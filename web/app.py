@@ -1,0 +1,55 @@
+"""The Flask app factory."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, g, request
+
+from engine.errors import PayloadTooLargeError
+from web import generate, health, jobs
+from web.errors import ServiceApi, register_error_handlers
+from web.services import Services
+from workers.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+# Endpoints anyone may call: probes and the API description.
+PUBLIC_ENDPOINTS = {"health.Health", "api-docs.openapi_json", "metrics.metrics", "static"}
+
+
+def create_app(settings: Settings | None = None, redis_url: str | None = None) -> Flask:
+    settings = settings or load_settings()
+    redis_url = redis_url or settings.redis_url
+    if not redis_url:
+        raise ValueError("the API needs ROLLOUT_REDIS_URL (rollout-queue up sets it for you)")
+    app = Flask("rollout_queue")
+    app.config.update(
+        API_TITLE="Rollout Queue",
+        API_VERSION="v1",
+        OPENAPI_VERSION="3.0.3",
+        OPENAPI_URL_PREFIX="/",
+        OPENAPI_JSON_PATH="openapi.json",
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        JSON_SORT_KEYS=False,
+    )
+    svc = Services.build(settings, redis_url)
+    app.extensions["rollout"] = svc
+    api = ServiceApi(app, spec_kwargs={
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    })
+    for blueprint in (jobs.blp, generate.blp, health.blp):
+        api.register_blueprint(blueprint)
+    register_error_handlers(app)
+
+    @app.before_request
+    def authenticate():
+        if request.content_length is not None and request.content_length > settings.max_body_bytes:
+            raise PayloadTooLargeError(f"request body exceeds {settings.max_body_bytes} bytes")
+        if request.endpoint not in PUBLIC_ENDPOINTS:
+            g.owner = svc.keys.authenticate()
+
+    if svc.keys.open:
+        log.warning("no ROLLOUT_API_KEYS set: the API is open to anyone who can reach it")
+    return app

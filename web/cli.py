@@ -1,0 +1,73 @@
+"""The ``rollout-queue`` command: ``up`` runs the whole stack; ``api`` and ``worker KIND`` run parts.
+
+Every failure a user can cause (a bad setting, an unreachable Redis, a missing model, a port in
+use) ends in one clear line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.errors import RolloutError
+
+KINDS = ("cpu", "gpu", "webhooks", "batches")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout-queue", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("up", help="start Redis (embedded unless ROLLOUT_REDIS_URL), the API and every worker")
+    commands.add_parser("api", help="serve the HTTP API (needs ROLLOUT_REDIS_URL)")
+    worker = commands.add_parser("worker", help="run one kind of Celery worker (needs ROLLOUT_REDIS_URL)")
+    worker.add_argument("kind", choices=KINDS)
+    try:
+        from web.cli_batch import add_batch_commands
+    except ImportError:  # only when the client package is not installed
+        add_batch_commands = None
+    if add_batch_commands:
+        add_batch_commands(commands)
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (RolloutError, OSError) as error:
+        print(f"rollout-queue: error: {getattr(error, 'message', None) or error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args) -> int:
+    if getattr(args, "handler", None):  # batch subcommands talk to a running service
+        return args.handler(args)
+    from workers.settings import load_settings
+
+    settings = load_settings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "up":
+        from web.stack import run_stack
+
+        return run_stack(settings)
+    redis_url = _require_redis(settings)
+    if args.command == "api":
+        from web.server import ApiServer
+
+        ApiServer(settings, redis_url).run()
+        return 0
+    from workers.worker_main import run_worker
+
+    run_worker(args.kind, settings, redis_url)
+    return 0
+
+
+def _require_redis(settings) -> str:
+    from workers.settings import SettingsError
+
+    if not settings.redis_url:
+        raise SettingsError("ROLLOUT_REDIS_URL is required here (or use 'rollout-queue up')")
+    return settings.redis_url
+
+
+if __name__ == "__main__":
+    sys.exit(main())

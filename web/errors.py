@@ -1,0 +1,88 @@
+"""The one error handler: every error leaves the API as ``{code, message, errors?}``.
+
+Typed errors (``engine.errors.RolloutError``) carry their own code and status. HTTP errors from
+routing and validation get a code from their status. Anything unexpected is logged with its
+traceback and answered with a generic 500 — its text never reaches the client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import marshmallow as ma
+import redis
+from flask import Flask, jsonify
+from flask_smorest import Api
+from werkzeug.exceptions import HTTPException
+
+from engine.errors import InternalError, RolloutError, ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "rate_limited",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+class ErrorSchema(ma.Schema):
+    code = ma.fields.String(required=True, metadata={"description": "Stable machine-readable error code"})
+    message = ma.fields.String(required=True)
+    errors = ma.fields.Raw(metadata={"description": "Field errors, keyed by field name"})
+
+
+class RedisUnavailableError(ServiceUnavailableError):
+    code = "redis_unavailable"
+
+
+class ServiceApi(Api):
+    """flask-smorest's Api with our error shape for the HTTP errors it raises itself."""
+
+    ERROR_SCHEMA = ErrorSchema
+
+    def handle_http_exception(self, error: HTTPException):
+        data = getattr(error, "data", None) or {}
+        body = {"code": _HTTP_CODES.get(error.code or 500, "http_error"), "message": data.get("message") or error.description}
+        errors = data.get("errors") or data.get("messages")
+        if errors:
+            # webargs nests body errors under the location ("json"); users see the field names.
+            body["errors"] = errors.get("json", errors) if isinstance(errors, dict) else errors
+            body["message"] = data.get("message") or _summarise(body["errors"])
+        return body, error.code, data.get("headers", {})
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(RolloutError)
+    def handle_rollout_error(error: RolloutError):
+        response = jsonify(error.to_dict())
+        response.status_code = error.http_status
+        response.headers.update(error.headers)
+        return response
+
+    @app.errorhandler(redis.RedisError)
+    def handle_redis_error(error: redis.RedisError):
+        log.warning("redis unavailable: %s", error.__class__.__name__)
+        return handle_rollout_error(
+            RedisUnavailableError("the job store is unavailable; retry shortly", headers={"Retry-After": "2"})
+        )
+
+    @app.errorhandler(Exception)
+    def handle_unexpected(error: Exception):
+        if isinstance(error, HTTPException):  # routed here only when smorest's handler is absent
+            return app.extensions["flask-smorest"]["apis"][""]["ext_obj"].handle_http_exception(error)
+        log.exception("unexpected error in a view")
+        return handle_rollout_error(InternalError("internal error"))
+
+
+def _summarise(errors) -> str:
+    if isinstance(errors, dict):
+        return "invalid fields: " + ", ".join(sorted(str(k) for k in errors))
+    return "invalid request"

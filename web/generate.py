@@ -1,0 +1,58 @@
+"""POST /generate: submit a job and wait for it, in the token-in-token-out shape."""
+
+from __future__ import annotations
+
+from flask.views import MethodView
+from flask_smorest import Blueprint
+
+from engine.errors import RolloutError
+from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
+from web.services import services
+from web.submit import submit
+from workers.job_view import public_job
+
+blp = Blueprint("generate", __name__, description="Synchronous generation (vLLM / SGLang style)")
+
+
+class JobFailedError(RolloutError):
+    """The job ended failed; the response carries the job's own error code and status."""
+
+
+@blp.route("/generate")
+class Generate(MethodView):
+    @blp.arguments(SyncGenerateRequestSchema)
+    @blp.response(200, SyncResultSchema)
+    @blp.alt_response(202, schema=JobSchema, description="Still running after `timeout` seconds: poll the job")
+    @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(413, schema=None, description="Body too large")
+    @blp.alt_response(422, schema=None, description="Invalid request, or the job failed on its input")
+    @blp.alt_response(429, schema=None, description="Too many unfinished jobs")
+    @blp.alt_response(500, schema=None, description="The job failed inside the service")
+    @blp.alt_response(503, schema=None, description="Job store unavailable")
+    def post(self, request):
+        """Generate (or score) synchronously; answers 202 with the job if it takes longer than `timeout`."""
+        timeout = request.pop("timeout")
+        svc = services()
+        job = submit(request)
+        finished = svc.jobs.wait(job["id"], timeout=min(timeout, svc.settings.sync_timeout_max))
+        if finished is None or finished["status"] not in ("succeeded", "cancelled"):
+            if finished is not None and finished["status"] == "failed":
+                raise _job_error(finished)
+            view = public_job(finished or job)
+            return view, 202, {"Location": view["links"]["self"]}
+        result = finished.get("result") or {}
+        return {
+            "request_id": finished.get("request_id") or None,
+            "job_id": finished["id"],
+            "prompt_token_ids": result.get("prompt_token_ids"),
+            "choices": result.get("choices"),
+            "usage": result.get("usage"),
+        }
+
+
+def _job_error(job: dict) -> RolloutError:
+    error = job.get("error") or {}
+    failed = JobFailedError(error.get("message", "job failed"))
+    failed.code = error.get("code", "internal_error")
+    failed.http_status = int(job.get("error_http_status") or 500)
+    return failed

@@ -1,0 +1,207 @@
+"""Request and response schemas (marshmallow). The OpenAPI document is generated from these.
+
+Requests are flat, in the spirit of vLLM's token-in-token-out ``/generate`` and SGLang's
+``/generate``. SGLang's names are accepted as aliases (see ``SGLANG_ALIASES``). Unknown fields are
+rejected by name (marshmallow's RAISE), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates, validates_schema
+
+JOB_KINDS = ("generate", "score")
+JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
+JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
+CONTENT_TYPES = ("image_url", "video_url", "audio_url")
+MAX_TOKEN_ID = 2**31 - 1
+METADATA_MAX_BYTES = 4096
+
+# SGLang name -> our name. `image_data` takes a URL or a list of URLs.
+SGLANG_ALIASES = {
+    "input_ids": "token_ids",
+    "text": "prompt",
+    "image_data": "content_parts",
+    "max_new_tokens": "sampling_params.max_tokens",
+    "return_logprob": "sampling_params.logprobs",
+    "rid": "request_id",
+}
+
+TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
+
+
+def _token_list(**kwargs) -> fields.List:
+    return fields.List(
+        fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID)),
+        validate=validate.Length(min=1, max=1_000_000),
+        **kwargs,
+    )
+
+
+class ContentPartSchema(Schema):
+    type = fields.String(required=True, validate=validate.OneOf(CONTENT_TYPES))
+    url = fields.String(required=True, validate=validate.Length(min=1, max=64 * 1024 * 1024))
+    uuid = fields.String(validate=validate.Length(min=1, max=256))
+
+
+class FeatureTensorSchema(Schema):
+    dtype = fields.String(required=True, validate=validate.OneOf(("float32", "float16", "bfloat16", "int64", "int32")))
+    shape = fields.List(fields.Integer(strict=True, validate=validate.Range(0, 2**31)), required=True,
+                        validate=validate.Length(min=0, max=8))
+    data = fields.String(required=True, metadata={"description": "base64 of the raw little-endian bytes"})
+
+
+class FeatureItemSchema(Schema):
+    modality = fields.String(required=True, validate=validate.OneOf(("image", "video", "audio")))
+    tensors = fields.Dict(keys=fields.String(validate=validate.Length(1, 64)),
+                          values=fields.Nested(FeatureTensorSchema), required=True,
+                          validate=validate.Length(min=1, max=16))
+
+
+class SamplingParamsSchema(Schema):
+    max_tokens = fields.Integer(strict=True, validate=validate.Range(1, 1_000_000),
+                                metadata={"description": "Alias: max_new_tokens. Default: ROLLOUT_DEFAULT_MAX_TOKENS"})
+    temperature = fields.Float(allow_nan=False, validate=validate.Range(0, 100), load_default=1.0,
+                               metadata={"description": "0 means greedy"})
+    top_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1, min_inclusive=False), load_default=1.0)
+    top_k = fields.Integer(strict=True, validate=validate.Range(-1, 1_000_000), load_default=-1,
+                           metadata={"description": "-1 or 0 turns it off"})
+    min_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1), load_default=0.0)
+    seed = fields.Integer(strict=True, validate=validate.Range(0, 2**63 - 1), allow_none=True, load_default=None)
+    n = fields.Integer(strict=True, validate=validate.Range(1, 64), load_default=1)
+    stop_token_ids = fields.List(TokenId, validate=validate.Length(max=256), load_default=list)
+    ignore_eos = fields.Boolean(load_default=False)
+    logprobs = fields.Boolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
+
+    @pre_load
+    def accept_aliases(self, data: Any, **_) -> Any:
+        if isinstance(data, dict) and "max_new_tokens" in data:
+            data = dict(data)
+            if "max_tokens" in data:
+                raise ValidationError("give max_tokens or max_new_tokens, not both", "max_new_tokens")
+            data["max_tokens"] = data.pop("max_new_tokens")
+        return data
+
+
+class WebhookSchema(Schema):
+    url = fields.Url(required=True, schemes={"http", "https"}, require_tld=False)
+    events = fields.List(fields.String(validate=validate.OneOf(JOB_EVENTS)), validate=validate.Length(min=1))
+
+
+class JobRequestSchema(Schema):
+    kind = fields.String(validate=validate.OneOf(JOB_KINDS), load_default="generate")
+    token_ids = _token_list()
+    prompt = fields.String(validate=validate.Length(min=1, max=4_000_000))
+    content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
+    features = fields.List(fields.Nested(FeatureItemSchema), validate=validate.Length(min=1, max=1024))
+    sampling_params = fields.Nested(SamplingParamsSchema, load_default=lambda: SamplingParamsSchema().load({}))
+    completion_token_ids = _token_list(metadata={"description": "kind=score: the tokens to score"})
+    request_id = fields.String(validate=validate.Length(min=1, max=256))
+    webhook = fields.Nested(WebhookSchema)
+    metadata = fields.Dict(keys=fields.String(), metadata={"description": f"At most {METADATA_MAX_BYTES} bytes as JSON"})
+
+    @pre_load
+    def accept_sglang_names(self, data: Any, **_) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for alias, target in SGLANG_ALIASES.items():
+            if alias not in data:
+                continue
+            value = data.pop(alias)
+            if "." in target:
+                outer, inner = target.split(".")
+                params = data.get(outer)
+                params = dict(params) if isinstance(params, dict) else {}
+                if inner in params:
+                    raise ValidationError(f"give {inner} or {alias}, not both", alias)
+                params[inner] = value
+                data[outer] = params
+                continue
+            if target in data:
+                raise ValidationError(f"give {target} or {alias}, not both", alias)
+            if alias == "image_data":
+                urls = value if isinstance(value, list) else [value]
+                value = [{"type": "image_url", "url": url} for url in urls]
+            data[target] = value
+        return data
+
+    @validates("metadata")
+    def metadata_small(self, value: dict, **_) -> None:
+        if len(json.dumps(value)) > METADATA_MAX_BYTES:
+            raise ValidationError(f"metadata must be at most {METADATA_MAX_BYTES} bytes as JSON")
+
+    @validates_schema
+    def consistent(self, data: dict, **_) -> None:
+        if ("token_ids" in data) == ("prompt" in data):
+            raise ValidationError("give exactly one of token_ids or prompt", "token_ids")
+        if data.get("content_parts") and data.get("features"):
+            raise ValidationError("content_parts and features are mutually exclusive: send one", "features")
+        if data["kind"] == "score" and "completion_token_ids" not in data:
+            raise ValidationError("required when kind is score", "completion_token_ids")
+        if data["kind"] == "generate" and "completion_token_ids" in data:
+            raise ValidationError("only for kind score", "completion_token_ids")
+
+
+class SyncGenerateRequestSchema(JobRequestSchema):
+    timeout = fields.Float(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
+                           metadata={"description": "Seconds to wait before answering 202 with the job link"})
+
+
+class ErrorInfoSchema(Schema):
+    code = fields.String()
+    message = fields.String()
+
+
+class ChoiceSchema(Schema):
+    index = fields.Integer()
+    token_ids = fields.List(fields.Integer())
+    logprobs = fields.List(fields.Float(), allow_none=True)
+    finish_reason = fields.String(metadata={"description": "stop | length | abort"})
+
+
+class ResultSchema(Schema):
+    prompt_token_ids = fields.List(fields.Integer())
+    placeholder_ranges = fields.List(fields.Dict())
+    choices = fields.List(fields.Nested(ChoiceSchema))
+    completion_logprobs = fields.List(fields.Float(), metadata={"description": "kind=score"})
+    usage = fields.Dict()
+    weight_version = fields.String()
+    timings = fields.Dict()
+    transport = fields.String()
+
+
+class JobSchema(Schema):
+    id = fields.String()
+    object = fields.Constant("job")
+    kind = fields.String()
+    status = fields.String(metadata={"description": " | ".join(JOB_STATUSES)})
+    created_at = fields.Float()
+    started_at = fields.Float(allow_none=True)
+    completed_at = fields.Float(allow_none=True)
+    request_id = fields.String(allow_none=True)
+    metadata = fields.Dict(allow_none=True)
+    result = fields.Nested(ResultSchema, allow_none=True)
+    error = fields.Nested(ErrorInfoSchema, allow_none=True)
+    links = fields.Dict()
+
+
+class JobListQuerySchema(Schema):
+    status = fields.String(validate=validate.OneOf(JOB_STATUSES))
+    limit = fields.Integer(strict=False, validate=validate.Range(1, 1000), load_default=50)
+    cursor = fields.String(validate=validate.Regexp(r"^[0-9]+(\.[0-9]+)?$"))
+
+
+class JobListSchema(Schema):
+    data = fields.List(fields.Nested(JobSchema))
+    next_cursor = fields.String(allow_none=True)
+
+
+class SyncResultSchema(Schema):
+    request_id = fields.String(allow_none=True)
+    prompt_token_ids = fields.List(fields.Integer())
+    choices = fields.List(fields.Nested(ChoiceSchema))
+    usage = fields.Dict()
+    job_id = fields.String()

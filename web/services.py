@@ -1,0 +1,40 @@
+"""What the views need, built once per app from settings and kept in ``app.extensions``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+from flask import current_app
+
+from web.auth import KeyRing
+from workers.celery_app import create_celery
+from workers.job_store import JobStore, Limits
+from workers.models import context_length, resolve_model_path
+from workers.redis_client import connect
+from workers.settings import Settings
+
+
+@dataclass
+class Services:
+    settings: Settings
+    redis: redis.Redis
+    jobs: JobStore
+    celery: Celery
+    keys: KeyRing
+    model_path: str
+    max_model_len: int | None
+
+    @classmethod
+    def build(cls, settings: Settings, redis_url: str) -> Services:
+        client = connect(redis_url)
+        limits = Limits(settings.max_queued_per_key, settings.max_queued_total, settings.result_ttl)
+        model_path = resolve_model_path(settings)
+        return cls(settings, client, JobStore(client, limits), create_celery(settings, redis_url),
+                   KeyRing(settings.api_keys), model_path,
+                   settings.max_model_len or context_length(model_path))
+
+
+def services() -> Services:
+    return current_app.extensions["rollout"]

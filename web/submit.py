@@ -1,0 +1,41 @@
+"""Checks a validated request against the service's limits, then submits it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import ContextLengthError, InvalidRequestError
+from web.auth import current_owner
+from web.services import services
+from workers.submission import submit_job
+
+
+class TooManyContentPartsError(InvalidRequestError):
+    code = "too_many_content_parts"
+
+
+def check_limits(request: dict[str, Any]) -> dict[str, Any]:
+    """Apply the configured limits and fill defaults; returns the request as it will be stored."""
+    svc = services()
+    settings = svc.settings
+    parts = request.get("content_parts") or []
+    if len(parts) > settings.max_content_parts:
+        raise TooManyContentPartsError(
+            f"{len(parts)} content parts; at most {settings.max_content_parts} are accepted"
+        )
+    params = request["sampling_params"]
+    params.setdefault("max_tokens", settings.default_max_tokens)
+    max_len = svc.max_model_len
+    prompt_len = len(request.get("token_ids") or [])
+    wanted = prompt_len + (len(request.get("completion_token_ids") or []) or params["max_tokens"])
+    if max_len and wanted > max_len:
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) plus completion ({wanted - prompt_len}) exceeds the model's "
+            f"context of {max_len} tokens"
+        )
+    return request
+
+
+def submit(request: dict[str, Any]) -> dict[str, Any]:
+    svc = services()
+    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=check_limits(request))

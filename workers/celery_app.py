@@ -1,0 +1,78 @@
+"""The Celery app factory.
+
+Queues: ``preprocess`` (CPU workers), ``generate.<node_id>`` (the GPU workers of one node; items
+that carry feature handles must stay on the node that made them), ``generate.shared`` (inline
+work any GPU worker may take), ``webhooks`` and ``batches``.
+
+Reliability settings, and why:
+- JSON only: tasks carry ids and small JSON, never pickled objects.
+- ``task_acks_late`` + ``task_reject_on_worker_lost``: a worker killed mid-task leaves its message
+  unacknowledged, so Redis redelivers it. Every task is idempotent (the job store refuses to move a
+  job backwards and a terminal job is left alone), which makes a redelivery harmless.
+- ``visibility_timeout`` > ``task_time_limit``: Redis redelivers any message not acknowledged within
+  the visibility timeout. If it were shorter than the longest a task may run, a slow job would be
+  handed to a second worker while the first still runs it.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from workers.settings import Settings
+
+PREPROCESS_QUEUE = "preprocess"
+SHARED_GENERATE_QUEUE = "generate.shared"
+WEBHOOKS_QUEUE = "webhooks"
+BATCHES_QUEUE = "batches"
+
+TASK_MODULES = [
+    "workers.tasks.cpu",
+    "workers.tasks.gpu",
+    "workers.tasks.webhooks",
+    "workers.tasks.batches",
+]
+
+
+def create_celery(settings: Settings, redis_url: str) -> Celery:
+    app = Celery("rollout_queue", broker=redis_url, backend=redis_url, include=TASK_MODULES)
+    transport_options = {
+        "visibility_timeout": settings.visibility_timeout,
+        # Publish again after Redis comes back instead of failing the API request outright.
+        "max_retries": 3,
+        "interval_start": 0,
+        "interval_step": 0.2,
+        "interval_max": 1,
+    }
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_soft_time_limit=settings.task_soft_time_limit,
+        task_time_limit=settings.task_time_limit,
+        broker_transport_options=transport_options,
+        result_backend_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        # The job record in Redis is the result; Celery's own result store is not used.
+        task_ignore_result=True,
+        result_expires=settings.result_ttl,
+        task_default_queue=PREPROCESS_QUEUE,
+        task_queues=[
+            Queue(PREPROCESS_QUEUE),
+            Queue(settings.generate_queue),
+            Queue(SHARED_GENERATE_QUEUE),
+            Queue(WEBHOOKS_QUEUE),
+            Queue(BATCHES_QUEUE),
+        ],
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        broker_pool_limit=10,
+    )
+    app.rollout_settings = settings
+    app.rollout_redis_url = redis_url
+    return app

@@ -1,0 +1,236 @@
+"""Job records in Redis.
+
+A job is a hash ``rq:job:<id>``. Its status only moves forward
+(queued → preprocessing → generating → succeeded | failed | cancelled); the move is one Lua
+script, so two workers racing on a redelivered message cannot move a job backwards or end it
+twice. Only the call that actually ends a job gets ``True`` back, and only that call may fire the
+job's webhook.
+
+Per-owner indexes: ``rq:jobs:<owner>`` (sorted by creation, for listing) and an active-job counter
+per owner and in total (for backpressure), kept exact by the same scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from engine.errors import NotFoundError, RateLimitedError, RolloutError
+
+STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+_RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
+_JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
+TOTAL_ACTIVE_KEY = "rq:active:_total"
+
+# KEYS: job, owner active counter, total active counter, done list. ARGV: new status, its rank, now, ttl,
+# then field/value pairs to set with the move. Returns 1 when the job moved.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return -1 end
+local ranks = {queued=0, preprocessing=1, generating=2, succeeded=3, failed=3, cancelled=3}
+local from = ranks[current]
+local to = tonumber(ARGV[2])
+if from >= 3 or to <= from then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if to == 1 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if to == 3 then
+  redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
+  redis.call('DECR', KEYS[2])
+  redis.call('DECR', KEYS[3])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  -- Wakes a synchronous waiter (POST /generate) without polling.
+  redis.call('RPUSH', KEYS[4], ARGV[1])
+  redis.call('EXPIRE', KEYS[4], 300)
+end
+return 1
+"""
+
+# KEYS: job, owner index, owner active counter, total active counter.
+# ARGV: per-owner cap, total cap, created_at, then the job's field/value pairs.
+_CREATE = """
+if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
+if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('INCR', KEYS[3])
+redis.call('INCR', KEYS[4])
+return 1
+"""
+
+
+class QueueFullError(RateLimitedError):
+    code = "queue_full"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_active_per_owner: int
+    max_active_total: int
+    result_ttl: int
+
+
+def new_id(prefix: str) -> str:
+    # 128 random bits: ids are unguessable, and a guess is answered like a stranger's job (404).
+    return f"{prefix}_{secrets.token_urlsafe(16)}"
+
+
+class JobStore:
+    def __init__(self, client: redis.Redis, limits: Limits):
+        self.redis = client
+        self.limits = limits
+        self._create = client.register_script(_CREATE)
+        self._transition = client.register_script(_TRANSITION)
+
+    @staticmethod
+    def key(job_id: str) -> str:
+        return f"rq:job:{job_id}"
+
+    @staticmethod
+    def prompt_key(job_id: str) -> str:
+        """Where the CPU worker leaves the finalized prompt for the GPU worker."""
+        return f"rq:job:{job_id}:prompt"
+
+    @staticmethod
+    def cancel_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:cancel"
+
+    @staticmethod
+    def done_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:done"
+
+    def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
+               webhook: dict | None = None, metadata: dict | None = None,
+               extra: dict[str, str] | None = None) -> dict[str, Any]:
+        now = time.time()
+        job_id = new_id("job")
+        fields: dict[str, Any] = {
+            "id": job_id, "owner": owner, "kind": kind, "status": "queued", "created_at": now,
+            "request_id": request_id or "", "request": request, "webhook": webhook,
+            "metadata": metadata, **(extra or {}),
+        }
+        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now]
+        for name, value in fields.items():
+            args += [name, _encode(name, value)]
+        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY]
+        outcome = self._create(keys=keys, args=args)
+        if outcome == -1:
+            raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
+        if outcome == -2:
+            raise QueueFullError("the service has too many unfinished jobs", headers={"Retry-After": "5"})
+        return self._decode(self.redis.hgetall(self.key(job_id)))
+
+    def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
+        """The job, or NotFoundError — also when it belongs to another owner."""
+        raw = self.redis.hgetall(self.key(job_id)) if _plausible_id(job_id) else {}
+        if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
+            raise NotFoundError(f"no job {job_id!r}")
+        return self._decode(raw)
+
+    def get_many(self, job_ids: list[str]) -> list[dict[str, Any] | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.key(job_id))
+        return [self._decode(raw) if raw else None for raw in pipe.execute()]
+
+    def advance(self, job_id: str, status: str, **fields: Any) -> bool:
+        """Move the job forward to ``status``; False if it is already there, past it, or ended."""
+        job = self.redis.hmget(self.key(job_id), "owner")
+        owner = (job[0] or b"").decode()
+        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl]
+        for name, value in fields.items():
+            args += [name, _encode(name, value)]
+        keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id)]
+        moved = self._transition(keys=keys, args=args) == 1
+        if moved and status in TERMINAL:
+            self.redis.delete(self.prompt_key(job_id), self.cancel_key(job_id))
+        return moved
+
+    def succeed(self, job_id: str, result: dict[str, Any], **fields: Any) -> bool:
+        return self.advance(job_id, "succeeded", result=result, **fields)
+
+    def fail(self, job_id: str, error: RolloutError) -> bool:
+        return self.advance(job_id, "failed", error={"code": error.code, "message": error.message},
+                            error_http_status=error.http_status)
+
+    def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
+        """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""
+        job = self.get(job_id)
+        if job["status"] in TERMINAL or timeout <= 0:
+            return job if job["status"] in TERMINAL else None
+        deadline = time.monotonic() + timeout
+        # Short waits keep each call well inside the client's socket timeout.
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0)) is not None:
+                return self.get(job_id)
+        return None
+
+    def cancel(self, job_id: str, *, owner: str) -> dict[str, Any]:
+        """Cancel: a job not yet generating ends now; a generating one is asked to abort."""
+        job = self.get(job_id, owner=owner)
+        if job["status"] in TERMINAL:
+            return job
+        if job["status"] == "generating":
+            self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
+        elif not self.advance(job_id, "cancelled"):
+            # It moved on meanwhile: if it is generating now, ask it to abort.
+            self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
+        return self.get(job_id, owner=owner)
+
+    def cancel_requested(self, job_ids: list[str]) -> set[str]:
+        flags = self.redis.mget([self.cancel_key(job_id) for job_id in job_ids]) if job_ids else []
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+
+    def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
+        """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
+        index = f"rq:jobs:{owner}"
+        upper = f"({cursor}" if cursor else "+inf"
+        jobs: list[dict] = []
+        while len(jobs) < limit:
+            ids = self.redis.zrevrangebyscore(index, upper, "-inf", start=0, num=max(limit * 2, 50), withscores=True)
+            if not ids:
+                return jobs, None
+            records = self.get_many([job_id.decode() for job_id, _ in ids])
+            for (job_id, score), job in zip(ids, records, strict=True):
+                upper = f"({score!r}"
+                if job is None:  # expired: drop it from the index as we pass
+                    self.redis.zrem(index, job_id)
+                    continue
+                if status is None or job["status"] == status:
+                    jobs.append(job)
+                    if len(jobs) == limit:
+                        return jobs, repr(score)
+        return jobs, None
+
+    def active_counts(self) -> int:
+        return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
+
+    @staticmethod
+    def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
+        job: dict[str, Any] = {}
+        for key, value in raw.items():
+            name = key.decode()
+            text = value.decode()
+            if name in _JSON_FIELDS:
+                job[name] = json.loads(text) if text else None
+            elif name.endswith("_at"):
+                job[name] = float(text) if text else None
+            else:
+                job[name] = text
+        return job
+
+
+def _encode(name: str, value: Any) -> str:
+    if name in _JSON_FIELDS:
+        return json.dumps(value, separators=(",", ":"))
+    return "" if value is None else str(value)
+
+
+def _plausible_id(job_id: str) -> bool:
+    return 0 < len(job_id) <= 64 and all(c.isalnum() or c in "-_" for c in job_id)

@@ -1,0 +1,50 @@
+"""Ending a job: the one place that moves a job to a terminal state and fires what follows.
+
+Only the call that actually moves the job (the job store's compare-and-set) fires the follow-ups,
+so a task that runs twice (a redelivered message) sends one webhook and counts one batch line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.errors import InternalError, RolloutError
+from workers.celery_app import WEBHOOKS_QUEUE
+
+log = logging.getLogger(__name__)
+
+JOB_ENDED_WEBHOOK_TASK = "rollout.webhooks.job_ended"
+
+
+def end_job(rt, job_id: str, status: str, **fields: Any) -> bool:
+    moved = rt.jobs.advance(job_id, status, **fields)
+    if moved:
+        _after_end(rt, job_id)
+    return moved
+
+
+def fail_job(rt, job_id: str, error: RolloutError) -> bool:
+    moved = rt.jobs.fail(job_id, error)
+    if moved:
+        log.info("job %s failed: %s", job_id, error.code)
+        _after_end(rt, job_id)
+    return moved
+
+
+def fail_unexpected(rt, job_id: str, stage: str) -> bool:
+    """Fail a job on an unexpected exception (logged with its traceback, never shown to users)."""
+    log.exception("job %s: unexpected error while %s", job_id, stage)
+    return fail_job(rt, job_id, InternalError(f"internal error while {stage}"))
+
+
+def _after_end(rt, job_id: str) -> None:
+    from workers.batch_progress import record_job_end
+    from workers.metrics import record_job_end as count_job_end
+
+    job = rt.jobs.get(job_id)
+    count_job_end(rt.redis, job)
+    if job.get("batch_id"):
+        record_job_end(rt, job)
+    if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
+        rt.celery.send_task(JOB_ENDED_WEBHOOK_TASK, args=[job_id], queue=WEBHOOKS_QUEUE)

@@ -1,0 +1,20 @@
+"""Redis clients with the timeouts and retries the service wants."""
+
+from __future__ import annotations
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+
+def connect(url: str) -> redis.Redis:
+    # Short timeouts: the API answers 503 quickly while Redis is down instead of hanging, and the
+    # client reconnects by itself once Redis is back.
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=2,
+        socket_timeout=10,
+        health_check_interval=15,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )

@@ -1,0 +1,137 @@
+"""Per-process worker state, built once from settings on first use.
+
+A Celery task is like a web view: it loads state by id, calls the real logic in ``processors/`` or
+``engine/`` and stores a small result. What those calls need (the Redis client, the job store,
+the guarded fetcher, the model's processor, the multimodal cache, the feature transport, the
+model) lives here, one instance per worker process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from functools import cached_property
+
+import redis
+import torch
+
+from processors.fetch import FetchPolicy, GuardedFetcher
+from workers.job_store import JobStore, Limits
+from workers.models import model_id, resolve_model_path
+from workers.redis_client import connect
+from workers.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def fetch_policy(settings: Settings) -> FetchPolicy:
+    return FetchPolicy(
+        allowed_domains=settings.allowed_media_domains,
+        allow_networks=settings.outbound_allow_networks,
+        allowed_ports=settings.outbound_allowed_ports,
+        media_root=settings.media_root,
+        max_bytes=settings.media_max_bytes,
+        connect_timeout=settings.fetch_connect_timeout,
+        total_timeout=settings.fetch_timeout,
+        retries=settings.fetch_retries,
+    )
+
+
+class WorkerRuntime:
+    def __init__(self, settings: Settings, redis_url: str, celery):
+        self.settings = settings
+        self.redis_url = redis_url
+        self.celery = celery
+        self._model_ready = threading.Event()
+        self._model_error: BaseException | None = None
+        torch.set_num_threads(settings.torch_threads)
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        return connect(self.redis_url)
+
+    @cached_property
+    def jobs(self) -> JobStore:
+        s = self.settings
+        return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl))
+
+    @cached_property
+    def fetcher(self) -> GuardedFetcher:
+        return GuardedFetcher(fetch_policy(self.settings))
+
+    @cached_property
+    def model_path(self) -> str:
+        return resolve_model_path(self.settings)
+
+    @cached_property
+    def model_id(self) -> str:
+        return model_id(self.settings)
+
+    @cached_property
+    def processor(self):
+        from processors.registry import load_processor
+
+        return load_processor(self.model_path)
+
+    @cached_property
+    def mm_cache(self):
+        from processors.cache import MultimodalCache
+
+        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes, model_id=self.model_id)
+
+    @cached_property
+    def transport(self):
+        from engine.transport import create_producer_transport
+
+        return create_producer_transport(
+            self.settings.transport, redis=self.redis, node_id=self.settings.node_id,
+            capacity_bytes=self.settings.shm_pool_bytes, ack_timeout=self.settings.handle_ack_timeout,
+        )
+
+    # The model loads in a background thread at worker start, so Celery's start-up is not blocked;
+    # the first batch waits for it.
+    def start_loading_model(self) -> None:
+        threading.Thread(target=self._load_model, name="model-loader", daemon=True).start()
+
+    def _load_model(self) -> None:
+        try:
+            _ = self.engine
+        except BaseException as exc:  # reported by /healthz and re-raised to the first batch
+            log.exception("model failed to load")
+            self._model_error = exc
+        finally:
+            self._model_ready.set()
+
+    @cached_property
+    def engine(self):
+        from engine.generation import Engine
+        from engine.loading import load_model
+
+        s = self.settings
+        loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
+        log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
+        return Engine(loaded)
+
+    @property
+    def model_ready(self) -> bool:
+        return self._model_ready.is_set() and self._model_error is None
+
+    def wait_for_model(self):
+        self._model_ready.wait()
+        if self._model_error is not None:
+            raise self._model_error
+        return self.engine
+
+
+_runtime: WorkerRuntime | None = None
+_pid: int | None = None
+
+
+def runtime(app) -> WorkerRuntime:
+    """This process's runtime (a forked pool child builds its own: sockets do not survive a fork)."""
+    global _runtime, _pid
+    if _runtime is None or _pid != os.getpid():
+        _runtime = WorkerRuntime(app.rollout_settings, app.rollout_redis_url, app)
+        _pid = os.getpid()
+    return _runtime

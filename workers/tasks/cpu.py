@@ -1,0 +1,64 @@
+"""The CPU task: fetch media through the guard, run the model's processor, hand over to the GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+
+from engine.errors import JobTimeoutError, NotFoundError, RolloutError
+from workers.celery_app import SHARED_GENERATE_QUEUE
+from workers.job_store import TERMINAL
+from workers.lifecycle import fail_job, fail_unexpected
+from workers.metrics import observe_stage
+from workers.prompt_codec import encode_prompt
+from workers.runtime import runtime
+
+log = logging.getLogger(__name__)
+
+GENERATE_TASK = "rollout.generate"
+
+
+@shared_task(name="rollout.preprocess", bind=True)
+def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
+    rt = runtime(self.app)
+    try:
+        job = rt.jobs.get(job_id)
+    except NotFoundError:
+        return  # expired or never existed: nothing to do
+    # A redelivered message for a job that moved on is a no-op; a job whose feature handles could
+    # not be opened comes back here (retry_handles) to be preprocessed again on this node.
+    if job["status"] in TERMINAL or (job["status"] == "generating" and not retry_handles):
+        return
+    rt.jobs.advance(job_id, "preprocessing")
+    started = time.perf_counter()
+    try:
+        processed = run_processor(rt, job["request"])
+    except SoftTimeLimitExceeded:
+        fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"))
+        return
+    except RolloutError as error:
+        fail_job(rt, job_id, error)
+        return
+    except Exception:
+        fail_unexpected(rt, job_id, "preprocessing")
+        return
+    elapsed = time.perf_counter() - started
+    observe_stage(rt.redis, "preprocess", elapsed)
+    payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
+    rt.redis.set(rt.jobs.prompt_key(job_id), json.dumps(payload), ex=rt.settings.result_ttl)
+    # Handles name memory on this node: only this node's GPU workers may open them.
+    queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
+    self.app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+
+
+def run_processor(rt, request: dict):
+    from processors.pipeline import preprocess as preprocess_request
+
+    return preprocess_request(
+        request, processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
+        limits=rt.processing_limits,
+    )

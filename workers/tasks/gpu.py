@@ -1,0 +1,171 @@
+"""The GPU task: open the finalized items, generate or score in batches, store results.
+
+Batching: celery-batches hands this task every ``rollout.generate`` message that arrived within
+``ROLLOUT_GPU_BATCH_WAIT_MS`` (or up to ``ROLLOUT_GPU_BATCH_SIZE`` of them), and the engine runs them
+as one batch. We use celery-batches rather than a scheduler of our own because the messages are
+already in Celery; transformers' continuous batching cannot serve this path (it drops
+``pixel_values``, DESIGN §8). The worker's prefetch is raised to the batch size: celery-batches can
+only batch messages the worker has reserved, so prefetch 1 would mean batches of one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+from celery_batches import Batches
+
+from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
+from workers.job_store import TERMINAL
+from workers.lifecycle import end_job, fail_job, fail_unexpected
+from workers.metrics import observe_stage
+from workers.prompt_codec import open_prompt
+from workers.runtime import runtime
+from workers.submission import enqueue_preprocess
+
+log = logging.getLogger(__name__)
+
+ABORT_POLL_SECONDS = 0.05
+
+
+@shared_task(name="rollout.generate", base=Batches, bind=True, flush_every=16, flush_interval=0.005)
+def generate(self, requests) -> None:
+    rt = runtime(self.app)
+    job_ids = list(dict.fromkeys(request.args[0] for request in requests))
+    try:
+        engine = rt.wait_for_model()
+    except Exception:
+        for job_id in job_ids:
+            fail_unexpected(rt, job_id, "loading the model")
+        return
+    try:
+        run_batch(rt, engine, job_ids)
+    except Exception:
+        # celery-batches only logs an exception from the batch body and leaves every job waiting;
+        # end each job that is still open instead.
+        for job_id in job_ids:
+            fail_unexpected(rt, job_id, "generating")
+
+
+def run_batch(rt, engine, job_ids: list[str]) -> None:
+    jobs = rt.jobs.get_many(job_ids)
+    prompts = rt.redis.mget([rt.jobs.prompt_key(job_id) for job_id in job_ids])
+    ready = []
+    for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
+        if job is None or job["status"] in TERMINAL:
+            continue
+        if raw is None:
+            enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            continue
+        rt.jobs.advance(job_id, "generating")
+        try:
+            prompt = open_prompt(json.loads(raw), rt.consumer_transport, device=engine.device)
+        except HandleUnavailableError:
+            # The producer died or its pool reclaimed the memory: preprocess again (cheap with the
+            # multimodal cache) rather than fail the job.
+            log.info("job %s: feature handles unavailable; preprocessing again", job_id)
+            enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            continue
+        ready.append((job, prompt))
+    for kind in ("generate", "score"):
+        group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
+        if group:
+            _run_group(rt, engine, kind, group)
+
+
+def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]]) -> None:
+    started = time.perf_counter()
+    try:
+        outputs = _run_engine(rt, engine, kind, group)
+    except SoftTimeLimitExceeded:
+        for job, _ in group:
+            fail_job(rt, job["id"], JobTimeoutError("generation exceeded its time limit"))
+        return
+    except RolloutError:
+        if len(group) == 1:
+            raise
+        # One bad request must not fail its batch mates: run each alone to find it.
+        for member in group:
+            _run_one(rt, engine, kind, member)
+        return
+    elapsed = time.perf_counter() - started
+    observe_stage(rt.redis, kind, elapsed)
+    for (job, prompt), output in zip(group, outputs, strict=True):
+        _store_result(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
+
+
+def _run_one(rt, engine, kind: str, member) -> None:
+    try:
+        _run_group(rt, engine, kind, [member])
+    except RolloutError as error:
+        fail_job(rt, member[0]["id"], error)
+
+
+def _run_engine(rt, engine, kind: str, group):
+    from engine.generation import GenerationRequest
+    from engine.scoring import ScoreRequest
+
+    if kind == "score":
+        return engine.score([
+            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=job["request"]["completion_token_ids"],
+                         mm_kwargs=prompt.mm_kwargs)
+            for job, prompt in group
+        ])
+    requests = [
+        GenerationRequest(prompt_token_ids=prompt.token_ids, mm_kwargs=prompt.mm_kwargs,
+                          sampling=sampling_params(job["request"]["sampling_params"]))
+        for job, prompt in group
+    ]
+    job_ids = [job["id"] for job, _ in group]
+    last_poll = [0.0]
+    aborted: set[int] = set()
+
+    def should_abort() -> set[int]:
+        # One MGET at most every ABORT_POLL_SECONDS, not one Redis round trip per decode step.
+        now = time.monotonic()
+        if now - last_poll[0] >= ABORT_POLL_SECONDS:
+            last_poll[0] = now
+            cancelled = rt.jobs.cancel_requested(job_ids)
+            aborted.update(i for i, job_id in enumerate(job_ids) if job_id in cancelled)
+        return aborted
+
+    return engine.generate(requests, should_abort=should_abort)
+
+
+def sampling_params(params: dict[str, Any]):
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params["top_p"],
+        top_k=max(params["top_k"], 0), min_p=params["min_p"], n=params["n"], seed=params.get("seed"),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=params["ignore_eos"],
+        logprobs=params["logprobs"],
+    )
+
+
+def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int) -> None:
+    timings = dict(prompt.timings)
+    timings.update({
+        "queue_wait": max(0.0, time.time() - (job.get("started_at") or job["created_at"]) - elapsed),
+        job["kind"]: elapsed,
+        "batch_size": batch_size,
+    })
+    result: dict[str, Any] = {
+        "prompt_token_ids": prompt.token_ids,
+        "placeholder_ranges": prompt.placeholder_ranges,
+        "weight_version": engine.weight_version,
+        "timings": timings,
+        "transport": prompt.transport,
+    }
+    status = "succeeded"
+    if job["kind"] == "score":
+        result.update(completion_logprobs=output.logprobs, usage=output.usage)
+    else:
+        result.update(choices=output.choices, usage=output.usage)
+        if any(choice["finish_reason"] == "abort" for choice in output.choices):
+            status = "cancelled"
+    end_job(rt, job["id"], status, result=result)

@@ -1,0 +1,68 @@
+"""Starting a Celery worker of one kind: which queues it consumes, with which pool, and why."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from celery import signals
+
+from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE, create_celery
+from workers.heartbeats import start_heartbeat
+from workers.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    queues: tuple[str, ...]
+    pool: str
+    concurrency: int
+    prefetch: int
+
+
+def worker_kind(kind: str, settings: Settings) -> WorkerKind:
+    if kind == "cpu":
+        # Preprocessing is CPU-bound: one process per core (prefork), or solo for one.
+        pool = "solo" if settings.cpu_concurrency == 1 else "prefork"
+        return WorkerKind((PREPROCESS_QUEUE,), pool, settings.cpu_concurrency, 1)
+    if kind == "gpu":
+        # One process owns the model. celery-batches batches only the messages a worker has
+        # reserved, so the prefetch is the batch size rather than 1.
+        queues = (settings.generate_queue, SHARED_GENERATE_QUEUE)
+        return WorkerKind(queues, "solo", 1, settings.gpu_batch_size)
+    if kind == "webhooks":
+        # Deliveries wait on the network, not the CPU: threads.
+        return WorkerKind((WEBHOOKS_QUEUE,), "threads", 8, 1)
+    if kind == "batches":
+        return WorkerKind((BATCHES_QUEUE,), "solo", 1, 1)
+    raise ValueError(f"unknown worker kind {kind!r}")
+
+
+def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
+    app = create_celery(settings, redis_url)
+    spec = worker_kind(kind, settings)
+    app.conf.worker_prefetch_multiplier = spec.prefetch
+    app.loader.import_default_modules()
+    if kind == "gpu":
+        generate = app.tasks["rollout.generate"]
+        generate.flush_every = settings.gpu_batch_size
+        generate.flush_interval = settings.gpu_batch_wait_ms / 1000
+
+    @signals.worker_ready.connect(weak=False)
+    def on_ready(**_):
+        from workers.runtime import runtime
+
+        rt = runtime(app)
+        if kind == "gpu":
+            rt.start_loading_model()
+        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
+                        lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
+
+    app.worker_main([
+        "worker", "--queues", ",".join(spec.queues), "--pool", spec.pool, "--concurrency", str(spec.concurrency),
+        "--hostname", f"{kind}-{os.getpid()}@{settings.node_id}", "--loglevel", settings.log_level,
+        "--without-gossip", "--without-mingle",
+    ])
