@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2
 MARKER = "rollout_demo_build.json"
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral")
 
@@ -268,7 +268,8 @@ _LLAVA_CHAT_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<image>\n"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}</s>{% endif %}\n{% endfor %}"
+    # {{ '\n' }}: a literal newline right after a block tag is eaten by HF's trim_blocks.
+    "{% if message['role'] == 'assistant' %}</s>{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 

@@ -9,7 +9,8 @@ that is the lowest layer: every other layer may import it.
     ├── InvalidRequestError (422)
     │   ├── PlaceholderMismatchError
     │   ├── ContextLengthError
-    │   └── ModelLoadError
+    │   ├── ModelLoadError
+    │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
     ├── UnauthorizedError (401)
     ├── PayloadTooLargeError (413)
@@ -21,6 +22,7 @@ that is the lowest layer: every other layer may import it.
     │   ├── HandleUnavailableError
     │   └── WrappedFeatureAccessError
     └── InternalError (500, message never shows the cause)
+        └── UnsupportedModelError, ItemLayoutError  (processors.errors)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import logging
 from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
-from web import generate, health, jobs
+from web import deliveries, generate, health, jobs, metrics
 from web.errors import ServiceApi, register_error_handlers
 from web.services import Services
 from workers.settings import Settings, load_settings
@@ -39,8 +39,9 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, generate.blp, health.blp):
+    for blueprint in (jobs.blp, deliveries.blp, generate.blp, health.blp):
         api.register_blueprint(blueprint)
+    app.register_blueprint(metrics.blp)
     register_error_handlers(app)
 
     @app.before_request

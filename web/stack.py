@@ -35,8 +35,6 @@ def run_stack(settings: Settings) -> int:
     _check_port_free(settings.host, settings.port)
     print(f"preparing model {settings.model or '(built-in demo model)'} ...", flush=True)
     model_path = resolve_model_path(settings)
-    if settings.model and not Path(settings.model).exists() and "/" not in settings.model:
-        raise SettingsError(f"ROLLOUT_MODEL: {settings.model!r} is not a directory or a hub id")
     embedded = None
     redis_url = settings.redis_url
     if redis_url:
@@ -59,7 +57,10 @@ def run_stack(settings: Settings) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         for command in CHILDREN:
-            children.append(subprocess.Popen([sys.executable, "-m", "web.cli", *command], env=env))
+            # A session of their own: Ctrl-C reaches only `up`, which then stops the children in
+            # order (workers first, Redis last) instead of everything dying at once.
+            children.append(subprocess.Popen([sys.executable, "-m", "web.cli", *command], env=env,
+                                             start_new_session=True))
         url = f"http://{settings.host}:{settings.port}"
         if _wait_healthy(url, children, lambda: stopping):
             print(f"\nRollout Queue is up at {url}\n"

@@ -17,7 +17,7 @@ Reliability settings, and why:
 from __future__ import annotations
 
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue
 
 from workers.settings import Settings
 
@@ -60,13 +60,10 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
         task_ignore_result=True,
         result_expires=settings.result_ttl,
         task_default_queue=PREPROCESS_QUEUE,
-        task_queues=[
-            Queue(PREPROCESS_QUEUE),
-            Queue(settings.generate_queue),
-            Queue(SHARED_GENERATE_QUEUE),
-            Queue(WEBHOOKS_QUEUE),
-            Queue(BATCHES_QUEUE),
-        ],
+        # Each queue has its own exchange and routing key: with one shared default exchange,
+        # a message for one queue would be copied into every queue bound to the same key.
+        task_queues=[_queue(name) for name in (PREPROCESS_QUEUE, settings.generate_queue, SHARED_GENERATE_QUEUE,
+                                               WEBHOOKS_QUEUE, BATCHES_QUEUE)],
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
         worker_send_task_events=True,
@@ -76,3 +73,7 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
     app.rollout_settings = settings
     app.rollout_redis_url = redis_url
     return app
+
+
+def _queue(name: str) -> Queue:
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.demo_model import build_demo_model
+from engine.errors import ModelLoadError
 from workers.settings import Settings
 
 DEMO_MODEL_NAME = "demo-qwen2-vl"
@@ -13,6 +14,9 @@ DEMO_MODEL_NAME = "demo-qwen2-vl"
 def resolve_model_path(settings: Settings) -> str:
     """A local directory or hub id; with none configured, the demo model (built once, offline)."""
     if settings.model:
+        local = Path(settings.model).expanduser()
+        if not local.is_dir() and (local.is_absolute() or settings.model.startswith(".") or local.exists()):
+            raise ModelLoadError(f"ROLLOUT_MODEL={settings.model!r} is not a model directory")
         return settings.model
     return str(build_demo_model(Path(settings.state_dir) / "models" / DEMO_MODEL_NAME))
 

@@ -72,22 +72,32 @@ class WorkerRuntime:
     def processor(self):
         from processors.registry import load_processor
 
-        return load_processor(self.model_path)
+        return load_processor(self.model_path, model_id=self.model_id)
 
     @cached_property
     def mm_cache(self):
         from processors.cache import MultimodalCache
 
-        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes, model_id=self.model_id)
+        if self.settings.mm_cache_bytes == 0:
+            return None
+        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes)
+
+    @cached_property
+    def processing_limits(self):
+        from processors.pipeline import PreprocessLimits
+
+        s = self.settings
+        return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
+                                max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens)
 
     @cached_property
     def transport(self):
-        from engine.transport import create_producer_transport
+        """The producer side of feature transport (CPU workers): CUDA IPC with a GPU, else shm."""
+        from engine.transport import choose_transport, make_transport
 
-        return create_producer_transport(
-            self.settings.transport, redis=self.redis, node_id=self.settings.node_id,
-            capacity_bytes=self.settings.shm_pool_bytes, ack_timeout=self.settings.handle_ack_timeout,
-        )
+        kind = choose_transport(self.settings.transport, cuda_available=torch.cuda.is_available())
+        return make_transport(kind, client=self.redis, capacity_bytes=self.settings.shm_pool_bytes,
+                              ack_timeout=self.settings.handle_ack_timeout)
 
     # The model loads in a background thread at worker start, so Celery's start-up is not blocked;
     # the first batch waits for it.
@@ -124,14 +134,13 @@ class WorkerRuntime:
         return self.engine
 
 
-_runtime: WorkerRuntime | None = None
-_pid: int | None = None
+_runtimes: dict[tuple[int, int], WorkerRuntime] = {}
 
 
 def runtime(app) -> WorkerRuntime:
-    """This process's runtime (a forked pool child builds its own: sockets do not survive a fork)."""
-    global _runtime, _pid
-    if _runtime is None or _pid != os.getpid():
-        _runtime = WorkerRuntime(app.rollout_settings, app.rollout_redis_url, app)
-        _pid = os.getpid()
-    return _runtime
+    """This process's runtime for ``app`` (a forked pool child builds its own: sockets do not
+    survive a fork)."""
+    key = (os.getpid(), id(app))
+    if key not in _runtimes:
+        _runtimes[key] = WorkerRuntime(app.rollout_settings, app.rollout_redis_url, app)
+    return _runtimes[key]

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 from celery import signals
 
-from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE, create_celery
+from workers.celery_app import (
+    BATCHES_QUEUE,
+    PREPROCESS_QUEUE,
+    SHARED_GENERATE_QUEUE,
+    WEBHOOKS_QUEUE,
+    create_celery,
+)
 from workers.heartbeats import start_heartbeat
 from workers.settings import Settings
 
@@ -58,8 +64,18 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         rt = runtime(app)
         if kind == "gpu":
             rt.start_loading_model()
+        if kind == "cpu":
+            _ = rt.processor  # load it now, not on the first job
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
+
+    @signals.worker_shutdown.connect(weak=False)
+    def on_shutdown(**_):
+        from workers.runtime import runtime
+
+        rt = runtime(app)
+        if "transport" in rt.__dict__:  # only a worker that made handles owns transport memory
+            rt.transport.close()
 
     app.worker_main([
         "worker", "--queues", ",".join(spec.queues), "--pool", spec.pool, "--concurrency", str(spec.concurrency),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
 from celery import shared_task
@@ -23,7 +24,7 @@ from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_job, fail_job, fail_unexpected
 from workers.metrics import observe_stage
-from workers.prompt_codec import open_prompt
+from workers.prompt_codec import open_prompt, release_prompt
 from workers.runtime import runtime
 from workers.submission import enqueue_preprocess
 
@@ -63,7 +64,7 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             continue
         rt.jobs.advance(job_id, "generating")
         try:
-            prompt = open_prompt(json.loads(raw), rt.consumer_transport, device=engine.device)
+            prompt = open_prompt(json.loads(raw), device=engine.loaded.device)
         except HandleUnavailableError:
             # The producer died or its pool reclaimed the memory: preprocess again (cheap with the
             # multimodal cache) rather than fail the job.
@@ -71,10 +72,14 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
         ready.append((job, prompt))
-    for kind in ("generate", "score"):
-        group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
-        if group:
-            _run_group(rt, engine, kind, group)
+    try:
+        for kind in ("generate", "score"):
+            group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
+            if group:
+                _run_group(rt, engine, kind, group)
+    finally:
+        for _, prompt in ready:
+            release_prompt(rt.redis, prompt)
 
 
 def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]]) -> None:
@@ -112,12 +117,12 @@ def _run_engine(rt, engine, kind: str, group):
     if kind == "score":
         return engine.score([
             ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=job["request"]["completion_token_ids"],
-                         mm_kwargs=prompt.mm_kwargs)
+                         items=prompt.items)
             for job, prompt in group
         ])
     requests = [
-        GenerationRequest(prompt_token_ids=prompt.token_ids, mm_kwargs=prompt.mm_kwargs,
-                          sampling=sampling_params(job["request"]["sampling_params"]))
+        GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                          sampling=sampling_params(job["request"]["sampling_params"]), enqueued_at=job["created_at"])
         for job, prompt in group
     ]
     job_ids = [job["id"] for job, _ in group]
@@ -148,12 +153,8 @@ def sampling_params(params: dict[str, Any]):
 
 
 def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int) -> None:
-    timings = dict(prompt.timings)
-    timings.update({
-        "queue_wait": max(0.0, time.time() - (job.get("started_at") or job["created_at"]) - elapsed),
-        job["kind"]: elapsed,
-        "batch_size": batch_size,
-    })
+    timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
+               "batch_size": batch_size}
     result: dict[str, Any] = {
         "prompt_token_ids": prompt.token_ids,
         "placeholder_ranges": prompt.placeholder_ranges,
@@ -165,7 +166,8 @@ def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batc
     if job["kind"] == "score":
         result.update(completion_logprobs=output.logprobs, usage=output.usage)
     else:
-        result.update(choices=output.choices, usage=output.usage)
-        if any(choice["finish_reason"] == "abort" for choice in output.choices):
+        choices = [asdict(choice) for choice in output.choices]
+        result.update(choices=choices, usage=output.usage)
+        if any(choice["finish_reason"] == "abort" for choice in choices):
             status = "cancelled"
     end_job(rt, job["id"], status, result=result)

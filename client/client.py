@@ -1,0 +1,230 @@
+"""RolloutClient: jobs, synchronous generation and batches over the service's HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from .errors import ClientError, ConnectionFailedError, WaitTimeoutError, error_from_response
+from .retry import RetryPolicy
+
+JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
+BATCH_DONE = frozenset({"completed", "failed", "cancelled", "expired"})
+USER_AGENT = "rollout-queue-client/0.1"
+DOWNLOAD_CHUNK = 64 * 1024
+
+BatchInput = str | os.PathLike | bytes | Iterable[Mapping[str, Any] | str]
+
+
+class RolloutClient:
+    """A client for one Rollout Queue service.
+
+    ``timeout`` is the socket timeout of one HTTP request (seconds); waits have their own.
+    ``session`` is the transport seam: pass a ``requests.Session`` with your own adapters, proxies
+    or certificates.
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
+                 timeout: float = 30.0, retry: RetryPolicy | None = None,
+                 session: requests.Session | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self._session = session or requests.Session()
+        self._headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- Jobs -----------------------------------------------------------------------------------
+
+    def submit(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """Submit a job (``kind`` generate or score); the job, status ``queued``."""
+        return self._request("POST", "/v1/jobs", json=dict(request)).json()
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/jobs/{job_id}", idempotent=True).json()
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/v1/jobs/{job_id}", idempotent=True).json()
+
+    def wait(self, job_id: str, timeout: float | None = None, poll_interval: float = 0.5) -> dict[str, Any]:
+        """Poll until the job ends (whatever its end); raises WaitTimeoutError after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get(job_id)
+            if job["status"] in JOB_DONE:
+                return job
+            _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
+
+    def generate(self, request: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        """Generate (or score) and return the result (``POST /generate``): ``{request_id, job_id,
+        prompt_token_ids, choices, usage}``. When the service answers 202 (still running), keeps
+        waiting by polling the job until ``timeout`` seconds have passed in all.
+        Raises ClientError with the job's error code if the job fails."""
+        started = time.monotonic()
+        body = {**request, "timeout": timeout}
+        response = self._request("POST", "/generate", json=body, timeout=(self.timeout, timeout + self.timeout))
+        if response.status_code == 200:
+            return response.json()
+        job = self.wait(_job_id(response), timeout=max(timeout - (time.monotonic() - started), 0.0))
+        if job["status"] == "failed":
+            error = job.get("error") or {}
+            raise ClientError(error.get("code", "job_failed"), error.get("message", "the job failed"))
+        result = job.get("result") or {}
+        return {"request_id": job.get("request_id"), "job_id": job["id"],
+                "prompt_token_ids": result.get("prompt_token_ids"), "choices": result.get("choices"),
+                "usage": result.get("usage")}
+
+    # --- Batches --------------------------------------------------------------------------------
+
+    def batch_submit(self, file: BatchInput, *, completion_window: str | int | None = None,
+                     metadata: Mapping[str, Any] | None = None,
+                     webhook: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Upload a JSONL batch: a path, the file's bytes, or lines (dicts or JSON strings).
+
+        Each line is ``{"custom_id": ..., "kind": "generate" | "score", "body": <job request>}``.
+        Returns the batch (``errors.data`` lists the first invalid lines, if any).
+        """
+        params: dict[str, str] = {}
+        if completion_window is not None:
+            params["completion_window"] = str(completion_window)
+        if metadata is not None:
+            params["metadata"] = json.dumps(dict(metadata))
+        if webhook is not None:
+            params["webhook"] = json.dumps(dict(webhook))
+        response = self._request("POST", "/v1/batches", data=_jsonl_bytes(file), params=params,
+                                 headers={"Content-Type": "application/jsonl"})
+        return response.json()
+
+    def batch_get(self, batch_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/v1/batches/{batch_id}", idempotent=True).json()
+
+    def batch_list(self, *, limit: int = 20, cursor: str | None = None, status: str | None = None) -> dict[str, Any]:
+        """One page of your batches, newest first: ``{data, next_cursor}``."""
+        params: dict[str, Any] = {"limit": limit}
+        if cursor:
+            params["cursor"] = cursor
+        if status:
+            params["status"] = status
+        return self._request("GET", "/v1/batches", params=params, idempotent=True).json()
+
+    def batch_cancel(self, batch_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/v1/batches/{batch_id}/cancel", idempotent=True).json()
+
+    def batch_wait(self, batch_id: str, *, timeout: float | None = None, poll_interval: float = 2.0,
+                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Poll until the batch ends; ``progress(batch)`` is called after every poll."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            batch = self.batch_get(batch_id)
+            if progress is not None:
+                progress(batch)
+            if batch["status"] in BATCH_DONE:
+                return batch
+            _sleep_until_next(deadline, poll_interval, f"batch {batch_id} still {batch['status']}")
+
+    def batch_download(self, batch_id: str, output_path: str | os.PathLike | None = None,
+                       errors_path: str | os.PathLike | None = None) -> dict[str, int]:
+        """Write the output and/or error lines (JSONL) to files; the number of lines of each."""
+        counts: dict[str, int] = {}
+        for which, path in (("output", output_path), ("errors", errors_path)):
+            if path is not None:
+                counts[which] = self._download(f"/v1/batches/{batch_id}/{which}", Path(path))
+        return counts
+
+    def batch_results(self, batch_id: str, which: str = "output") -> Iterator[dict[str, Any]]:
+        """The batch's output (or ``which="errors"``) lines as dicts, streamed."""
+        if which not in ("output", "errors"):
+            raise ValueError("which must be 'output' or 'errors'")
+        with self._request("GET", f"/v1/batches/{batch_id}/{which}", stream=True, idempotent=True) as response:
+            for line in response.iter_lines():
+                if line:
+                    yield json.loads(line)
+
+    # --- HTTP -----------------------------------------------------------------------------------
+
+    def _download(self, path: str, target: Path) -> int:
+        lines = 0
+        partial = target.with_name(target.name + ".part")
+        with self._request("GET", path, stream=True, idempotent=True) as response, partial.open("wb") as out:
+            for chunk in response.iter_content(DOWNLOAD_CHUNK):
+                out.write(chunk)
+                lines += chunk.count(b"\n")
+        partial.replace(target)
+        return lines
+
+    def _request(self, method: str, path: str, *, json: Any = None, data: bytes | None = None,
+                 params: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
+                 stream: bool = False, timeout: Any = None, idempotent: bool = False) -> requests.Response:
+        """Send, retrying 429/503 (and connection failures when ``idempotent``); raises ClientError."""
+        url = self.base_url + path
+        all_headers = {**self._headers, **(headers or {})}
+        retries = 0
+        while True:
+            try:
+                response = self._session.request(method, url, json=json, data=data, params=params,
+                                                 headers=all_headers, stream=stream,
+                                                 timeout=timeout or self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if idempotent and retries < self.retry.max_retries:
+                    retries += 1
+                    time.sleep(self.retry.delay(retries))
+                    continue
+                raise ConnectionFailedError(f"{method} {url}: {exc.__class__.__name__}") from exc
+            if response.status_code in self.retry.statuses and retries < self.retry.max_retries:
+                retries += 1
+                delay = self.retry.delay(retries, response.headers.get("Retry-After"))
+                response.close()
+                time.sleep(delay)
+                continue
+            if response.status_code >= 400:
+                error = error_from_response(response)
+                response.close()
+                raise error
+            return response
+
+
+def _job_id(accepted: requests.Response) -> str:
+    """The job of a 202 from /generate: its ``id``, else the last part of its ``Location``."""
+    body = accepted.json()
+    if isinstance(body, dict) and body.get("id"):
+        return body["id"]
+    location = accepted.headers.get("Location", "")
+    if not location.rstrip("/"):
+        raise ClientError("invalid_response", "202 without a job id or Location", status=accepted.status_code)
+    return location.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _sleep_until_next(deadline: float | None, interval: float, what: str) -> None:
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WaitTimeoutError(f"{what} when the wait ran out")
+        interval = min(interval, left)
+    time.sleep(interval)
+
+
+def _jsonl_bytes(file: BatchInput) -> bytes:
+    if isinstance(file, bytes):
+        return file
+    if isinstance(file, str | os.PathLike):
+        return Path(file).read_bytes()
+    out = []
+    for line in file:
+        out.append(line if isinstance(line, str) else json.dumps(line, separators=(",", ":")))
+    return ("\n".join(out) + "\n").encode()

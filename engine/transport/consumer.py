@@ -1,0 +1,66 @@
+"""The consumer side: open any handle by its kind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+import torch
+
+from engine.errors import TransportError
+
+from . import cuda_ipc, shm
+from .acks import acknowledge
+from .inline import open_inline
+from .wrapped import WrappedFeature
+
+_OPENERS = {"inline": open_inline, "shm": shm.open_shm, "cuda_ipc": cuda_ipc.open_cuda_ipc}
+
+
+def open_feature(handle: dict[str, Any] | WrappedFeature, *, device: Any = None) -> torch.Tensor:
+    """The tensor behind a handle.
+
+    ``inline`` and ``shm`` give a private copy (default on CPU); ``cuda_ipc`` gives a zero-copy
+    view on the producer's GPU unless ``device`` names another device. Acknowledge non-inline
+    handles with ``acknowledge`` once the tensor is no longer used (shm: right after this call).
+
+    Raises HandleUnavailableError (retryable: re-preprocess) when the producer's memory is gone,
+    TransportError for a malformed handle.
+    """
+    handle = _unwrap(handle)
+    return _opener(handle)(handle, device=device)
+
+
+@contextmanager
+def opened(
+    client: redis.Redis, handles: Iterable[dict[str, Any] | WrappedFeature], *, device: Any = None
+) -> Iterator[list[torch.Tensor]]:
+    """Use features while held: tensors valid inside the block, zero-copy wherever the memory
+    allows (shm on CPU, cuda_ipc on its own device), acknowledged when the block ends (also on
+    error). Nothing may keep them past the block: the producer reuses the memory after the ack.
+    """
+    handles = [_unwrap(h) for h in handles]
+    try:
+        yield [_opener(h)(h, device=device, view=True) for h in handles]
+    finally:
+        acknowledge(client, handles)
+
+
+def _unwrap(handle: dict[str, Any] | WrappedFeature) -> dict[str, Any]:
+    return handle.handle if isinstance(handle, WrappedFeature) else handle
+
+
+def _opener(handle: dict[str, Any]):
+    opener = _OPENERS.get(handle.get("kind") if isinstance(handle, dict) else None)
+    if opener is None:
+        kind = handle.get("kind") if isinstance(handle, dict) else None
+        raise TransportError(f"unknown feature handle kind {kind!r}")
+    return opener
+
+
+def close_consumer_mappings() -> None:
+    """Unmap every producer buffer this process opened as a consumer (worker shutdown, tests)."""
+    shm.close_consumer_mappings()
+    cuda_ipc.close_consumer_mappings()

@@ -1,0 +1,455 @@
+"""Preprocess one validated job request into what the engine takes: expanded prompt token ids
+and finalized (wrapped) multimodal items.
+
+    content_parts ─ cache by uuid ─▶ fetch ─ cache by sha256 ─▶ decode ─▶ HF image processor
+    features ──────── decode + validate (format below) ───────────────────┐      (one call)
+                                                                          ▼
+    token_ids / prompt ─▶ placeholders expanded per image ─▶ finalize (hook → hash → wrap)
+
+Placeholders: ``token_ids`` carry one collapsed placeholder per image or its already expanded
+run; ``prompt`` text may use ``<image>`` sentinels or the model's native form. When a text
+prompt's placeholders do not pair up with the media, the full HF processor over the raw prompt
+decides (the authoritative path); if that fails too, or for token prompts,
+:class:`~engine.errors.PlaceholderMismatchError` (422) states both counts.
+
+Precomputed ``features`` (instead of ``content_parts``), one entry per image, in prompt order::
+
+    {"modality": "image",
+     "tensors": {NAME: {"dtype": "float32" | "float16" | "bfloat16" | "int64" | "int32",
+                        "shape": [int, ...],
+                        "data": base64 of the raw little-endian bytes, C order}}}
+
+``NAME`` is exactly the model's feature names (:attr:`MultimodalProcessor.feature_names`, e.g.
+``pixel_values`` and ``image_grid_thw`` for Qwen-VL), shaped for one image as the model's image
+processor makes them. Anything else is an :class:`InvalidFeaturesError` (422) naming the field.
+:func:`encode_features` writes the format.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from engine.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    MediaError,
+    PayloadTooLargeError,
+    PlaceholderMismatchError,
+)
+from engine.items import MultimodalItem
+from processors.base import Features, MultimodalProcessor
+from processors.cache import MultimodalCache
+from processors.errors import InvalidFeaturesError, PlaceholderCountError, UnsupportedModalityError
+from processors.fetch import decode_image
+from processors.finalize import Wrapper, bundle_item, finalize
+from processors.placeholders import expand_tokens
+
+MIB = 1024 * 1024
+_PART_MODALITY = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32,
+}
+
+
+@dataclass(frozen=True)
+class PreprocessLimits:
+    max_prompt_tokens: int = 32768  # after placeholder expansion
+    max_items: int = 32
+    max_image_pixels: int = 4096 * 4096  # decoded size, before the processor resizes
+    max_feature_bytes: int = 256 * MIB  # all precomputed features of a request together
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt_token_ids: list[int]
+    items: list[MultimodalItem]  # finalized, features wrapped for transport, in prompt order
+    placeholder_ranges: list[dict[str, Any]]  # [{"modality", "offset", "length"}]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    cache_hits: int = 0
+
+
+def preprocess(
+    request: Mapping[str, Any],
+    *,
+    processor: MultimodalProcessor,
+    fetcher: Any,
+    cache: MultimodalCache | None,
+    transport: Wrapper,
+    limits: PreprocessLimits,
+    options: Mapping[str, Any] | None = None,
+) -> ProcessedPrompt:
+    """Preprocess a validated request (``token_ids`` or ``prompt``; ``content_parts`` or
+    ``features``). ``fetcher`` has ``fetch(url) -> FetchedMedia``; ``options`` are image
+    processor kwargs (part of the cache key). Fetch and decode errors keep their type and name
+    the part (``content_parts[i]``)."""
+    run = _Run(processor, fetcher, cache, limits, dict(options or {}))
+    token_ids, bundles = run.layout(request, add_special_tokens=True)
+
+    started = time.perf_counter()
+    items = finalize(bundles, processor=processor, transport=transport, before_wrap=run.store)
+    run.timings["finalize"] = time.perf_counter() - started
+    return ProcessedPrompt(
+        prompt_token_ids=token_ids,
+        items=items,
+        placeholder_ranges=[
+            {"modality": item.modality, "offset": item.offset[0], "length": item.num_placeholders}
+            for item in items
+        ],
+        timings=run.timings,
+        cache_hits=run.cache_hits,
+    )
+
+
+@dataclass
+class _Media:
+    part: int
+    modality: str
+    url: str | None = None
+    cache_key: str | None = None
+    features: Features | None = None  # one image: from the cache or precomputed
+    content_hash: str = ""  # known when the features came from the cache
+    image: Image.Image | None = None  # decoded, still to process
+    cached: bool = False
+
+
+class _Run:
+    """One request's way through the pipeline (state shared by the steps; not reused)."""
+
+    def __init__(self, processor, fetcher, cache, limits: PreprocessLimits, options: dict[str, Any]):
+        self.processor: MultimodalProcessor = processor
+        self.fetcher = fetcher
+        self.cache: MultimodalCache | None = cache
+        self.limits = limits
+        self.options = options
+        self.timings = {"fetch": 0.0, "decode": 0.0, "cache": 0.0, "process": 0.0}
+        self.cache_hits = 0
+
+    def layout(
+        self, request: Mapping[str, Any], *, add_special_tokens: bool
+    ) -> tuple[list[int], list[MultimodalItem]]:
+        """Expanded token ids and unfinalized items (bundles) of ``request``."""
+        has_tokens, has_prompt = request.get("token_ids") is not None, request.get("prompt") is not None
+        if has_tokens == has_prompt:
+            raise InvalidRequestError("give exactly one of token_ids and prompt")
+        has_features = request.get("features") is not None
+        if request.get("content_parts") and has_features:
+            raise InvalidRequestError("content_parts and features are mutually exclusive")
+        if has_features:
+            media = [
+                _Media(part=i, modality="image", features=f)
+                for i, f in enumerate(decode_features(request["features"], self.processor, self.limits))
+            ]
+        else:
+            media = self._collect(request.get("content_parts") or [])
+
+        bundle = self._process([m.image for m in media if m.image is not None])
+        replacements = self._replacements(media, bundle)
+        if has_tokens:
+            token_ids = _checked_token_ids(request["token_ids"], len(self.processor.tokenizer))
+            try:
+                ids, offsets = self._expand(token_ids, replacements)
+            except PlaceholderCountError as exc:
+                raise _mismatch(exc.placeholders, exc.items, "token_ids", exc.detail) from None
+        else:
+            prompt = request["prompt"]
+            text, count = self.processor.normalize_prompt(prompt)
+            try:
+                if count != len(media):
+                    raise PlaceholderCountError(placeholders=count, items=len(media))
+                encoded = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+                ids, offsets = self._expand(encoded, replacements)
+            except PlaceholderCountError:
+                if has_features:  # no raw media for the HF processor to look at
+                    raise _mismatch(count, len(media), "prompt") from None
+                return self._authoritative(prompt, media, count, add_special_tokens)
+        self._check_length(ids)
+        return ids, self._bundles(media, bundle, offsets)
+
+    def _check_length(self, ids: list[int]) -> None:
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens with its media placeholders expanded, "
+                f"more than the limit of {self.limits.max_prompt_tokens}"
+            )
+
+    def store(self, items: list[MultimodalItem]) -> None:
+        """Put freshly processed per-image features into the cache (finalize's before_wrap)."""
+        if self.cache is None:
+            return
+        started = time.perf_counter()
+        for item in items:
+            if item.metadata.get("cache_key") and not item.metadata.get("cached"):
+                self.cache.put(item.metadata["cache_key"], item.features, item.content_hash)
+        self.timings["cache"] += time.perf_counter() - started
+
+    # --- media -------------------------------------------------------------------------------
+
+    def _collect(self, parts: Sequence[Mapping[str, Any]]) -> list[_Media]:
+        if len(parts) > self.limits.max_items:
+            raise InvalidRequestError(f"{len(parts)} content parts, more than the limit of {self.limits.max_items}")
+        media = []
+        for i, part in enumerate(parts):
+            modality = _PART_MODALITY.get(part.get("type"))
+            if modality is None:
+                raise InvalidRequestError(f"content_parts[{i}]: unknown type {part.get('type')!r}")
+            if modality not in self.processor.modalities:
+                raise UnsupportedModalityError(
+                    f"content_parts[{i}]: this model takes {', '.join(sorted(self.processor.modalities))}, "
+                    f"not {modality}"
+                )
+            item = _Media(part=i, modality=modality, url=part["url"])
+            if self.cache is not None and part.get("uuid") is not None:
+                item.cache_key = self._key(modality, uuid=str(part["uuid"]))
+                if self._lookup(item):
+                    media.append(item)
+                    continue  # a uuid hit skips fetching entirely
+            self._load(item)
+            media.append(item)
+        return media
+
+    def _load(self, item: _Media) -> None:
+        """Fetch and decode ``item``, unless its bytes' sha256 hits the cache."""
+        data = self._fetch(item)
+        if self.cache is not None and item.cache_key is None:
+            item.cache_key = self._key(item.modality, media_sha256=hashlib.sha256(data).hexdigest())
+            if self._lookup(item):
+                return
+        self._decode(item, data)
+
+    def _fetch(self, item: _Media) -> bytes:
+        started = time.perf_counter()
+        try:
+            return self.fetcher.fetch(item.url).data
+        except MediaError as exc:
+            _at_part(exc, item.part)
+            raise
+        finally:
+            self.timings["fetch"] += time.perf_counter() - started
+
+    def _decode(self, item: _Media, data: bytes) -> None:
+        started = time.perf_counter()
+        try:
+            item.image = decode_image(data, max_pixels=self.limits.max_image_pixels)
+        except MediaError as exc:
+            _at_part(exc, item.part)
+            raise
+        finally:
+            self.timings["decode"] += time.perf_counter() - started
+
+    def _key(self, modality: str, **source: str) -> str:
+        return MultimodalCache.key(model_id=self.processor.model_id, modality=modality, options=self.options, **source)
+
+    def _lookup(self, item: _Media) -> bool:
+        started = time.perf_counter()
+        entry = self.cache.get(item.cache_key)
+        self.timings["cache"] += time.perf_counter() - started
+        if entry is not None:
+            item.features, item.content_hash = entry.features, entry.content_hash
+        item.cached = entry is not None
+        self.cache_hits += item.cached
+        return item.cached
+
+    def _process(self, images: list[Image.Image]) -> Features | None:
+        if not images:
+            return None
+        started = time.perf_counter()
+        bundle = self.processor.process_images(images, self.options)
+        self.timings["process"] += time.perf_counter() - started
+        return bundle
+
+    # --- placeholders ------------------------------------------------------------------------
+
+    def _replacements(self, media: list[_Media], bundle: Features | None) -> list[list[int]]:
+        replacements, index = [], 0
+        for item in media:
+            if item.features is not None:
+                replacements.append(self.processor.replacement_ids(item.features, 0))
+            else:
+                replacements.append(self.processor.replacement_ids(bundle, index))
+                index += 1
+        return replacements
+
+    def _expand(self, token_ids: Sequence[int], replacements: list[list[int]]):
+        return expand_tokens(
+            token_ids, replacements,
+            placeholder_ids=self.processor.placeholder_token_ids, collapsed_id=self.processor.image_token_id,
+        )
+
+    def _bundles(self, media: list[_Media], bundle: Features | None, offsets) -> list[MultimodalItem]:
+        def meta(item: _Media) -> dict[str, Any]:
+            known = {"content_hash": item.content_hash} if item.features is not None and item.content_hash else {}
+            return {"part": item.part, "cache_key": item.cache_key, "cached": item.cached, **known}
+
+        fresh = [(item, offset) for item, offset in zip(media, offsets, strict=True) if item.features is None]
+        bundles = [
+            bundle_item(item.modality, item.features, [offset], [meta(item)])
+            for item, offset in zip(media, offsets, strict=True) if item.features is not None
+        ]
+        if fresh:
+            bundles.append(bundle_item("image", bundle, [o for _, o in fresh], [meta(item) for item, _ in fresh]))
+        return bundles
+
+    def _authoritative(
+        self, prompt: str, media: list[_Media], counted: int, add_special_tokens: bool
+    ) -> tuple[list[int], list[MultimodalItem]]:
+        """The full HF processor over the raw prompt: the last word on where images go."""
+        hf = self.processor.hf
+        if prompt.count(hf.image_token) != len(media):
+            raise _mismatch(counted, len(media), "prompt")
+        for item in media:
+            if item.image is None:  # served from the cache so far: the HF processor needs pixels
+                self._decode(item, self._fetch(item))
+                item.features, item.content_hash = None, ""  # now from the HF processor's bundle
+        started = time.perf_counter()
+        out = hf(text=[prompt], images=[m.image for m in media] or None, return_tensors="pt",
+                 add_special_tokens=add_special_tokens, **self.options)
+        self.timings["process"] += time.perf_counter() - started
+        bundle = {name: out[name] for name in self.processor.feature_names} if media else None
+        try:
+            ids, offsets = self._expand(out["input_ids"][0].tolist(), self._replacements(media, bundle))
+        except PlaceholderCountError as exc:
+            raise _mismatch(counted, exc.items, "prompt", exc.detail) from None
+        self._check_length(ids)
+        return ids, self._bundles(media, bundle, offsets)
+
+
+def _mismatch(placeholders: int, items: int, where: str, detail: str = "") -> PlaceholderMismatchError:
+    return PlaceholderMismatchError(
+        f"{where} has {placeholders} media placeholders for {items} media items"
+        + (f" ({detail})" if detail else ""),
+        placeholders=placeholders,
+        items=items,
+    )
+
+
+def _at_part(exc: MediaError, part: int) -> None:
+    """Name the content part in ``exc``'s message and errors; the caller re-raises it (same
+    object: its type, fields and cause stay as the fetcher made them)."""
+    exc.message = f"content_parts[{part}]: {exc.message}"
+    exc.args = (exc.message, *exc.args[1:])
+    if exc.errors is None or isinstance(exc.errors, dict):
+        exc.errors = {**(exc.errors or {}), "part": part}
+
+
+def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(token_ids, list) or not token_ids:
+        raise InvalidRequestError("token_ids must be a non-empty list of integers")
+    for i, token in enumerate(token_ids):
+        if type(token) is not int or not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"token_ids[{i}] is not a token id of this model (0..{vocab_size - 1})")
+    return token_ids
+
+
+# --- precomputed features ------------------------------------------------------------------------
+
+
+def encode_features(features: Mapping[str, torch.Tensor], modality: str = "image") -> dict[str, Any]:
+    """One image's features in the request format (see the module docstring)."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    return {
+        "modality": modality,
+        "tensors": {
+            name: {
+                "dtype": names[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data": base64.b64encode(_le_bytes(tensor)).decode("ascii"),
+            }
+            for name, tensor in features.items()
+        },
+    }
+
+
+def decode_features(
+    entries: Any, processor: MultimodalProcessor, limits: PreprocessLimits
+) -> list[Features]:
+    """Decode and validate precomputed ``features`` strictly; one feature dict per image."""
+    if not isinstance(entries, list) or not entries:
+        raise InvalidFeaturesError("features must be a non-empty list", errors={"path": "features"})
+    if len(entries) > limits.max_items:
+        raise InvalidRequestError(f"{len(entries)} feature entries, more than the limit of {limits.max_items}")
+    budget = limits.max_feature_bytes
+    decoded = []
+    for i, entry in enumerate(entries):
+        path = f"features[{i}]"
+        _require(isinstance(entry, dict) and set(entry) == {"modality", "tensors"}, path,
+                 "must be an object with exactly the keys modality and tensors")
+        if entry["modality"] not in processor.modalities:
+            raise UnsupportedModalityError(
+                f"{path}.modality: this model takes {', '.join(sorted(processor.modalities))}",
+                errors={"path": f"{path}.modality"},
+            )
+        tensors = entry["tensors"]
+        _require(isinstance(tensors, dict) and set(tensors) == set(processor.feature_names), f"{path}.tensors",
+                 f"must hold exactly {', '.join(sorted(processor.feature_names))}")
+        features = {}
+        for name in sorted(tensors):
+            features[name] = _decode_tensor(tensors[name], f"{path}.tensors.{name}", budget)
+            budget -= features[name].nbytes
+        try:
+            processor.validate_features(features)
+        except InvalidFeaturesError as exc:
+            raise InvalidFeaturesError(f"{path}: {exc.message}", errors={"path": path}) from None
+        decoded.append(features)
+    return decoded
+
+
+def _decode_tensor(spec: Any, path: str, budget: int) -> torch.Tensor:
+    _require(isinstance(spec, dict) and set(spec) == {"dtype", "shape", "data"}, path,
+             "must be an object with exactly the keys dtype, shape and data")
+    dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+    _require(dtype is not None, f"{path}.dtype", f"must be one of {', '.join(DTYPES)}")
+    shape = spec["shape"]
+    _require(isinstance(shape, list) and 1 <= len(shape) <= 8
+             and all(type(d) is int and 0 <= d for d in shape), f"{path}.shape",
+             "must be a list of 1 to 8 non-negative integers")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > budget:
+        raise PayloadTooLargeError(f"{path}: the precomputed features exceed the size limit")
+    _require(isinstance(spec["data"], str), f"{path}.data", "must be a base64 string")
+    try:
+        raw = base64.b64decode(spec["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidFeaturesError(f"{path}.data: not valid base64", errors={"path": f"{path}.data"}) from None
+    _require(len(raw) == nbytes, f"{path}.data", f"holds {len(raw)} bytes, the dtype and shape need {nbytes}")
+    tensor = _from_le_bytes(raw, dtype).reshape(shape)
+    if tensor.is_floating_point():
+        _require(bool(torch.isfinite(tensor).all()), path, "holds NaN or infinite values")
+    return tensor
+
+
+def _require(ok: bool, path: str, what: str) -> None:
+    if not ok:
+        raise InvalidFeaturesError(f"{path}: {what}", errors={"path": path})
+
+
+def _le_bytes(tensor: torch.Tensor) -> bytes:
+    raw = tensor.detach().cpu().contiguous().reshape(-1)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        raise NotImplementedError("feature encoding assumes a little-endian host")
+    return raw.view(torch.uint8).numpy().tobytes()
+
+
+def _from_le_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if sys.byteorder != "little":  # pragma: no cover
+        raise NotImplementedError("feature decoding assumes a little-endian host")
+    if not raw:
+        return torch.empty(0, dtype=dtype)
+    # bytearray: a writable private copy, so the tensor owns its memory.
+    return torch.frombuffer(bytearray(raw), dtype=dtype)
+
+
+__all__ = [
+    "DTYPES", "PreprocessLimits", "ProcessedPrompt", "decode_features", "encode_features", "preprocess",
+]

@@ -1,0 +1,108 @@
+"""Jobs through the whole stack: API → CPU worker → GPU worker → Redis, on the tiny demo model."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+from PIL import Image
+
+from tests.e2e.conftest import OTHER_KEY
+
+
+def image_data_url(width=64, height=48, color=(200, 30, 30)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_submit_poll_result(stack):
+    job = stack.submit({"prompt": "Describe the image.", "sampling_params": GREEDY, "request_id": "r-1"})
+    done = stack.wait(job["id"])
+    assert done["status"] == "succeeded", done
+    result = done["result"]
+    choice = result["choices"][0]
+    assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]) == 6 and all(lp <= 0 for lp in choice["logprobs"])
+    assert result["usage"]["completion_tokens"] == 6
+    assert result["weight_version"] and done["request_id"] == "r-1"
+    assert done["started_at"] >= done["created_at"] and done["completed_at"] >= done["started_at"]
+    assert stack.client.get(f"/v1/jobs/{job['id']}", headers=stack.headers(OTHER_KEY)).status_code == 404
+
+
+def test_image_job_expands_placeholders_once(stack):
+    body = {"prompt": "<image>What colour?", "content_parts": [{"type": "image_url", "url": image_data_url()}],
+            "sampling_params": GREEDY}
+    done = stack.wait(stack.submit(body)["id"])
+    assert done["status"] == "succeeded", done
+    ranges = done["result"]["placeholder_ranges"]
+    assert len(ranges) == 1 and ranges[0]["length"] == 4  # a 64x48 image is 4 tokens on the demo model
+    assert done["result"]["transport"] in ("shm", "inline")
+
+
+def test_same_seed_same_tokens_and_score_agrees(stack):
+    body = {"token_ids": [100, 101, 102, 103], "sampling_params": {"max_tokens": 5, "temperature": 0.9, "seed": 7,
+                                                           "ignore_eos": True}}
+    first = stack.wait(stack.submit(body)["id"])["result"]["choices"][0]
+    second = stack.wait(stack.submit(body)["id"])["result"]["choices"][0]
+    assert first["token_ids"] == second["token_ids"]
+    greedy = stack.wait(stack.submit({"token_ids": [100, 101, 102, 103], "sampling_params": GREEDY})["id"])
+    tokens = greedy["result"]["choices"][0]["token_ids"]
+    scored = stack.wait(stack.submit({"kind": "score", "token_ids": [100, 101, 102, 103],
+                                      "completion_token_ids": tokens})["id"])
+    assert scored["status"] == "succeeded", scored
+    for a, b in zip(scored["result"]["completion_logprobs"], greedy["result"]["choices"][0]["logprobs"], strict=True):
+        assert abs(a - b) < 1e-4
+
+
+def test_media_error_fails_the_job_with_its_code(stack):
+    body = {"prompt": "<image>x", "content_parts": [{"type": "image_url", "url": "http://169.254.169.254/latest"}],
+            "sampling_params": GREEDY}
+    done = stack.wait(stack.submit(body)["id"])
+    assert done["status"] == "failed"
+    assert done["error"]["code"] == "media_blocked"
+    assert "169.254" not in done["error"]["message"] or "content_parts[0]" in done["error"]["message"]
+
+
+def test_placeholder_mismatch_is_a_clear_failure(stack):
+    body = {"prompt": "<image><image>two", "content_parts": [{"type": "image_url", "url": image_data_url()}],
+            "sampling_params": GREEDY}
+    done = stack.wait(stack.submit(body)["id"])
+    assert done["status"] == "failed" and done["error"]["code"] == "placeholder_mismatch", done
+
+
+def test_sync_generate_and_timeout(stack):
+    top_level = stack.client.post("/generate", json={"input_ids": [103, 104, 105], "max_new_tokens": 2,
+                                                     "sampling_params": {"temperature": 0, "ignore_eos": True}},
+                                  headers=stack.headers())
+    assert top_level.status_code == 200 and len(top_level.get_json()["choices"][0]["token_ids"]) == 2
+    response = stack.client.post("/generate", json={"input_ids": [103, 104, 105], "rid": "abc",
+                                                    "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                                        "ignore_eos": True}},
+                                 headers=stack.headers())
+    assert response.status_code == 200, response.get_json()
+    body = response.get_json()
+    assert body["request_id"] == "abc" and len(body["choices"][0]["token_ids"]) == 3
+    assert body["prompt_token_ids"] == [103, 104, 105]
+    slow = stack.client.post("/generate", json={"token_ids": [103, 104, 105], "timeout": 0,
+                                                "sampling_params": {"max_tokens": 3}}, headers=stack.headers())
+    assert slow.status_code == 202 and slow.headers["Location"].startswith("/v1/jobs/")
+
+
+def test_cancel_while_generating_aborts_with_tokens_so_far(stack):
+    body = {"token_ids": [101, 102, 103], "sampling_params": {"max_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    job = stack.submit(body)
+    deadline = time.monotonic() + 30
+    while stack.services.jobs.get(job["id"])["status"] != "generating" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # let it make some tokens
+    stack.client.delete(f"/v1/jobs/{job['id']}", headers=stack.headers())
+    done = stack.wait(job["id"])
+    assert done["status"] == "cancelled"
+    choice = done["result"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 2000
+    assert len(choice["logprobs"]) == len(choice["token_ids"])

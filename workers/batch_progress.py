@@ -1,0 +1,176 @@
+"""A batch's progress: count its lines as they end, and end the batch when the last one does.
+
+Lines end in three ways, and each is counted once (``BatchStore.record`` skips a line seen before):
+
+- its job ends: ``workers.lifecycle`` calls :func:`record_job_end` for the one call that ended it;
+- the batch is cancelled: :func:`cancel_lines` cancels the jobs not started yet and counts the
+  lines that never got a job as ``batch_cancelled`` errors; jobs already generating are asked to
+  abort and end by themselves;
+- the batch expires: :func:`expire` counts every line not done as a ``batch_expired`` error.
+
+Whoever counts the last line calls :func:`finish`, which moves the batch to its end status once
+(compare-and-set), drops its inputs and sends the batch webhook.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.errors import NotFoundError
+from workers.batch_store import TERMINAL as BATCH_TERMINAL
+from workers.batch_store import BatchStore, public_batch
+from workers.job_store import TERMINAL as JOB_TERMINAL
+
+log = logging.getLogger(__name__)
+
+JOB_CANCELLED = ("cancelled", "the job was cancelled")
+CANCELLED = ("batch_cancelled", "the batch was cancelled before this line ran")
+EXPIRED = ("batch_expired", "the batch's completion window ended before this line finished")
+
+
+def batch_store(rt) -> BatchStore:
+    """The batch store for a worker runtime or the API's services (both carry .redis and .settings)."""
+    return BatchStore(rt.redis, result_ttl=rt.settings.result_ttl)
+
+
+def record_job_end(rt, job: dict[str, Any]) -> None:
+    """Count the ended job's line: its result goes to the batch output, its error to the errors."""
+    batch_id = job["batch_id"]
+    if not job.get("line"):
+        log.error("job %s names batch %s but no line; not counted", job["id"], batch_id)
+        return
+    store = batch_store(rt)
+    cancelled_as = JOB_CANCELLED
+    if job["status"] == "cancelled":
+        try:
+            status = store.get(batch_id)["status"]
+        except NotFoundError:
+            return
+        cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(status, JOB_CANCELLED)
+    if store.record(batch_id, [job_entry(job, cancelled_as)]):
+        finish(rt, batch_id)
+
+
+def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:
+    """Count lines as ended (see ``BatchStore.record``); ends the batch when they were the last."""
+    if batch_store(rt).record(batch_id, entries):
+        finish(rt, batch_id)
+
+
+def job_entry(job: dict[str, Any], cancelled_as: tuple[str, str] = JOB_CANCELLED) -> tuple[int, bool, dict[str, Any]]:
+    """(line, succeeded, the line's output or error entry) for an ended job."""
+    line = int(job["line"])
+    entry: dict[str, Any] = {"custom_id": job.get("custom_id"), "line": line, "job_id": job["id"]}
+    if job["status"] == "succeeded":
+        entry["response"] = {"status_code": 200, "body": job.get("result")}
+        return line, True, entry
+    if job["status"] == "cancelled":
+        code, message = cancelled_as
+        entry["error"] = {"code": code, "message": message}
+    else:
+        error = job.get("error") or {}
+        entry["error"] = {"code": error.get("code", "internal_error"), "message": error.get("message", "job failed")}
+    return line, False, entry
+
+
+def line_error(line: dict[str, Any], code: str, message: str, job_id: str | None = None) -> tuple[int, bool, dict]:
+    entry: dict[str, Any] = {"custom_id": line.get("custom_id"), "line": line["line"]}
+    if job_id:
+        entry["job_id"] = job_id
+    entry["error"] = {"code": code, "message": message}
+    return line["line"], False, entry
+
+
+def finish(rt, batch_id: str) -> None:
+    """End a batch whose lines are all counted. Safe to call more than once; one call moves it."""
+    store = batch_store(rt)
+    for _ in range(3):  # the status may change under us (a cancel racing the last line): re-read
+        batch = store.get(batch_id)
+        status = batch["status"]
+        if status in ("validating", "in_progress", "finalizing"):
+            if status != "finalizing" and not store.move(batch_id, "finalizing", from_=(status,)):
+                continue
+            store.release(batch_id)
+            final = "failed" if batch.get("broken") else "completed"
+            if store.move(batch_id, final, from_=("finalizing",)):
+                emit(rt, batch_id, f"batch.{final}")
+            return
+        if status == "cancelling":
+            if not store.move(batch_id, "cancelled", from_=("cancelling",)):
+                continue
+            store.release(batch_id)
+            emit(rt, batch_id, "batch.cancelled")
+            return
+        store.release(batch_id)  # already ended (expired): only the clean-up is left
+        return
+
+
+def cancel_lines(rt, batch_id: str) -> None:
+    """For a ``cancelling`` batch: cancel its jobs not yet generating, count the lines without jobs."""
+    try:
+        batch = batch_store(rt).get(batch_id)
+    except NotFoundError:
+        return
+    if batch["status"] == "cancelling":
+        _sweep(rt, batch, CANCELLED, wait_for_running=True)
+
+
+def expire(rt, batch_id: str) -> float | None:
+    """Expire the batch if its window has ended; else the seconds until it ends (None: nothing to do)."""
+    store = batch_store(rt)
+    try:
+        batch = store.get(batch_id)
+    except NotFoundError:
+        return None
+    if batch["status"] in BATCH_TERMINAL:
+        return None
+    remaining = batch["expires_at"] - time.time()
+    if remaining > 0:
+        return remaining
+    if batch["status"] == "finalizing":  # its finisher died between the two moves
+        finish(rt, batch_id)
+        return None
+    if not store.move(batch_id, "expired", from_=("validating", "in_progress", "cancelling")):
+        return None
+    _sweep(rt, batch, EXPIRED, wait_for_running=False)
+    store.release(batch_id)
+    emit(rt, batch_id, "batch.expired")
+    return None
+
+
+def _sweep(rt, batch: dict[str, Any], reason: tuple[str, str], *, wait_for_running: bool) -> None:
+    """Count every line not yet counted: cancel its job; a line whose job still runs is left to end
+    by itself when ``wait_for_running`` (its job was asked to abort), else counted as ``reason``."""
+    store = batch_store(rt)
+    batch_id, owner = batch["id"], batch["owner"]
+    code, message = reason
+    for page in store.iter_lines(batch_id):
+        done = store.ended(batch_id, [line["line"] for line in page])
+        pending = [line for line in page if line["line"] not in done]
+        job_ids = store.line_jobs(batch_id, [line["line"] for line in pending])
+        jobs = dict(zip(job_ids.values(), rt.jobs.get_many(list(job_ids.values())), strict=True))
+        entries = []
+        for line in pending:
+            job_id = job_ids.get(line["line"])
+            job = jobs.get(job_id) if job_id else None
+            if job is not None and job["status"] not in JOB_TERMINAL:
+                job = rt.jobs.cancel(job_id, owner=owner)
+            if job is not None and job["status"] in JOB_TERMINAL:
+                entries.append(job_entry(job, reason))
+            elif job is None or not wait_for_running:
+                entries.append(line_error(line, code, message, job_id))
+        record_lines(rt, batch_id, entries)
+
+
+def emit(rt, batch_id: str, event: str) -> None:
+    """Send the batch webhook (``emit_batch_event`` decides whether the batch or its owner wants one)."""
+    from workers.tasks.webhooks import emit_batch_event
+
+    batch = batch_store(rt).get(batch_id)
+    try:
+        emit_batch_event(rt, public_batch(batch), event)
+    except Exception:
+        # The batch has ended either way; a webhook fault must not fail the job end that got here.
+        log.exception("batch %s: could not emit %s", batch_id, event)

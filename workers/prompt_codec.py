@@ -1,0 +1,68 @@
+"""The finalized prompt as it travels from the CPU worker to the GPU worker.
+
+The CPU worker stores it as JSON under the job (``JobStore.prompt_key``); feature tensors are
+transport handles (see ``engine.transport``), never tensor bytes in a Celery message. The GPU
+worker opens the handles back into tensors before the model sees them, and acknowledges them
+when the batch is done so the producer's pool can free the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.items import MultimodalItem
+from engine.transport import WrappedFeature, acknowledge, open_feature
+
+
+def encode_prompt(processed, *, preprocess_seconds: float, node_id: str) -> dict[str, Any]:
+    kinds = set()
+    items = []
+    for item in processed.items:
+        features = {}
+        for name, feature in item.features.items():
+            if not isinstance(feature, WrappedFeature):
+                raise TypeError(f"feature {name!r} was not wrapped: finalize must wrap every feature")
+            kinds.add(feature.kind)
+            features[name] = feature.handle
+        items.append({"modality": item.modality, "offset": list(item.offset), "content_hash": item.content_hash,
+                      "pad_value": item.pad_value, "features": features})
+    # The job's transport is the least portable kind any feature uses.
+    transport = next((kind for kind in ("cuda_ipc", "shm") if kind in kinds), "inline")
+    return {
+        "token_ids": list(processed.prompt_token_ids),
+        "placeholder_ranges": list(processed.placeholder_ranges),
+        "items": items,
+        "transport": transport,
+        "node_id": node_id,
+        "timings": {"preprocess": preprocess_seconds, **(processed.timings or {})},
+        "cache_hits": processed.cache_hits,
+    }
+
+
+@dataclass
+class OpenedPrompt:
+    token_ids: list[int]
+    items: list[MultimodalItem]
+    placeholder_ranges: list[dict]
+    transport: str
+    timings: dict[str, float]
+    handles: list[dict] = field(default_factory=list)
+
+
+def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
+    """Open every feature handle (HandleUnavailableError when the producer's memory is gone)."""
+    items, handles = [], []
+    for raw in payload["items"]:
+        tensors = {name: open_feature(handle, device=device) for name, handle in raw["features"].items()}
+        handles.extend(raw["features"].values())
+        items.append(MultimodalItem(modality=raw["modality"], features=tensors, offset=tuple(raw["offset"]),
+                                    content_hash=raw["content_hash"], pad_value=raw["pad_value"]))
+    return OpenedPrompt(payload["token_ids"], items, payload["placeholder_ranges"], payload["transport"],
+                        payload["timings"], handles)
+
+
+def release_prompt(client, prompt: OpenedPrompt) -> None:
+    """Tell the producer it may free this prompt's feature memory."""
+    if prompt.handles:
+        acknowledge(client, prompt.handles)

@@ -1,0 +1,163 @@
+"""The batch tasks (queue ``batches``).
+
+- ``rollout.batches.enqueue_chunk(batch_id, index)``: creates the jobs of one chunk of a batch's
+  valid lines and sends each job's preprocess task, so batch lines share the CPU workers, the
+  multimodal cache and GPU batching with every other job. The API sends one message per chunk of
+  ``settings.batch_chunk_size`` lines, never one per line.
+- ``rollout.batches.cancel(batch_id)``: the slow half of ``POST /v1/batches/{id}/cancel``.
+- ``rollout.batches.expire(batch_id)``: ends the batch when its completion window is over.
+
+Backpressure: batch jobs count toward the owner's and the service's caps on unfinished jobs, like
+any other job. When a cap is reached (``QueueFullError``) the chunk task retries itself after the
+``Retry-After`` the store gave and continues where it stopped; lines never fail for backpressure,
+they wait (at worst until the batch expires).
+
+Idempotency (messages are acked late and may be redelivered): a chunk task skips lines that already
+have a job or are already counted. A task killed between creating a job and recording it makes that
+line run twice; the batch counts whichever run ends first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from celery import Celery, shared_task
+
+from engine.errors import NotFoundError
+from workers.batch_progress import (
+    CANCELLED,
+    EXPIRED,
+    batch_store,
+    cancel_lines,
+    expire,
+    job_entry,
+    line_error,
+    record_lines,
+)
+from workers.celery_app import BATCHES_QUEUE
+from workers.job_store import TERMINAL as JOB_TERMINAL
+from workers.job_store import QueueFullError
+from workers.runtime import runtime
+from workers.settings import Settings
+from workers.submission import submit_job
+
+log = logging.getLogger(__name__)
+
+ENQUEUE_CHUNK_TASK = "rollout.batches.enqueue_chunk"
+CANCEL_TASK = "rollout.batches.cancel"
+EXPIRE_TASK = "rollout.batches.expire"
+DEFAULT_RETRY_AFTER = 5.0
+_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
+
+# --- Sending (the API calls these) ----------------------------------------------------------------
+
+def start_batch(celery: Celery, settings: Settings, batch_id: str, chunks: int, completion_window: float) -> None:
+    """Queue one message per chunk, and the expiry check."""
+    with celery.producer_or_acquire() as producer:
+        for index in range(chunks):
+            celery.send_task(ENQUEUE_CHUNK_TASK, args=[batch_id, index], queue=BATCHES_QUEUE, producer=producer)
+    schedule_expiry(celery, settings, batch_id, completion_window)
+
+
+def schedule_expiry(celery: Celery, settings: Settings, batch_id: str, seconds: float) -> None:
+    # The check re-arms itself in steps shorter than the broker's visibility timeout: Redis would
+    # redeliver (and so duplicate) a message whose countdown is longer than that.
+    countdown = max(1.0, min(seconds, settings.visibility_timeout / 2))
+    celery.send_task(EXPIRE_TASK, args=[batch_id], queue=BATCHES_QUEUE, countdown=countdown)
+
+
+def request_cancel(celery: Celery, batch_id: str) -> None:
+    celery.send_task(CANCEL_TASK, args=[batch_id], queue=BATCHES_QUEUE)
+
+
+# --- Tasks ----------------------------------------------------------------------------------------
+
+@shared_task(name=ENQUEUE_CHUNK_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
+             retry_backoff=True, retry_backoff_max=60)
+def enqueue_chunk(self, batch_id: str, index: int) -> int:
+    rt = runtime(self.app)
+    try:
+        return submit_chunk(rt, batch_id, index)
+    except QueueFullError as full:
+        raise self.retry(countdown=_retry_after(full), max_retries=None) from None
+
+
+@shared_task(name=CANCEL_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
+             retry_backoff=True, retry_backoff_max=60)
+def cancel(self, batch_id: str) -> None:
+    cancel_lines(runtime(self.app), batch_id)
+
+
+@shared_task(name=EXPIRE_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
+             retry_backoff=True, retry_backoff_max=60)
+def expire_check(self, batch_id: str) -> None:
+    rt = runtime(self.app)
+    remaining = expire(rt, batch_id)
+    if remaining is not None:
+        schedule_expiry(self.app, rt.settings, batch_id, remaining)
+
+
+# --- The work (plain functions of the runtime: tests call them directly) --------------------------
+
+def submit_chunk(rt, batch_id: str, index: int) -> int:
+    """Create and enqueue the jobs of chunk ``index``; how many were created.
+
+    Raises ``QueueFullError`` when a cap on unfinished jobs is reached (the lines created so far
+    stay; the retry carries on after them).
+    """
+    store = batch_store(rt)
+    try:
+        batch = store.get(batch_id)
+    except NotFoundError:
+        return 0
+    if batch["status"] != "in_progress":
+        return 0  # cancelled or expired: the cancel / expiry sweep counts these lines
+    lines = store.chunk(batch_id, index, batch["chunk_size"])
+    numbers = [line["line"] for line in lines]
+    skip = store.ended(batch_id, numbers) | set(store.line_jobs(batch_id, numbers))
+    created: dict[int, str] = {}
+    try:
+        for line in lines:
+            if line["line"] in skip:
+                continue
+            extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
+            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=line["request"], extra=extra)
+            store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
+            created[line["line"]] = job["id"]
+    except (QueueFullError, *_REDIS_DOWN):
+        raise
+    except Exception:
+        # A bug, not a user error (the lines were validated): these lines cannot run; the batch
+        # goes on and ends "failed".
+        log.exception("batch %s chunk %d: could not create jobs", batch_id, index)
+        store.mark_broken(batch_id)
+        unsent = [line for line in lines if line["line"] not in skip and line["line"] not in created]
+        record_lines(rt, batch_id, [line_error(line, "internal_error", "the service could not run this line")
+                                    for line in unsent])
+    finally:
+        if created:
+            _cancel_if_stopped(rt, batch, list(created.values()))
+    return len(created)
+
+
+def _cancel_if_stopped(rt, batch: dict, job_ids: list[str]) -> None:
+    """A cancel or the expiry may have swept the batch while this chunk made jobs: cancel those."""
+    status = batch_store(rt).get(batch["id"])["status"]
+    if status == "in_progress":
+        return
+    reason = EXPIRED if status == "expired" else CANCELLED
+    entries = []
+    for job_id in job_ids:
+        job = rt.jobs.cancel(job_id, owner=batch["owner"])
+        if job["status"] in JOB_TERMINAL:
+            entries.append(job_entry(job, reason))
+    record_lines(rt, batch["id"], entries)
+
+
+def _retry_after(error: QueueFullError) -> float:
+    try:
+        return float(error.headers.get("Retry-After", DEFAULT_RETRY_AFTER))
+    except ValueError:
+        return DEFAULT_RETRY_AFTER
