@@ -7,17 +7,15 @@ rejected by name (marshmallow's RAISE), never silently dropped.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates, validates_schema
+from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
 JOB_KINDS = ("generate", "score")
 JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
 JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
 CONTENT_TYPES = ("image_url", "video_url", "audio_url")
 MAX_TOKEN_ID = 2**31 - 1
-METADATA_MAX_BYTES = 4096
 
 # SGLang name -> our name. `image_data` takes a URL or a list of URLs.
 SGLANG_ALIASES = {
@@ -100,7 +98,7 @@ class JobRequestSchema(Schema):
     completion_token_ids = _token_list(metadata={"description": "kind=score: the tokens to score"})
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     webhook = fields.Nested(WebhookSchema)
-    metadata = fields.Dict(keys=fields.String(), metadata={"description": f"At most {METADATA_MAX_BYTES} bytes as JSON"})
+    metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
 
     @pre_load
     def accept_sglang_names(self, data: Any, **_) -> Any:
@@ -127,11 +125,6 @@ class JobRequestSchema(Schema):
                 value = [{"type": "image_url", "url": url} for url in urls]
             data[target] = value
         return data
-
-    @validates("metadata")
-    def metadata_small(self, value: dict, **_) -> None:
-        if len(json.dumps(value)) > METADATA_MAX_BYTES:
-            raise ValidationError(f"metadata must be at most {METADATA_MAX_BYTES} bytes as JSON")
 
     @validates_schema
     def consistent(self, data: dict, **_) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.errors import ContextLengthError, InvalidRequestError
@@ -23,6 +24,10 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
         raise TooManyContentPartsError(
             f"{len(parts)} content parts; at most {settings.max_content_parts} are accepted"
         )
+    metadata = request.get("metadata")
+    if metadata is not None and len(json.dumps(metadata)) > settings.max_metadata_bytes:
+        raise InvalidRequestError("metadata is too large",
+                                  errors={"metadata": [f"at most {settings.max_metadata_bytes} bytes as JSON"]})
     params = request["sampling_params"]
     params.setdefault("max_tokens", settings.default_max_tokens)
     max_len = svc.max_model_len

@@ -11,8 +11,9 @@ import dataclasses
 import ipaddress
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from environs import Env, EnvError
 
@@ -68,8 +69,6 @@ class Settings:
     fetch_timeout: float = 30.0
     fetch_retries: int = 2
     max_image_pixels: int = 40_000_000
-    max_video_frames: int = 256
-    max_media_seconds: float = 600.0
     # Multimodal cache and feature transport.
     mm_cache_bytes: int = 512 * 1024 * 1024
     transport: str = "auto"
@@ -95,67 +94,62 @@ class Settings:
         return f"generate.{self.node_id}"
 
 
+# Checks beyond the type, by field. Every field of Settings is read from ROLLOUT_<FIELD NAME>.
+_CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "transport": ("auto", "inline", "shm", "cuda_ipc"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+}
+_RANGES = {
+    "port": (1, 65535),
+    "api_workers": (1, 64),
+    "result_ttl": (60, 10**9),
+    "default_max_tokens": (1, 10**6),
+    "max_model_len": (1, 10**8),
+    "max_body_bytes": (1024, 2**34),
+    "max_content_parts": (0, 1024),
+    "max_metadata_bytes": (0, 2**20),
+    "max_queued_per_key": (1, 10**9),
+    "max_queued_total": (1, 10**9),
+    "sync_timeout_max": (0, 3600),
+    "task_soft_time_limit": (1, 10**6),
+    "task_time_limit": (1, 10**6),
+    "visibility_timeout": (1, 10**7),
+    "gpu_batch_size": (1, 4096),
+    "gpu_batch_wait_ms": (0, 10_000),
+    "torch_threads": (1, 1024),
+    "cpu_concurrency": (1, 1024),
+    "media_max_bytes": (1, 2**34),
+    "fetch_connect_timeout": (0.01, 600),
+    "fetch_timeout": (0.01, 3600),
+    "fetch_retries": (0, 10),
+    "max_image_pixels": (1, 2**34),
+    "max_video_frames": (1, 100_000),
+    "max_media_seconds": (0.01, 86_400),
+    "mm_cache_bytes": (0, 2**40),
+    "shm_pool_bytes": (1024, 2**40),
+    "handle_ack_timeout": (1, 86_400),
+    "webhook_timeout": (0.1, 600),
+    "batch_max_lines": (1, 10**7),
+    "batch_max_bytes": (1, 2**40),
+    "batch_chunk_size": (1, 10_000),
+    "batch_completion_window": (60, 10**7),
+}
+_VALIDATORS = {"node_id": lambda: _node_id}
+
+
+def env_name(field_name: str) -> str:
+    return "ROLLOUT_" + field_name.upper()
+
+
 def load_settings() -> Settings:
     """Parse every ``ROLLOUT_*`` variable; raise one :class:`SettingsError` naming each bad one."""
     env = Env(eager=False, expand_vars=False, prefix="ROLLOUT_")
     defaults = Settings()
-    values = dict(
-        redis_url=env.str("REDIS_URL", None) or None,
-        state_dir=env.path("STATE_DIR", defaults.state_dir),
-        model=env.str("MODEL", None) or None,
-        device=env.str("DEVICE", "auto", validate=_one_of("auto", "cpu", "cuda")),
-        dtype=env.str("DTYPE", "auto", validate=_one_of("auto", "float32", "bfloat16", "float16")),
-        weight_version=env.str("WEIGHT_VERSION", None) or None,
-        api_keys=tuple(_clean(env.list("API_KEYS", []))),
-        host=env.str("HOST", defaults.host),
-        port=env.int("PORT", defaults.port, validate=_between(1, 65535)),
-        api_workers=env.int("API_WORKERS", defaults.api_workers, validate=_between(1, 64)),
-        node_id=env.str("NODE_ID", defaults.node_id, validate=_node_id),
-        result_ttl=env.int("RESULT_TTL", defaults.result_ttl, validate=_between(60, 10**9)),
-        default_max_tokens=env.int(
-            "DEFAULT_MAX_TOKENS", defaults.default_max_tokens, validate=_between(1, 10**6)
-        ),
-        max_model_len=env.int("MAX_MODEL_LEN", None),
-        max_body_bytes=env.int("MAX_BODY_BYTES", defaults.max_body_bytes, validate=_between(1024, 2**34)),
-        max_content_parts=env.int(
-            "MAX_CONTENT_PARTS", defaults.max_content_parts, validate=_between(0, 1024)
-        ),
-        max_queued_per_key=env.int(
-            "MAX_QUEUED_PER_KEY", defaults.max_queued_per_key, validate=_between(1, 10**9)
-        ),
-        max_queued_total=env.int("MAX_QUEUED_TOTAL", defaults.max_queued_total, validate=_between(1, 10**9)),
-        task_soft_time_limit=env.int(
-            "TASK_SOFT_TIME_LIMIT", defaults.task_soft_time_limit, validate=_between(1, 10**6)
-        ),
-        task_time_limit=env.int("TASK_TIME_LIMIT", defaults.task_time_limit, validate=_between(1, 10**6)),
-        visibility_timeout=env.int(
-            "VISIBILITY_TIMEOUT", defaults.visibility_timeout, validate=_between(1, 10**7)
-        ),
-        gpu_batch_size=env.int("GPU_BATCH_SIZE", defaults.gpu_batch_size, validate=_between(1, 4096)),
-        gpu_batch_wait_ms=env.int(
-            "GPU_BATCH_WAIT_MS", defaults.gpu_batch_wait_ms, validate=_between(0, 10_000)
-        ),
-        torch_threads=env.int("TORCH_THREADS", defaults.torch_threads, validate=_between(1, 1024)),
-        cpu_concurrency=env.int("CPU_CONCURRENCY", defaults.cpu_concurrency, validate=_between(1, 1024)),
-        allowed_media_domains=tuple(_clean(env.list("ALLOWED_MEDIA_DOMAINS", []))),
-        outbound_allow_networks=tuple(_clean(env.list("OUTBOUND_ALLOW_NETWORKS", []))),
-        outbound_allowed_ports=tuple(env.list("OUTBOUND_ALLOWED_PORTS", [80, 443], subcast=int)),
-        media_root=env.path("MEDIA_ROOT", None),
-        media_max_bytes=env.int("MEDIA_MAX_BYTES", defaults.media_max_bytes, validate=_between(1, 2**34)),
-        fetch_connect_timeout=env.float("FETCH_CONNECT_TIMEOUT", defaults.fetch_connect_timeout),
-        fetch_timeout=env.float("FETCH_TIMEOUT", defaults.fetch_timeout),
-        mm_cache_bytes=env.int("MM_CACHE_BYTES", defaults.mm_cache_bytes, validate=_between(0, 2**40)),
-        transport=env.str("TRANSPORT", "auto", validate=_one_of("auto", "inline", "shm", "cuda_ipc")),
-        shm_pool_bytes=env.int("SHM_POOL_BYTES", defaults.shm_pool_bytes, validate=_between(1024, 2**40)),
-        webhook_secrets=tuple(_clean(env.list("WEBHOOK_SECRETS", []))),
-        webhook_retry_schedule=tuple(
-            env.list("WEBHOOK_RETRY_SCHEDULE", list(defaults.webhook_retry_schedule), subcast=float)
-        ),
-        key_webhooks=env.dict("KEY_WEBHOOKS", {}),
-        batch_max_lines=env.int("BATCH_MAX_LINES", defaults.batch_max_lines, validate=_between(1, 10**7)),
-        batch_max_bytes=env.int("BATCH_MAX_BYTES", defaults.batch_max_bytes, validate=_between(1, 2**40)),
-        log_level=env.str("LOG_LEVEL", "INFO", validate=_one_of("DEBUG", "INFO", "WARNING", "ERROR")),
-    )
+    values = {}
+    for spec in fields(Settings):
+        values[spec.name] = _read(env, spec.name, spec.type, getattr(defaults, spec.name))
     try:
         env.seal()
     except EnvError as exc:
@@ -163,6 +157,39 @@ def load_settings() -> Settings:
     settings = Settings(**values)
     _check_consistency(settings)
     return settings
+
+
+def _read(env: Env, name: str, type_name: str, default: Any) -> Any:
+    key = name.upper()
+    validate = None
+    if name in _CHOICES:
+        validate = _one_of(*_CHOICES[name])
+    elif name in _RANGES:
+        validate = _between(*_RANGES[name])
+    elif name in _VALIDATORS:
+        validate = _VALIDATORS[name]()
+    base = type_name.replace(" | None", "")
+    optional = type_name.endswith("| None")
+    if base == "int":
+        return (
+            env.int(key, default, validate=validate)
+            if not optional
+            else env.int(key, None, validate=validate)
+        )
+    if base == "float":
+        return env.float(key, default, validate=validate)
+    if base == "Path":
+        return env.path(key, default)
+    if base.startswith("tuple["):
+        item = {"tuple[int, ...]": int, "tuple[float, ...]": float}.get(base, str)
+        raw = env.list(key, list(default), subcast=item)
+        if raw is None:  # unparsable: env.seal() reports it
+            return default
+        return tuple(_clean(raw) if item is str else raw)
+    if base.startswith("Mapping"):
+        return env.dict(key, dict(default))
+    value = env.str(key, default, validate=validate)
+    return (value or None) if optional else value
 
 
 def _check_consistency(s: Settings) -> None:
@@ -215,5 +242,7 @@ def _between(low: int, high: int):
 def _node_id(value: str) -> None:
     from marshmallow import ValidationError
 
+    if value is None:
+        raise ValidationError("must not be empty")
     if not value or not all(c.isalnum() or c in "-_." for c in value):
         raise ValidationError("must be letters, digits, '-', '_' or '.'")

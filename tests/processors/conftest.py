@@ -1,0 +1,99 @@
+"""Processor fixtures: a tiny model of every registered architecture, the real fetcher (images
+travel as data: URLs), the real inline transport and a multimodal cache on the session's Redis
+(the isolated redis-server started by tests/conftest.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine.demo_model import ARCHS, build_demo_model
+from engine.transport import InlineTransport, open_feature
+from processors.cache import MultimodalCache
+from processors.fetch import FetchPolicy, GuardedFetcher
+from processors.pipeline import PreprocessLimits
+from processors.registry import load_processor
+
+torch.set_num_threads(1)
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("processor-models")
+    return {arch: build_demo_model(root / arch, arch=arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def processors(model_dirs):
+    return {arch: load_processor(directory) for arch, directory in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def models(model_dirs):
+    """Models loaded on first use (not every test needs one)."""
+    from transformers import AutoModelForImageTextToText
+
+    loaded = {}
+
+    def get(arch):
+        if arch not in loaded:
+            loaded[arch] = AutoModelForImageTextToText.from_pretrained(model_dirs[arch]).eval()
+        return loaded[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fetcher():
+    return GuardedFetcher(FetchPolicy())
+
+
+@pytest.fixture(scope="session")
+def transport():
+    return InlineTransport()
+
+
+@pytest.fixture
+def limits():
+    return PreprocessLimits()
+
+
+@pytest.fixture
+def cache(redis_client):
+    cache = MultimodalCache(redis_client, max_bytes=64 * 1024 * 1024, namespace=f"test:{uuid.uuid4().hex}")
+    yield cache
+    cache.clear()
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def image_url():
+    """``image_url(width, height, seed)``: a data: URL of a noise PNG (seeded, so repeatable)."""
+
+    def make(width: int = 64, height: int = 48, seed: int = 0) -> str:
+        return "data:image/png;base64," + base64.b64encode(png_bytes(width, height, seed)).decode()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def open_items():
+    """Open the items' transport handles, as the GPU side does; the items keep their handles."""
+
+    def open_(items):
+        from dataclasses import replace
+
+        return [replace(item, features={k: open_feature(v) for k, v in item.features.items()}) for item in items]
+
+    return open_

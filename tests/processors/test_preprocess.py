@@ -1,0 +1,91 @@
+"""The pipeline around the placeholders: errors of fetching and limits, timings, and the fixed
+finalize lifecycle (features are wrapped last and refuse every access afterwards)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+import torch
+
+from engine.errors import ContextLengthError, InvalidRequestError, WrappedFeatureAccessError
+from engine.model_inputs import build_mm_kwargs
+from engine.transport import WrappedFeature
+from processors.errors import UnsupportedModalityError
+from processors.fetch import MediaBlockedError, MediaDecodeError
+from processors.pipeline import PreprocessLimits, preprocess
+
+QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture
+def run(processors, fetcher, transport, limits):
+    def run_(request, *, limits=limits, cache=None, arch="qwen2_vl"):
+        return preprocess(request, processor=processors[arch], fetcher=fetcher, cache=cache,
+                          transport=transport, limits=limits)
+
+    return run_
+
+
+def test_fetch_errors_keep_their_type_and_name_the_part(run, image_url):
+    blocked = [{"type": "image_url", "url": image_url()}, {"type": "image_url", "url": "http://127.0.0.1/a.png"}]
+    with pytest.raises(MediaBlockedError) as caught:
+        run({"prompt": f"{QWEN}{QWEN}", "content_parts": blocked})
+    assert caught.value.message.startswith("content_parts[1]: ")
+    assert caught.value.errors == {"reason": "address", "part": 1} and caught.value.reason == "address"
+
+    junk = "data:image/png;base64," + base64.b64encode(b"not an image").decode()
+    with pytest.raises(MediaDecodeError, match=r"^content_parts\[0\]: "):
+        run({"prompt": QWEN, "content_parts": [{"type": "image_url", "url": junk}]})
+
+
+def test_video_and_unknown_parts_are_refused(run, image_url):
+    with pytest.raises(UnsupportedModalityError, match=r"content_parts\[0\].*not video"):
+        run({"prompt": "x", "content_parts": [{"type": "video_url", "url": image_url()}]})
+    with pytest.raises(InvalidRequestError, match="unknown type"):
+        run({"prompt": "x", "content_parts": [{"type": "file", "url": image_url()}]})
+
+
+def test_request_shape_and_limits(run, processors, image_url):
+    part = [{"type": "image_url", "url": image_url()}]
+    with pytest.raises(InvalidRequestError, match="exactly one of token_ids and prompt"):
+        run({"prompt": "a", "token_ids": [1]})
+    with pytest.raises(InvalidRequestError, match=r"token_ids\[1\]"):
+        run({"token_ids": [1, len(processors["qwen2_vl"].tokenizer)]})
+    with pytest.raises(InvalidRequestError, match="more than the limit of 1"):
+        run({"prompt": QWEN * 2, "content_parts": part * 2}, limits=PreprocessLimits(max_items=1))
+    # 4 image tokens + the frame + 6 text tokens: over a limit of 8 once expanded.
+    with pytest.raises(ContextLengthError, match="more than the limit of 8"):
+        run({"prompt": f"{QWEN} describe it", "content_parts": part}, limits=PreprocessLimits(max_prompt_tokens=8))
+
+
+def test_text_only_prompt(run, processors):
+    result = run({"prompt": "hello there"})
+    assert result.items == [] and result.prompt_token_ids == processors["qwen2_vl"].tokenizer("hello there")["input_ids"]
+
+
+def test_timings_and_wrapped_items(run, image_url, open_items):
+    result = run({"prompt": f"{QWEN} and {QWEN}", "content_parts": [
+        {"type": "image_url", "url": image_url(64, 48, 1)}, {"type": "image_url", "url": image_url(90, 40, 2)}]})
+    assert set(result.timings) == {"fetch", "decode", "cache", "process", "finalize"}
+    assert all(seconds >= 0 for seconds in result.timings.values()) and result.timings["process"] > 0
+    assert [item.metadata["part"] for item in result.items] == [0, 1]
+
+    # Finalize wrapped every feature last: the pipeline never touched one afterwards (a wrapped
+    # feature refuses indexing, slicing, torch ops and tensor methods)...
+    for item in result.items:
+        assert item.content_hash and 0 <= item.pad_value < 2**30
+        for feature in item.features.values():
+            assert isinstance(feature, WrappedFeature)
+            with pytest.raises(WrappedFeatureAccessError):
+                feature[0]
+            with pytest.raises(WrappedFeatureAccessError):
+                torch.cat([feature, feature])
+            with pytest.raises(WrappedFeatureAccessError):
+                feature.reshape(-1)
+    # ...and the engine-input assembly refuses wrapped items too: it needs opened handles.
+    with pytest.raises(TypeError, match="wrapped"):
+        build_mm_kwargs(result.items)
+    kwargs = build_mm_kwargs(open_items(result.items))
+    assert kwargs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
+    assert kwargs["pixel_values"].shape == (16 + 12, 1176)

@@ -1,0 +1,110 @@
+"""One contract, every registered processor: on a tiny model of its architecture, a text prompt
+and the equivalent token prompts (collapsed and already expanded) give identical results, cached
+and uncached give identical results, each image gets exactly as many placeholders as the model
+consumes feature rows for it, and the model runs a forward pass on the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model_inputs import build_mm_kwargs
+from processors.pipeline import preprocess
+from processors.registry import supported_architectures
+
+# Every registered processor (as supported_architectures() names it) and its demo model.
+DEMO_ARCH = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "LlavaForConditionalGeneration": "llava",
+    "LlavaForConditionalGeneration (vision: pixtral)": "pixtral",
+}
+
+
+def test_every_registered_processor_has_a_demo_model():
+    assert set(supported_architectures()) == set(DEMO_ARCH)
+
+
+def assert_same(expected, actual, open_items):
+    assert actual.prompt_token_ids == expected.prompt_token_ids
+    assert actual.placeholder_ranges == expected.placeholder_ranges
+    assert [i.content_hash for i in actual.items] == [i.content_hash for i in expected.items]
+    assert [i.pad_value for i in actual.items] == [i.pad_value for i in expected.items]
+    for want, got in zip(open_items(expected.items), open_items(actual.items), strict=True):
+        assert want.features.keys() == got.features.keys()
+        for name in want.features:
+            assert got.features[name].dtype == want.features[name].dtype
+            assert torch.equal(got.features[name], want.features[name]), name
+
+
+def image_rows(model, mm_kwargs) -> list[int]:
+    """Feature rows the model's vision side produces per image (what replaces placeholders)."""
+    with torch.no_grad():
+        pooled = model.get_image_features(**mm_kwargs).pooler_output
+    if isinstance(pooled, torch.Tensor) and pooled.dim() == 3:  # (images, rows, hidden)
+        return [pooled.shape[1]] * pooled.shape[0]
+    return [part.shape[0] for part in pooled]
+
+
+@pytest.mark.parametrize("registered", sorted(DEMO_ARCH))
+def test_processor_contract(
+    registered, processors, models, fetcher, transport, cache, limits, image_url, open_items
+):
+    arch = DEMO_ARCH[registered]
+    processor = processors[arch]
+    parts = [
+        {"type": "image_url", "url": image_url(64, 48, seed=1)},
+        {"type": "image_url", "url": image_url(40, 90, seed=2)},
+    ]
+    native = processor.native_image_placeholder
+    prompt = f"Compare {native} with <image> and answer briefly."
+
+    def run(request, with_cache=False):
+        return preprocess(
+            request, processor=processor, fetcher=fetcher, cache=cache if with_cache else None,
+            transport=transport, limits=limits,
+        )
+
+    text = run({"prompt": prompt, "content_parts": parts})
+    assert len(text.items) == 2 and text.cache_hits == 0
+
+    # The same prompt as token ids: one collapsed placeholder per image, then fully expanded.
+    collapsed = processor.tokenizer(prompt.replace("<image>", native))["input_ids"]
+    assert len(collapsed) < len(text.prompt_token_ids)
+    assert_same(text, run({"token_ids": collapsed, "content_parts": parts}), open_items)
+    assert_same(text, run({"token_ids": text.prompt_token_ids, "content_parts": parts}), open_items)
+
+    cold = run({"prompt": prompt, "content_parts": parts}, with_cache=True)
+    warm = run({"prompt": prompt, "content_parts": parts}, with_cache=True)  # this worker's memory
+    assert (cold.cache_hits, warm.cache_hits) == (0, 2)
+    assert_same(text, cold, open_items)
+    assert_same(text, warm, open_items)
+    cache.clear_local()
+    shared = run({"prompt": prompt, "content_parts": parts}, with_cache=True)  # from Redis
+    assert shared.cache_hits == 2
+    assert_same(text, shared, open_items)
+
+    # The fast path's replacement runs are the HF processor's own.
+    for item in open_items(text.items):
+        hf_text = processor.hf.replace_image_token(item.features, image_idx=0)
+        assert processor.replacement_ids(item.features, 0) == processor.tokenizer(
+            hf_text, add_special_tokens=False)["input_ids"]
+
+    # Placeholders per image == feature rows the model consumes for it; then a forward pass.
+    model = models(arch)
+    mm_kwargs = build_mm_kwargs(open_items(warm.items))
+    placeholders = [
+        processor.embed_token_count(warm.prompt_token_ids[r["offset"]:r["offset"] + r["length"]])
+        for r in warm.placeholder_ranges
+    ]
+    assert placeholders == image_rows(model, mm_kwargs)
+    assert sum(placeholders) == sum(t == processor.image_token_id for t in warm.prompt_token_ids)
+
+    input_ids = torch.tensor([warm.prompt_token_ids])
+    extra = {}
+    if "mm_token_type_ids" in processor.hf.model_input_names:
+        extra["mm_token_type_ids"] = (input_ids == processor.image_token_id).long()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, **mm_kwargs, **extra).logits
+    assert logits.shape[:2] == input_ids.shape and torch.isfinite(logits).all()

@@ -1,0 +1,79 @@
+"""/v1/render: chat messages to the exact token ids a job with those ids reproduces."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.demo_model import ARCHS
+from engine.errors import InvalidRequestError
+from processors.pipeline import preprocess
+from processors.render import render
+
+
+def messages_with_images(url_a, url_b):
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "Compare "},
+            {"type": "image_url", "image_url": {"url": url_a}},
+            {"type": "text", "text": " with "},
+            {"type": "image_url", "image_url": {"url": url_b}, "uuid": "img-b"},
+        ]},
+    ]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rendered_ids_come_back_unchanged(arch, processors, fetcher, transport, limits, image_url):
+    processor = processors[arch]
+    url_a, url_b = image_url(64, 48, 1), image_url(40, 90, 2)
+    rendered = render(messages_with_images(url_a, url_b), processor, fetcher=fetcher)
+    assert rendered["content_parts"] == [
+        {"type": "image_url", "url": url_a}, {"type": "image_url", "url": url_b, "uuid": "img-b"}]
+
+    job = preprocess({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"]},
+                     processor=processor, fetcher=fetcher, cache=None, transport=transport, limits=limits)
+    assert job.prompt_token_ids == rendered["token_ids"]  # expanded runs are never expanded again
+    lengths = [len(processor.replacement_ids(f, 0)) for f in (
+        processor.process_images([img], {}) for img in _decode(fetcher, url_a, url_b))]
+    assert [r["length"] for r in job.placeholder_ranges] == lengths
+
+
+def _decode(fetcher, *urls):
+    from processors.fetch import decode_image
+
+    return [decode_image(fetcher.fetch(url).data, max_pixels=10**8) for url in urls]
+
+
+def test_render_matches_the_chat_template_text_path(processors, fetcher, transport, limits, image_url):
+    processor = processors["qwen2_vl"]
+    messages = messages_with_images(image_url(64, 48, 1), image_url(40, 90, 2))
+    rendered = render(messages, processor, fetcher=fetcher)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                      {"type": "text", "text": " with "}, {"type": "image"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and text.count("<|vision_start|><|image_pad|>") == 2
+    job = preprocess({"prompt": text, "content_parts": rendered["content_parts"]}, processor=processor,
+                     fetcher=fetcher, cache=None, transport=transport, limits=limits)
+    assert job.prompt_token_ids == rendered["token_ids"]
+
+
+def test_render_fills_the_cache_for_the_job_that_follows(processors, fetcher, transport, limits, cache, image_url):
+    processor = processors["qwen2_vl"]
+    rendered = render(messages_with_images(image_url(64, 48, 1), image_url(40, 90, 2)), processor,
+                      fetcher=fetcher, cache=cache)
+    job = preprocess({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"]},
+                     processor=processor, fetcher=fetcher, cache=cache, transport=transport, limits=limits)
+    assert job.cache_hits == 2 and job.prompt_token_ids == rendered["token_ids"]
+
+
+def test_text_only_and_malformed_messages(processors, fetcher):
+    processor = processors["llava"]
+    rendered = render([{"role": "user", "content": "hi"}], processor, fetcher=fetcher)
+    assert rendered["content_parts"] == []
+    assert rendered["token_ids"] == processor.tokenizer("USER: hi\nASSISTANT:", add_special_tokens=False)["input_ids"]
+    for bad in ([], [{"content": "no role"}], [{"role": "user", "content": [{"type": "audio"}]}],
+                [{"role": "user", "content": [{"type": "image_url", "image_url": "not-an-object"}]}]):
+        with pytest.raises(InvalidRequestError):
+            render(bad, processor, fetcher=fetcher)

@@ -1,0 +1,57 @@
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from workers.settings import Settings, SettingsError, env_name, load_settings
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_defaults_load_without_any_variable(monkeypatch):
+    for spec in fields(Settings):
+        monkeypatch.delenv(env_name(spec.name), raising=False)
+    settings = load_settings()
+    assert settings.redis_url is None and settings.model is None
+    assert settings.visibility_timeout > settings.task_time_limit > settings.task_soft_time_limit
+
+
+def test_values_are_parsed_and_lists_stripped(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_API_KEYS", " a , b ,")
+    monkeypatch.setenv("ROLLOUT_OUTBOUND_ALLOWED_PORTS", "80,8080")
+    monkeypatch.setenv("ROLLOUT_PORT", "9000")
+    monkeypatch.setenv("ROLLOUT_MEDIA_ROOT", "/srv/media")
+    settings = load_settings()
+    assert settings.api_keys == ("a", "b")
+    assert settings.outbound_allowed_ports == (80, 8080)
+    assert settings.port == 9000 and settings.media_root == Path("/srv/media")
+
+
+def test_every_bad_variable_is_named_in_one_error(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_PORT", "70000")
+    monkeypatch.setenv("ROLLOUT_DEVICE", "tpu")
+    monkeypatch.setenv("ROLLOUT_RESULT_TTL", "soon")
+    with pytest.raises(SettingsError) as caught:
+        load_settings()
+    message = caught.value.message
+    assert all(name in message for name in ("ROLLOUT_PORT", "ROLLOUT_DEVICE", "ROLLOUT_RESULT_TTL"))
+
+
+@pytest.mark.parametrize("env", [
+    {"ROLLOUT_VISIBILITY_TIMEOUT": "100", "ROLLOUT_TASK_TIME_LIMIT": "200", "ROLLOUT_TASK_SOFT_TIME_LIMIT": "100"},
+    {"ROLLOUT_TASK_SOFT_TIME_LIMIT": "700"},
+    {"ROLLOUT_OUTBOUND_ALLOW_NETWORKS": "not-a-cidr"},
+    {"ROLLOUT_REDIS_URL": "http://localhost:6379"},
+    {"ROLLOUT_WEBHOOK_SECRETS": "plain-secret"},
+])
+def test_inconsistent_settings_are_refused(monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError):
+        load_settings()
+
+
+def test_readme_documents_every_setting():
+    text = README.read_text()
+    missing = [env_name(spec.name) for spec in fields(Settings) if f"`{env_name(spec.name)}`" not in text]
+    assert not missing, f"README configuration table lacks {missing}"
