@@ -41,6 +41,12 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+def db_url(url: str, db: int) -> str:
+    """The same Redis, another database: test groups that run workers must not see each other's
+    queues (db 1: the end-to-end stack, 2: API tests, 3: batch store, 5: webhooks)."""
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
 @pytest.fixture
 def redis_client(redis_url):
     client = redis.Redis.from_url(redis_url)

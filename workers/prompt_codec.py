@@ -54,7 +54,8 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
     """Open every feature handle (HandleUnavailableError when the producer's memory is gone)."""
     items, handles = [], []
     for raw in payload["items"]:
-        tensors = {name: open_feature(handle, device=device) for name, handle in raw["features"].items()}
+        # Held open (zero-copy) until release_prompt acknowledges them after the batch.
+        tensors = {name: open_feature(handle, device=device, hold=True) for name, handle in raw["features"].items()}
         handles.extend(raw["features"].values())
         items.append(MultimodalItem(modality=raw["modality"], features=tensors, offset=tuple(raw["offset"]),
                                     content_hash=raw["content_hash"], pad_value=raw["pad_value"]))

@@ -19,18 +19,22 @@ from .wrapped import WrappedFeature
 _OPENERS = {"inline": open_inline, "shm": shm.open_shm, "cuda_ipc": cuda_ipc.open_cuda_ipc}
 
 
-def open_feature(handle: dict[str, Any] | WrappedFeature, *, device: Any = None) -> torch.Tensor:
+def open_feature(
+    handle: dict[str, Any] | WrappedFeature, *, device: Any = None, hold: bool = False
+) -> torch.Tensor:
     """The tensor behind a handle.
 
     ``inline`` and ``shm`` give a private copy (default on CPU); ``cuda_ipc`` gives a zero-copy
-    view on the producer's GPU unless ``device`` names another device. Acknowledge non-inline
-    handles with ``acknowledge`` once the tensor is no longer used (shm: right after this call).
+    view on the producer's GPU unless ``device`` names another device. With ``hold=True`` shm
+    gives a zero-copy view too: the caller holds the producer's memory and must not use the
+    tensor after acknowledging. Acknowledge non-inline handles with ``acknowledge`` once done
+    (after a copy: right away). ``opened`` does hold + acknowledge as one block.
 
     Raises HandleUnavailableError (retryable: re-preprocess) when the producer's memory is gone,
     TransportError for a malformed handle.
     """
     handle = _unwrap(handle)
-    return _opener(handle)(handle, device=device)
+    return _opener(handle)(handle, device=device, hold=hold)
 
 
 @contextmanager
@@ -43,7 +47,7 @@ def opened(
     """
     handles = [_unwrap(h) for h in handles]
     try:
-        yield [_opener(h)(h, device=device, view=True) for h in handles]
+        yield [_opener(h)(h, device=device, hold=True) for h in handles]
     finally:
         acknowledge(client, handles)
 

@@ -94,9 +94,10 @@ _lock = threading.Lock()
 _opened: OrderedDict[str, tuple[str, torch.Tensor]] = OrderedDict()  # pool id -> (share, buffer)
 
 
-def open_cuda_ipc(handle: dict[str, Any], *, device: Any = None, view: bool = True) -> torch.Tensor:
+def open_cuda_ipc(handle: dict[str, Any], *, device: Any = None, hold: bool = False) -> torch.Tensor:
     """The feature as a zero-copy view on the producer's GPU (valid until acked), or a copy
-    when ``device`` names another device (e.g. ``"cpu"``) or ``view`` is False."""
+    when ``device`` names another device (e.g. ``"cpu"``). ``hold`` changes nothing here: on its
+    own device it is always the zero-copy view, as the consumer holds features until it acks."""
     dtype, shape, nbytes = layout(handle)
     pool_id = field(handle, "pool", str)
     offset = field(handle, "offset", int)
@@ -116,7 +117,7 @@ def open_cuda_ipc(handle: dict[str, Any], *, device: Any = None, view: bool = Tr
         raise HandleUnavailableError("CUDA feature was released or reclaimed")
     region = buffer[offset : offset + nbytes].view(dtype).view(shape)
     target = buffer.device if device is None else _resolve(device)
-    if view and target == buffer.device:
+    if target == buffer.device:
         return region
     out = region.to(target, copy=True)
     if bytes(header.cpu().numpy()) != expected:

@@ -38,7 +38,7 @@ class InlineTransport:
         self.close()
 
 
-def open_inline(handle: dict[str, Any], *, device: Any = None, view: bool = False) -> torch.Tensor:
-    # ``view`` is accepted for a uniform opener signature: decoding always makes a new tensor.
+def open_inline(handle: dict[str, Any], *, device: Any = None, hold: bool = False) -> torch.Tensor:
+    # ``hold`` is accepted for a uniform opener signature: decoding always makes a new tensor.
     tensor = decode_inline(handle)
     return tensor if device is None else tensor.to(device)

@@ -7,7 +7,8 @@ crashed worker leaves nothing in /dev/shm. If the tracker dies too (the whole pr
 killed), ``sweep_orphaned_segments`` removes segments whose producer pid is gone.
 
 Consumer: attaches by name, zero-copy (``torch.frombuffer``), and copies the feature out, so the
-producer may reuse the region as soon as the consumer acks. The attachment is cached per
+producer may reuse the region as soon as the consumer acks; or, with ``hold=True`` (``opened``),
+uses the view itself until it acks, which saves the copy. The attachment is cached per
 segment (a pool is one segment, so a consumer maps each producer once). On Python < 3.13
 attaching also registers the segment with the consumer's resource tracker, which would unlink
 the producer's segment when the consumer exits; the consumer unregisters it right away, so
@@ -19,6 +20,7 @@ or died) or the region no longer holds the handle's feature id (acked or reclaim
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -130,11 +132,11 @@ _mappings: OrderedDict[str, tuple[SharedMemory, torch.Tensor]] = OrderedDict()
 _deferred: list[SharedMemory] = []
 
 
-def open_shm(handle: dict[str, Any], *, device: Any = None, view: bool = False) -> torch.Tensor:
+def open_shm(handle: dict[str, Any], *, device: Any = None, hold: bool = False) -> torch.Tensor:
     """A private copy of the feature (on ``device``, default CPU); ack the handle afterwards.
 
-    ``view=True`` (for ``opened``) returns a zero-copy CPU view of the segment instead, valid
-    until the handle is acknowledged; it keeps this process's mapping alive while it exists.
+    ``hold=True`` returns a zero-copy CPU view of the segment instead, valid until the handle is
+    acknowledged; it keeps this process's mapping alive while it exists.
     """
     dtype, shape, nbytes = layout(handle)
     name = field(handle, "segment", str)
@@ -146,14 +148,14 @@ def open_shm(handle: dict[str, Any], *, device: Any = None, view: bool = False) 
     if not name.startswith(SEGMENT_PREFIX) or "/" in name or len(expected) != ID_BYTES:
         raise TransportError("malformed shm feature handle")
     header = slice(offset - HEADER_BYTES, offset - HEADER_BYTES + ID_BYTES)
-    with _lock:  # one open at a time: eviction must not unmap a segment another thread reads
+    with _lock:  # the mapping cache is shared by the consumer's threads
         segment, base = _mapping(name)
         if offset < HEADER_BYTES or offset + nbytes > base.numel():
             raise TransportError("shm feature handle points outside its segment")
         if bytes(segment.buf[header]) != expected:
             raise HandleUnavailableError("shared-memory feature was released or reclaimed")
         region = base[offset : offset + nbytes].view(dtype).view(shape)
-        if view and (device is None or torch.device(device).type == "cpu"):
+        if hold and (device is None or torch.device(device).type == "cpu"):
             return region
         out = torch.empty(shape, dtype=dtype, device=device or "cpu")
         out.copy_(region)
@@ -165,11 +167,16 @@ def open_shm(handle: dict[str, Any], *, device: Any = None, view: bool = False) 
 
 
 def close_consumer_mappings() -> None:
-    """Unmap every cached producer segment (worker shutdown, tests)."""
+    """Unmap every cached producer segment (worker shutdown, tests; also run at exit)."""
     with _lock:
         while _mappings:
             _evict(next(iter(_mappings)))
         _close_deferred()
+
+
+# At interpreter exit, before objects are torn down in arbitrary order (SharedMemory.__del__
+# would otherwise try to close mappings our tensors still pin, and complain).
+atexit.register(close_consumer_mappings)
 
 
 def sweep_orphaned_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:

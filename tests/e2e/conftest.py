@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import db_url
 from web.app import create_app
 from workers.settings import load_settings
 
@@ -78,7 +79,7 @@ def loopback_host():
 @pytest.fixture(scope="session")
 def stack_env(redis_url, demo_model_dir, loopback_host, tmp_path_factory):
     return {
-        "ROLLOUT_REDIS_URL": redis_url,
+        "ROLLOUT_REDIS_URL": db_url(redis_url, 1),
         "ROLLOUT_MODEL": str(demo_model_dir),
         "ROLLOUT_STATE_DIR": str(tmp_path_factory.mktemp("state")),
         "ROLLOUT_NODE_ID": "e2e-node",

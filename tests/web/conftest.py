@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import pytest
+import redis
+
+from tests.conftest import db_url
 
 from web.app import create_app
 from workers.settings import Settings
@@ -10,13 +13,14 @@ KEY_B = "key-b-secret"
 
 
 @pytest.fixture
-def make_app(redis_url, redis_client, demo_model_dir, tmp_path):
+def make_app(redis_url, demo_model_dir, tmp_path):
     """Build the API with test settings (no workers: jobs stay queued)."""
+    url = db_url(redis_url, 2)
 
     def make(**overrides):
-        redis_client.flushdb()
+        redis.Redis.from_url(url).flushdb()
         settings = Settings(state_dir=tmp_path, model=str(demo_model_dir), api_keys=(KEY_A, KEY_B), **overrides)
-        app = create_app(settings, redis_url)
+        app = create_app(settings, url)
         app.config["TESTING"] = True
         return app
 

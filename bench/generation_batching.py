@@ -6,7 +6,7 @@ sampling, 64 new tokens each, ignore_eos so every request does the same work) in
 ``Engine.generate`` call vs 16 calls. :func:`score_in_process` is the in-process scoring loop
 that the bulk-scoring figure compares the service against.
 
-Run: ``python -m bench.engine`` (or ``python bench/engine.py``) from the repository root.
+Run: ``python -m bench.generation_batching`` from the repository root.
 """
 
 from __future__ import annotations
