@@ -7,7 +7,7 @@ import logging
 from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
-from web import deliveries, generate, health, jobs, metrics
+from web import batches, deliveries, generate, health, jobs, metrics, render
 from web.errors import ServiceApi, register_error_handlers
 from web.services import Services
 from workers.settings import Settings, load_settings
@@ -39,15 +39,18 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, deliveries.blp, generate.blp, health.blp):
+    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
     register_error_handlers(app)
 
     @app.before_request
     def authenticate():
-        if request.content_length is not None and request.content_length > settings.max_body_bytes:
-            raise PayloadTooLargeError(f"request body exceeds {settings.max_body_bytes} bytes")
+        # Batch uploads have their own, larger cap (checked by that view).
+        cap = (settings.batch_max_bytes + batches.MULTIPART_OVERHEAD if request.endpoint == "batches.Batches"
+               else settings.max_body_bytes)
+        if request.content_length is not None and request.content_length > cap:
+            raise PayloadTooLargeError(f"request body exceeds {cap} bytes")
         if request.endpoint not in PUBLIC_ENDPOINTS:
             g.owner = svc.keys.authenticate()
 

@@ -72,7 +72,7 @@ class JsonText(fields.Field):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ValidationError("must be JSON") from None
         return self.inner.deserialize(value)
 
@@ -336,7 +336,7 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
             continue
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             parsed.invalid.append(_line_error(number, None, "invalid_json", "the line is not valid JSON"))
             continue
         custom_id = obj.get("custom_id") if isinstance(obj, dict) else None

@@ -54,7 +54,7 @@ class ServiceApi(Api):
         errors = data.get("errors") or data.get("messages")
         if errors:
             # webargs nests body errors under the location ("json"); users see the field names.
-            body["errors"] = errors.get("json", errors) if isinstance(errors, dict) else errors
+            body["errors"] = _json_safe(errors.get("json", errors) if isinstance(errors, dict) else errors)
             body["message"] = data.get("message") or _summarise(body["errors"])
         return body, error.code, data.get("headers", {})
 
@@ -62,7 +62,7 @@ class ServiceApi(Api):
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(RolloutError)
     def handle_rollout_error(error: RolloutError):
-        response = jsonify(error.to_dict())
+        response = jsonify(_json_safe(error.to_dict()))
         response.status_code = error.http_status
         response.headers.update(error.headers)
         return response
@@ -80,6 +80,15 @@ def register_error_handlers(app: Flask) -> None:
             return app.extensions["flask-smorest"]["apis"][""]["ext_obj"].handle_http_exception(error)
         log.exception("unexpected error in a view")
         return handle_rollout_error(InternalError("internal error"))
+
+
+def _json_safe(value):
+    """Field errors keyed by whatever the client sent (even a nameless form field): string keys."""
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def _summarise(errors) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from flask import jsonify
 from flask.views import MethodView
 from flask_smorest import Blueprint
 
@@ -38,8 +39,12 @@ class Generate(MethodView):
         if finished is None or finished["status"] not in ("succeeded", "cancelled"):
             if finished is not None and finished["status"] == "failed":
                 raise _job_error(finished)
+            # A ready response: the 200 schema must not reshape the job object.
             view = public_job(finished or job)
-            return view, 202, {"Location": view["links"]["self"]}
+            response = jsonify(JobSchema().dump(view))
+            response.status_code = 202
+            response.headers["Location"] = view["links"]["self"]
+            return response
         result = finished.get("result") or {}
         return {
             "request_id": finished.get("request_id") or None,

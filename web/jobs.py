@@ -10,6 +10,7 @@ from web.schemas import JobListQuerySchema, JobListSchema, JobRequestSchema, Job
 from web.services import services
 from web.submit import submit
 from workers.job_view import public_job
+from workers.lifecycle import cancel_job
 
 blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Generation and scoring jobs")
 
@@ -58,4 +59,4 @@ class Job(MethodView):
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def delete(self, job_id):
         """Cancel a job. Idempotent; a finished job is returned unchanged."""
-        return public_job(services().jobs.cancel(job_id, owner=current_owner()))
+        return public_job(cancel_job(services(), job_id, owner=current_owner()))

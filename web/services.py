@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import redis
 from celery import Celery
@@ -11,8 +12,9 @@ from flask import current_app
 from web.auth import KeyRing
 from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
-from workers.models import context_length, resolve_model_path
+from workers.models import context_length, model_id, resolve_model_path
 from workers.redis_client import connect
+from workers.runtime import fetch_policy
 from workers.settings import Settings
 
 
@@ -34,6 +36,27 @@ class Services:
         return cls(settings, client, JobStore(client, limits), create_celery(settings, redis_url),
                    KeyRing(settings.api_keys), model_path,
                    settings.max_model_len or context_length(model_path))
+
+
+    # The model's processor, the guarded fetcher and the cache serve POST /v1/render, synchronously
+    # in the API process; built on first use so the API starts fast.
+    @cached_property
+    def processor(self):
+        from processors.registry import load_processor
+
+        return load_processor(self.model_path, model_id=model_id(self.settings))
+
+    @cached_property
+    def fetcher(self):
+        from processors.fetch import GuardedFetcher
+
+        return GuardedFetcher(fetch_policy(self.settings))
+
+    @cached_property
+    def mm_cache(self):
+        from processors.cache import MultimodalCache
+
+        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes) if self.settings.mm_cache_bytes else None
 
 
 def services() -> Services:

@@ -22,6 +22,7 @@ from engine.errors import NotFoundError
 from workers.batch_store import TERMINAL as BATCH_TERMINAL
 from workers.batch_store import BatchStore, public_batch
 from workers.job_store import TERMINAL as JOB_TERMINAL
+from workers.lifecycle import cancel_job
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,10 @@ def batch_store(rt) -> BatchStore:
 
 
 def record_job_end(rt, job: dict[str, Any]) -> None:
-    """Count the ended job's line: its result goes to the batch output, its error to the errors."""
+    """Count the ended job's line: its result goes to the batch output, its error to the errors.
+
+    Called by ``workers.lifecycle`` once per job end; a repeated call for the same line is a no-op.
+    """
     batch_id = job["batch_id"]
     if not job.get("line"):
         log.error("job %s names batch %s but no line; not counted", job["id"], batch_id)
@@ -49,8 +53,7 @@ def record_job_end(rt, job: dict[str, Any]) -> None:
         except NotFoundError:
             return
         cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(status, JOB_CANCELLED)
-    if store.record(batch_id, [job_entry(job, cancelled_as)]):
-        finish(rt, batch_id)
+    record_lines(rt, batch_id, [job_entry(job, cancelled_as)])
 
 
 def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:
@@ -156,7 +159,7 @@ def _sweep(rt, batch: dict[str, Any], reason: tuple[str, str], *, wait_for_runni
             job_id = job_ids.get(line["line"])
             job = jobs.get(job_id) if job_id else None
             if job is not None and job["status"] not in JOB_TERMINAL:
-                job = rt.jobs.cancel(job_id, owner=owner)
+                job = cancel_job(rt, job_id, owner=owner)
             if job is not None and job["status"] in JOB_TERMINAL:
                 entries.append(job_entry(job, reason))
             elif job is None or not wait_for_running:

@@ -12,6 +12,11 @@ Reliability settings, and why:
 - ``visibility_timeout`` > ``task_time_limit``: Redis redelivers any message not acknowledged within
   the visibility timeout. If it were shorter than the longest a task may run, a slow job would be
   handed to a second worker while the first still runs it.
+- The sweep that gives a dead worker's unacknowledged messages back (kombu's ``restore_visible``)
+  runs every ``unacked_restore_interval`` seconds but scans only on every
+  ``unacked_restore_throttle``-th run: kombu's defaults (10 s, every 10th) put ~100 s between
+  scans, so a crashed worker's jobs would wait that long on top of the visibility timeout. We scan
+  on every run, a few times per visibility timeout (a cheap ZRANGE on the unacked index).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
     app = Celery("rollout_queue", broker=redis_url, backend=redis_url, include=TASK_MODULES)
     transport_options = {
         "visibility_timeout": settings.visibility_timeout,
+        "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 5)),
+        "unacked_restore_throttle": 1,
         # Publish again after Redis comes back instead of failing the API request outright.
         "max_retries": 3,
         "interval_start": 0,

@@ -171,17 +171,9 @@ class JobStore:
                 return self.get(job_id)
         return None
 
-    def cancel(self, job_id: str, *, owner: str) -> dict[str, Any]:
-        """Cancel: a job not yet generating ends now; a generating one is asked to abort."""
-        job = self.get(job_id, owner=owner)
-        if job["status"] in TERMINAL:
-            return job
-        if job["status"] == "generating":
-            self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
-        elif not self.advance(job_id, "cancelled"):
-            # It moved on meanwhile: if it is generating now, ask it to abort.
-            self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
-        return self.get(job_id, owner=owner)
+    def request_abort(self, job_id: str) -> None:
+        """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""
+        self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
 
     def cancel_requested(self, job_ids: list[str]) -> set[str]:
         flags = self.redis.mget([self.cancel_key(job_id) for job_id in job_ids]) if job_ids else []

@@ -1,6 +1,7 @@
 """Ending a job: the one place that moves a job to a terminal state and fires what follows.
 
-Only the call that actually moves the job (the job store's compare-and-set) fires the follow-ups,
+``rt`` is anything with ``jobs``, ``redis``, ``settings`` and ``celery``: a worker's runtime or
+the API's services. Only the call that actually moves the job (the job store's compare-and-set) fires the follow-ups,
 so a task that runs twice (a redelivered message) sends one webhook and counts one batch line.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from engine.errors import InternalError, RolloutError
 from workers.celery_app import WEBHOOKS_QUEUE
+from workers.job_store import TERMINAL
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,17 @@ def fail_unexpected(rt, job_id: str, stage: str) -> bool:
     """Fail a job on an unexpected exception (logged with its traceback, never shown to users)."""
     log.exception("job %s: unexpected error while %s", job_id, stage)
     return fail_job(rt, job_id, InternalError(f"internal error while {stage}"))
+
+
+def cancel_job(rt, job_id: str, *, owner: str) -> dict[str, Any]:
+    """Cancel: a job not yet generating ends now; a generating one is asked to abort. Idempotent."""
+    job = rt.jobs.get(job_id, owner=owner)
+    if job["status"] in TERMINAL:
+        return job
+    if job["status"] == "generating" or not end_job(rt, job_id, "cancelled"):
+        # Generating (or it got there meanwhile): the GPU worker stops at its next step.
+        rt.jobs.request_abort(job_id)
+    return rt.jobs.get(job_id, owner=owner)
 
 
 def _after_end(rt, job_id: str) -> None:

@@ -48,6 +48,7 @@ class OpenedPrompt:
     transport: str
     timings: dict[str, float]
     handles: list[dict] = field(default_factory=list)
+    node_id: str = ""  # the node that preprocessed it
 
 
 def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
@@ -60,7 +61,7 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
         items.append(MultimodalItem(modality=raw["modality"], features=tensors, offset=tuple(raw["offset"]),
                                     content_hash=raw["content_hash"], pad_value=raw["pad_value"]))
     return OpenedPrompt(payload["token_ids"], items, payload["placeholder_ranges"], payload["transport"],
-                        payload["timings"], handles)
+                        payload["timings"], handles, payload.get("node_id", ""))
 
 
 def release_prompt(client, prompt: OpenedPrompt) -> None:

@@ -106,3 +106,26 @@ def test_cancel_while_generating_aborts_with_tokens_so_far(stack):
     choice = done["result"]["choices"][0]
     assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 2000
     assert len(choice["logprobs"]) == len(choice["token_ids"])
+
+
+def test_render_then_generate_matches_generating_from_the_prompt(stack):
+    url = image_data_url(color=(10, 120, 240))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What colour is this?"}]}]
+    rendered = stack.client.post("/v1/render", json={"messages": messages}, headers=stack.headers())
+    assert rendered.status_code == 200, rendered.get_json()
+    rendered = rendered.get_json()
+    assert len(rendered["content_parts"]) == 1
+    from_ids = stack.wait(stack.submit({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"],
+                                        "sampling_params": GREEDY})["id"])
+    template = stack.services.processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    from_text = stack.wait(stack.submit({"prompt": template, "content_parts": rendered["content_parts"],
+                                         "sampling_params": GREEDY})["id"])
+    assert from_ids["status"] == from_text["status"] == "succeeded"
+    assert from_ids["result"]["prompt_token_ids"] == rendered["token_ids"]
+    assert from_ids["result"]["choices"][0]["token_ids"] == from_text["result"]["choices"][0]["token_ids"]
+    assert stack.client.post("/v1/render", json={"messages": []}, headers=stack.headers()).status_code == 422
+    bad = stack.client.post("/v1/render", json={"messages": [{"content": "no role"}]}, headers=stack.headers())
+    assert bad.status_code == 422 and bad.get_json()["code"] == "invalid_request"

@@ -4,7 +4,6 @@ import pytest
 import redis
 
 from tests.conftest import db_url
-
 from web.app import create_app
 from workers.settings import Settings
 
@@ -13,9 +12,22 @@ KEY_B = "key-b-secret"
 
 
 @pytest.fixture
-def make_app(redis_url, demo_model_dir, tmp_path):
+def web_redis_url(redis_url) -> str:
+    return db_url(redis_url, 2)
+
+
+@pytest.fixture
+def redis_client(web_redis_url):
+    """API tests look at the database their app uses."""
+    client = redis.Redis.from_url(web_redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def make_app(web_redis_url, demo_model_dir, tmp_path):
     """Build the API with test settings (no workers: jobs stay queued)."""
-    url = db_url(redis_url, 2)
+    url = web_redis_url
 
     def make(**overrides):
         redis.Redis.from_url(url).flushdb()

@@ -102,14 +102,16 @@ def test_invalid_lines_are_reported_by_number_and_do_not_fail_the_batch(make_bat
         line("too-long", token_ids=list(range(60)), sampling_params={"max_tokens": 10}),  # 9
         "[1, 2]",                                                            # 10 not an object
         line("ok-2", kind="score", token_ids=[1, 2], completion_token_ids=[3]),  # 11
+        "[" * 100_000 + "]" * 100_000,                                       # 12 nested too deep
     )
     response = upload(client, data)
     assert response.status_code == 202, response.get_json()
     batch = response.get_json()
-    assert batch["request_counts"] == {"total": 10, "completed": 0, "failed": 8}
-    assert batch["errors"]["invalid_lines"] == 8
+    assert batch["request_counts"] == {"total": 11, "completed": 0, "failed": 9}
+    assert batch["errors"]["invalid_lines"] == 9
     errors = {entry["line"]: entry for entry in download(client, batch["id"], "errors")}
-    assert sorted(errors) == [2, 3, 4, 5, 6, 8, 9, 10]
+    assert sorted(errors) == [2, 3, 4, 5, 6, 8, 9, 10, 12]
+    assert errors[12]["error"]["code"] == "invalid_json"
     assert errors[2] == {"custom_id": None, "line": 2,
                          "error": {"code": "invalid_json", "message": "the line is not valid JSON"}}
     assert "custom_id" in errors[3]["error"]["errors"]
@@ -120,7 +122,7 @@ def test_invalid_lines_are_reported_by_number_and_do_not_fail_the_batch(make_bat
     assert "completion_token_ids" in errors[8]["error"]["errors"]["body"]
     assert errors[9]["error"]["code"] == "context_length_exceeded"
     assert errors[10]["error"]["code"] == "invalid_request"
-    assert [e["line"] for e in batch["errors"]["data"]] == [2, 3, 4, 5, 6, 8, 9, 10]
+    assert [e["line"] for e in batch["errors"]["data"]] == [2, 3, 4, 5, 6, 8, 9, 10, 12]
     store = batch_store(client.application.extensions["rollout"])
     stored = [entry for page in store.iter_lines(batch["id"]) for entry in page]
     assert [(entry["line"], entry["custom_id"], entry["request"]["kind"]) for entry in stored] == [

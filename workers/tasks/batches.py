@@ -38,6 +38,7 @@ from workers.batch_progress import (
 from workers.celery_app import BATCHES_QUEUE
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
+from workers.lifecycle import cancel_job
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
@@ -150,7 +151,7 @@ def _cancel_if_stopped(rt, batch: dict, job_ids: list[str]) -> None:
     reason = EXPIRED if status == "expired" else CANCELLED
     entries = []
     for job_id in job_ids:
-        job = rt.jobs.cancel(job_id, owner=batch["owner"])
+        job = cancel_job(rt, job_id, owner=batch["owner"])
         if job["status"] in JOB_TERMINAL:
             entries.append(job_entry(job, reason))
     record_lines(rt, batch["id"], entries)

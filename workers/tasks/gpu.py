@@ -6,6 +6,12 @@ as one batch. We use celery-batches rather than a scheduler of our own because t
 already in Celery; transformers' continuous batching cannot serve this path (it drops
 ``pixel_values``, DESIGN §8). The worker's prefetch is raised to the batch size: celery-batches can
 only batch messages the worker has reserved, so prefetch 1 would mean batches of one.
+
+Time limit: Celery enforces no time limit here (celery-batches hands the batch to the pool without
+one, and the solo pool the GPU worker runs has no enforcement anyway), so the batch keeps its own
+deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it starts: ``should_abort`` stops every row
+still decoding then, and those jobs fail with ``job_time_limit_exceeded``. The worker is then free
+for the next batch, well before the visibility timeout would hand the messages to another worker.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ def generate(self, requests) -> None:
 
 
 def run_batch(rt, engine, job_ids: list[str]) -> None:
+    deadline = time.monotonic() + rt.settings.task_soft_time_limit
     jobs = rt.jobs.get_many(job_ids)
     prompts = rt.redis.mget([rt.jobs.prompt_key(job_id) for job_id in job_ids])
     ready = []
@@ -76,16 +83,17 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
         for kind in ("generate", "score"):
             group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
             if group:
-                _run_group(rt, engine, kind, group)
+                _run_group(rt, engine, kind, group, deadline)
     finally:
         for _, prompt in ready:
             release_prompt(rt.redis, prompt)
 
 
-def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]]) -> None:
+def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
     started = time.perf_counter()
+    timed_out: set[int] = set()
     try:
-        outputs = _run_engine(rt, engine, kind, group)
+        outputs = _run_engine(rt, engine, kind, group, deadline, timed_out)
     except SoftTimeLimitExceeded:
         for job, _ in group:
             fail_job(rt, job["id"], JobTimeoutError("generation exceeded its time limit"))
@@ -95,22 +103,27 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]]) -> None:
             raise
         # One bad request must not fail its batch mates: run each alone to find it.
         for member in group:
-            _run_one(rt, engine, kind, member)
+            _run_one(rt, engine, kind, member, deadline)
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, kind, elapsed)
-    for (job, prompt), output in zip(group, outputs, strict=True):
-        _store_result(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
+    for index, ((job, prompt), output) in enumerate(zip(group, outputs, strict=True)):
+        if index in timed_out and any(choice.finish_reason == "abort" for choice in output.choices):
+            limit = rt.settings.task_soft_time_limit
+            fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
+        else:
+            _store_result(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
 
 
-def _run_one(rt, engine, kind: str, member) -> None:
+def _run_one(rt, engine, kind: str, member, deadline: float) -> None:
     try:
-        _run_group(rt, engine, kind, [member])
+        _run_group(rt, engine, kind, [member], deadline)
     except RolloutError as error:
         fail_job(rt, member[0]["id"], error)
 
 
-def _run_engine(rt, engine, kind: str, group):
+def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[int]):
+    """The engine's outputs; fills ``timed_out`` with the rows stopped by the batch deadline."""
     from engine.generation import GenerationRequest
     from engine.scoring import ScoreRequest
 
@@ -136,6 +149,9 @@ def _run_engine(rt, engine, kind: str, group):
             last_poll[0] = now
             cancelled = rt.jobs.cancel_requested(job_ids)
             aborted.update(i for i, job_id in enumerate(job_ids) if job_id in cancelled)
+        if now >= deadline and len(aborted) < len(job_ids):
+            timed_out.update(i for i in range(len(job_ids)) if i not in aborted)
+            aborted.update(timed_out)
         return aborted
 
     return engine.generate(requests, should_abort=should_abort)
@@ -161,6 +177,8 @@ def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batc
         "weight_version": engine.weight_version,
         "timings": timings,
         "transport": prompt.transport,
+        # Where the prompt was preprocessed and where it was generated (handles never cross nodes).
+        "nodes": {"preprocess": prompt.node_id, "generate": rt.settings.node_id},
     }
     status = "succeeded"
     if job["kind"] == "score":

@@ -1,0 +1,109 @@
+"""Batch intake: how long the API takes to accept a 10,000-line JSONL file (goal: under 5 s).
+
+Measured over real HTTP: the API (werkzeug, threaded, in this process) on an isolated Redis, the
+Python client uploading the file. "Accept" is everything ``POST /v1/batches`` does before it
+answers 202: read the body, validate every line (marshmallow, the job schema and limits), store the
+valid lines in Redis and queue one Celery message per chunk. Then, separately, the time the chunk
+task's body takes to create every job and queue its preprocessing (what the ``batches`` worker
+does afterwards, in the background), run here in-process.
+
+Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200]`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from werkzeug.serving import make_server  # noqa: E402
+
+from client import RolloutClient  # noqa: E402
+from engine.demo_model import build_demo_model  # noqa: E402
+from web import batches  # noqa: E402
+from web.app import create_app  # noqa: E402
+from workers.batch_progress import batch_store  # noqa: E402
+from workers.redis_server import EmbeddedRedis  # noqa: E402
+from workers.settings import Settings  # noqa: E402
+from workers.tasks.batches import submit_chunk  # noqa: E402
+
+GOAL_SECONDS = 5.0
+KEY = "bench-key"
+
+
+def make_file(lines: int, tokens: int) -> bytes:
+    rows = []
+    for n in range(lines):
+        body = {"token_ids": [(n + i) % 1000 + 1 for i in range(tokens)],
+                "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": n}}
+        kind = "generate"
+        if n % 4 == 3:  # a quarter are scoring lines
+            kind, body = "score", {"token_ids": body["token_ids"], "completion_token_ids": [5, 6, 7, 8]}
+        rows.append(json.dumps({"custom_id": f"row-{n}", "kind": kind, "body": body}))
+    return ("\n".join(rows) + "\n").encode()
+
+
+def run(lines: int, token_counts: list[int], create_jobs: bool) -> list[tuple]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp)
+        redis_server = EmbeddedRedis(state / "redis", persistent=False).start()
+        try:
+            settings = Settings(state_dir=state, model=str(build_demo_model(state / "model")), api_keys=(KEY,),
+                                max_body_bytes=512 * 1024 * 1024, max_queued_per_key=10**7, max_queued_total=10**7)
+            app = create_app(settings, redis_server.url)
+            if "batches" not in app.blueprints:
+                app.extensions["flask-smorest"]["apis"][""]["ext_obj"].register_blueprint(batches.blp)
+            server = make_server("127.0.0.1", 0, app, threaded=True)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            client = RolloutClient(f"http://127.0.0.1:{server.server_port}", api_key=KEY, timeout=120)
+            client.batch_submit(make_file(10, 8))  # warm-up: first-request costs are not the figure
+            for tokens in token_counts:
+                data = make_file(lines, tokens)
+                started = time.perf_counter()
+                batch = client.batch_submit(data)
+                accepted = time.perf_counter() - started
+                assert batch["request_counts"]["total"] == lines and batch["errors"]["invalid_lines"] == 0
+                created = None
+                if create_jobs:
+                    svc = app.extensions["rollout"]
+                    chunks = batch_store(svc).get(batch["id"])["chunks"]
+                    started = time.perf_counter()
+                    made = sum(submit_chunk(svc, batch["id"], index) for index in range(chunks))
+                    created = time.perf_counter() - started
+                    assert made == lines
+                rows.append((lines, tokens, len(data) / 2**20, accepted, created))
+            server.shutdown()
+        finally:
+            redis_server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=10_000)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[50, 200], help="prompt token ids per line")
+    parser.add_argument("--no-jobs", action="store_true", help="skip timing the job creation")
+    args = parser.parse_args(argv)
+    rows = run(args.lines, args.tokens, not args.no_jobs)
+    print(f"{'lines':>7} {'tokens/line':>11} {'MiB':>6} {'accept s':>9} {'lines/s':>8} {'goal':>6} "
+          f"{'jobs created s':>15} {'jobs/s':>7}")
+    ok = True
+    for lines, tokens, mib, accepted, created in rows:
+        met = accepted < GOAL_SECONDS
+        ok &= met
+        jobs = f"{created:15.2f} {lines / created:7.0f}" if created else f"{'-':>15} {'-':>7}"
+        print(f"{lines:>7} {tokens:>11} {mib:6.1f} {accepted:9.2f} {lines / accepted:8.0f} "
+              f"{'met' if met else 'MISSED':>6} {jobs}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Batches on the worker side, against a real Redis and a real Celery broker (no worker consumes:
+the tests run the task bodies themselves and end jobs through the job store and lifecycle)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from engine.errors import ContextLengthError
+from tests.conftest import db_url
+from web.batches import ParsedBatch, create_batch
+from workers.batch_progress import batch_store, cancel_lines, expire, record_job_end
+from workers.batch_store import lines_key, output_key
+from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, create_celery
+from workers.job_store import QueueFullError
+from workers.lifecycle import end_job, fail_job
+from workers.runtime import WorkerRuntime
+from workers.settings import Settings
+from workers.tasks.batches import submit_chunk
+from workers.webhooks import store_for
+
+OWNER = "key_owner"
+RESULT = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [5], "finish_reason": "length"}]}
+
+
+@pytest.fixture
+def batch_redis_url(redis_url) -> str:
+    return db_url(redis_url, 3)
+
+
+@pytest.fixture
+def redis_client(batch_redis_url):
+    client = redis.Redis.from_url(batch_redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def make_rt(batch_redis_url, redis_client, tmp_path):
+    def make(**overrides) -> WorkerRuntime:
+        redis_client.flushdb()
+        settings = Settings(state_dir=tmp_path, batch_chunk_size=4, **overrides)
+        return WorkerRuntime(settings, batch_redis_url, create_celery(settings, batch_redis_url))
+
+    return make
+
+
+@pytest.fixture
+def rt(make_rt):
+    return make_rt()
+
+
+def new_batch(rt, valid: int, invalid: int = 0, *, window: int = 3600, webhook=None) -> dict:
+    parsed = ParsedBatch(total=valid + invalid)
+    for n in range(1, valid + 1):
+        request = {"kind": "generate", "token_ids": [1, 2, n], "sampling_params": {"max_tokens": 2}}
+        parsed.valid.append(json.dumps({"line": n, "custom_id": f"c{n}", "request": request}))
+    for n in range(valid + 1, valid + invalid + 1):
+        parsed.invalid.append({"custom_id": f"c{n}", "line": n, "error": {"code": "invalid_json", "message": "x"}})
+    return create_batch(rt, OWNER, parsed, completion_window=window, metadata={"run": "t"}, webhook=webhook)
+
+
+def submit_all(rt, batch_id: str) -> list[dict]:
+    chunks = batch_store(rt).get(batch_id)["chunks"]
+    for index in range(chunks):
+        submit_chunk(rt, batch_id, index)
+    job_ids = batch_store(rt).line_jobs(batch_id, list(range(1, 1000)))
+    return [rt.jobs.get(job_ids[n]) for n in sorted(job_ids)]
+
+
+def counts(rt, batch_id: str) -> tuple[str, int, int, int]:
+    batch = batch_store(rt).get(batch_id)
+    return batch["status"], batch["total"], batch["completed"], batch["failed"]
+
+
+def results(rt, batch_id: str, which: str) -> list[dict]:
+    return [json.loads(item) for page in batch_store(rt).iter_results(batch_id, which) for item in page]
+
+
+def test_create_stores_lines_and_queues_one_message_per_chunk(rt, redis_client):
+    batch = new_batch(rt, 10)
+    assert batch["status"] == "in_progress" and batch["object"] == "batch"
+    assert batch["request_counts"] == {"total": 10, "completed": 0, "failed": 0}
+    assert batch["in_progress_at"] >= batch["created_at"] and batch["metadata"] == {"run": "t"}
+    assert batch["expires_at"] == pytest.approx(batch["created_at"] + 3600)
+    assert redis_client.llen(lines_key(batch["id"])) == 10
+    stored = batch_store(rt).get(batch["id"])
+    assert stored["chunks"] == 3 and stored["chunk_size"] == 4
+    # 3 chunk messages + the expiry check; no job exists yet.
+    assert redis_client.llen(BATCHES_QUEUE) == 4
+    assert redis_client.llen(PREPROCESS_QUEUE) == 0
+
+
+def test_chunk_creates_jobs_with_their_line_and_is_idempotent(rt, redis_client):
+    batch = new_batch(rt, 10)
+    assert submit_chunk(rt, batch["id"], 1) == 4
+    assert submit_chunk(rt, batch["id"], 1) == 0  # a redelivered message creates nothing twice
+    assert submit_chunk(rt, batch["id"], 2) == 2
+    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], list(range(1, 11))).values()]
+    assert sorted(int(job["line"]) for job in jobs) == [5, 6, 7, 8, 9, 10]
+    job = next(job for job in jobs if job["line"] == "5")
+    assert job["batch_id"] == batch["id"] and job["custom_id"] == "c5" and job["owner"] == OWNER
+    assert job["request"]["token_ids"] == [1, 2, 5] and job["status"] == "queued"
+    assert redis_client.llen(PREPROCESS_QUEUE) == 6
+
+
+def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client):
+    batch = new_batch(rt, 5, invalid=2)
+    assert batch["request_counts"] == {"total": 7, "completed": 0, "failed": 2}
+    jobs = submit_all(rt, batch["id"])
+    assert len(jobs) == 5
+    for job in jobs[:3]:
+        assert end_job(rt, job["id"], "succeeded", result=RESULT)
+    assert fail_job(rt, jobs[3]["id"], ContextLengthError("too long"))
+    # A second report of an ended job (a redelivered task) changes nothing.
+    record_job_end(rt, rt.jobs.get(jobs[0]["id"]))
+    assert counts(rt, batch["id"]) == ("in_progress", 7, 3, 3)
+    assert end_job(rt, jobs[4]["id"], "succeeded", result=RESULT)
+    ended = batch_store(rt).get(batch["id"])
+    assert (ended["status"], ended["completed"], ended["failed"]) == ("completed", 4, 3)
+    assert ended["in_progress_at"] <= ended["finalizing_at"] <= ended["completed_at"]
+    assert not redis_client.exists(lines_key(batch["id"]))
+    assert 0 < redis_client.ttl(output_key(batch["id"])) <= rt.settings.result_ttl
+    output = results(rt, batch["id"], "output")
+    assert sorted(line["custom_id"] for line in output) == ["c1", "c2", "c3", "c5"]
+    first = next(line for line in output if line["custom_id"] == "c1")
+    assert first == {"custom_id": "c1", "line": 1, "job_id": jobs[0]["id"],
+                     "response": {"status_code": 200, "body": RESULT}}
+    errors = {line["line"]: line for line in results(rt, batch["id"], "errors")}
+    assert sorted(errors) == [4, 6, 7]
+    assert errors[4]["error"]["code"] == "context_length_exceeded" and errors[4]["job_id"] == jobs[3]["id"]
+    assert errors[6]["error"]["code"] == "invalid_json"
+
+
+def test_cancel_keeps_finished_lines_and_waits_for_running_ones(rt, redis_client):
+    batch = new_batch(rt, 10)
+    submit_chunk(rt, batch["id"], 0)  # lines 1-4 get jobs; 5-10 never will
+    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4]).values()]
+    jobs.sort(key=lambda job: int(job["line"]))
+    end_job(rt, jobs[0]["id"], "succeeded", result=RESULT)
+    rt.jobs.advance(jobs[1]["id"], "preprocessing")
+    rt.jobs.advance(jobs[1]["id"], "generating")
+    assert batch_store(rt).move(batch["id"], "cancelling", from_=("in_progress",))
+
+    cancel_lines(rt, batch["id"])
+    assert submit_chunk(rt, batch["id"], 1) == 0  # chunks that arrive later make no jobs
+    assert rt.jobs.get(jobs[2]["id"])["status"] == "cancelled"
+    assert redis_client.exists(rt.jobs.cancel_key(jobs[1]["id"]))  # generating: asked to abort
+    assert counts(rt, batch["id"]) == ("cancelling", 10, 1, 8)
+
+    end_job(rt, jobs[1]["id"], "cancelled", result=RESULT)  # the GPU worker aborts it
+    ended = batch_store(rt).get(batch["id"])
+    assert (ended["status"], ended["completed"], ended["failed"]) == ("cancelled", 1, 9)
+    assert ended["cancelling_at"] <= ended["cancelled_at"]
+    assert [line["custom_id"] for line in results(rt, batch["id"], "output")] == ["c1"]
+    codes = {line["line"]: line["error"]["code"] for line in results(rt, batch["id"], "errors")}
+    assert codes == {n: "batch_cancelled" for n in range(2, 11)}
+
+
+def test_expiry_turns_unfinished_lines_into_errors(rt, redis_client):
+    batch = new_batch(rt, 6, window=1)
+    jobs = submit_all(rt, batch["id"])
+    end_job(rt, jobs[0]["id"], "succeeded", result=RESULT)
+    rt.jobs.advance(jobs[1]["id"], "preprocessing")
+    rt.jobs.advance(jobs[1]["id"], "generating")
+    remaining = expire(rt, batch["id"])
+    assert remaining is not None and 0 < remaining <= 1  # not due yet: check again later
+    time.sleep(remaining + 0.05)
+    assert expire(rt, batch["id"]) is None
+    ended = batch_store(rt).get(batch["id"])
+    assert (ended["status"], ended["completed"], ended["failed"]) == ("expired", 1, 5)
+    assert ended["expired_at"] >= ended["expires_at"]
+    codes = {line["line"]: line["error"]["code"] for line in results(rt, batch["id"], "errors")}
+    assert codes == {n: "batch_expired" for n in range(2, 7)}
+    assert rt.jobs.get(jobs[2]["id"])["status"] == "cancelled"
+    assert redis_client.exists(rt.jobs.cancel_key(jobs[1]["id"]))
+    # The running job ends later: its line is already counted.
+    end_job(rt, jobs[1]["id"], "succeeded", result=RESULT)
+    assert counts(rt, batch["id"]) == ("expired", 6, 1, 5)
+    assert expire(rt, batch["id"]) is None
+
+
+def test_full_queue_pauses_a_chunk_without_failing_lines(make_rt):
+    rt = make_rt(max_queued_per_key=3)
+    batch = new_batch(rt, 4)
+    with pytest.raises(QueueFullError) as full:
+        submit_chunk(rt, batch["id"], 0)
+    assert full.value.headers["Retry-After"]
+    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4]).values()]
+    assert len(jobs) == 3
+    assert counts(rt, batch["id"]) == ("in_progress", 4, 0, 0)
+    end_job(rt, jobs[0]["id"], "succeeded", result=RESULT)
+    assert submit_chunk(rt, batch["id"], 0) == 1  # the retry carries on where it stopped
+    assert len(batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4])) == 4
+
+
+def test_the_end_of_a_batch_makes_one_webhook_event(rt):
+    batch = new_batch(rt, 2, webhook={"url": "https://hooks.example.com/rq", "events": ["batch.completed"]})
+    for job in submit_all(rt, batch["id"]):
+        end_job(rt, job["id"], "succeeded", result=RESULT)
+    record_job_end(rt, rt.jobs.get(job["id"]))
+    events = store_for(rt).deliveries("batch", batch["id"])
+    assert [(event["type"], event["url"]) for event in events] == [("batch.completed", "https://hooks.example.com/rq")]
+    payload = json.loads(store_for(rt).get(events[0]["id"])["payload"])
+    assert payload["data"]["id"] == batch["id"]
+    assert payload["data"]["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_listing_is_newest_first_with_a_cursor(rt):
+    made = [new_batch(rt, 1)["id"] for _ in range(3)]
+    store = batch_store(rt)
+    first, cursor = store.list(owner=OWNER, status=None, limit=2, cursor=None)
+    rest, end = store.list(owner=OWNER, status=None, limit=2, cursor=cursor)
+    assert [b["id"] for b in first + rest] == made[::-1] and end is None
+    assert store.list(owner="key_other", status=None, limit=5, cursor=None) == ([], None)
+
+
+def test_lines_the_service_cannot_run_end_the_batch_failed(rt, redis_client, caplog):
+    batch = new_batch(rt, 2)
+    # A stored line that is not a request (as if corrupted in Redis): the chunk cannot make its job.
+    redis_client.lset(lines_key(batch["id"]), 1, json.dumps({"line": 2, "custom_id": "c2", "request": "?"}))
+    assert submit_chunk(rt, batch["id"], 0) == 1
+    assert "could not create jobs" in caplog.text
+    assert counts(rt, batch["id"]) == ("in_progress", 2, 0, 1)
+    (job,) = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2]).values()]
+    end_job(rt, job["id"], "succeeded", result=RESULT)
+    ended = batch_store(rt).get(batch["id"])
+    assert (ended["status"], ended["completed"], ended["failed"]) == ("failed", 1, 1)
+    assert ended["failed_at"] >= ended["finalizing_at"]
+    assert [line["error"]["code"] for line in results(rt, batch["id"], "errors")] == ["internal_error"]
