@@ -7,7 +7,6 @@ use) ends in one clear line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from engine.errors import RolloutError
@@ -41,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     if getattr(args, "handler", None):  # batch subcommands talk to a running service
         return args.handler(args)
+    from workers.logs import configure_logging
     from workers.settings import load_settings
 
     settings = load_settings()
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     if args.command == "up":
         from web.stack import run_stack
 

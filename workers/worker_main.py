@@ -16,6 +16,7 @@ from workers.celery_app import (
     create_celery,
 )
 from workers.heartbeats import start_heartbeat
+from workers.logs import configure_logging
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         generate = app.tasks["rollout.generate"]
         generate.flush_every = settings.gpu_batch_size
         generate.flush_interval = settings.gpu_batch_wait_ms / 1000
+
+    @signals.setup_logging.connect(weak=False)
+    def keep_our_logging(**_):
+        # Connected, so Celery leaves logging alone: ours is already configured (JSON lines).
+        configure_logging(settings.log_level)
 
     @signals.worker_ready.connect(weak=False)
     def on_ready(**_):

@@ -13,6 +13,7 @@ from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected
+from workers.logs import job_context
 from workers.metrics import observe_stage
 from workers.prompt_codec import encode_prompt
 from workers.runtime import runtime
@@ -24,7 +25,12 @@ GENERATE_TASK = "rollout.generate"
 
 @shared_task(name="rollout.preprocess", bind=True)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
-    rt = runtime(self.app)
+    with job_context(job_id):
+        _preprocess(self.app, job_id, retry_handles)
+
+
+def _preprocess(app, job_id: str, retry_handles: bool) -> None:
+    rt = runtime(app)
     try:
         job = rt.jobs.get(job_id)
     except NotFoundError:
@@ -52,7 +58,7 @@ def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     rt.redis.set(rt.jobs.prompt_key(job_id), json.dumps(payload), ex=rt.settings.result_ttl)
     # Handles name memory on this node: only this node's GPU workers may open them.
     queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
-    self.app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+    app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
 
 
 def run_processor(rt, request: dict):

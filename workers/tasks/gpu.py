@@ -29,6 +29,7 @@ from celery_batches import Batches
 from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_job, fail_job, fail_unexpected
+from workers.logs import job_context
 from workers.metrics import observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
 from workers.runtime import runtime
@@ -43,6 +44,11 @@ ABORT_POLL_SECONDS = 0.05
 def generate(self, requests) -> None:
     rt = runtime(self.app)
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
+    with job_context(*job_ids):
+        _generate(rt, job_ids)
+
+
+def _generate(rt, job_ids: list[str]) -> None:
     try:
         engine = rt.wait_for_model()
     except Exception:
