@@ -1,8 +1,6 @@
-"""The Python client and the batch CLI over real HTTP.
+"""The Python client's retries and errors against a scripted loopback HTTP server.
 
-Retries are checked against a scripted loopback server (``http.server`` in a thread); the rest
-against the real API served by werkzeug in a thread, with a stand-in worker thread that runs the
-chunk task's body and ends jobs through the lifecycle (no model, no Celery worker).
+The client against the real service (API, Celery workers, model) is in tests/e2e/test_client_e2e.py.
 """
 
 from __future__ import annotations
@@ -17,18 +15,9 @@ from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from werkzeug.serving import make_server
 
-from client import ClientError, ConnectionFailedError, RetryPolicy, RolloutClient, WaitTimeoutError
+from client import ClientError, ConnectionFailedError, RetryPolicy, RolloutClient
 from client.retry import parse_retry_after
-from web import batches
-from web.app import create_app
-from web.auth import key_id
-from web.cli_batch import run as run_cli
-from workers.batch_progress import batch_store
-from workers.lifecycle import end_job
-from workers.settings import Settings
-from workers.tasks.batches import submit_chunk
 
 KEY = "client-test-key"
 PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
@@ -154,147 +143,3 @@ def test_the_client_imports_without_the_service_stack():
             "'workers', 'processors', 'engine') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-# --- The real API ---------------------------------------------------------------------------------
-
-class Service:
-    def __init__(self, app):
-        self.app = app
-        self.svc = app.extensions["rollout"]  # the services carry what a worker runtime does
-        self.server = make_server("127.0.0.1", 0, app, threaded=True)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def client(self, **kwargs) -> RolloutClient:
-        return RolloutClient(self.url, api_key=KEY, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def service(redis_url, demo_model_dir, tmp_path_factory):
-    settings = Settings(state_dir=tmp_path_factory.mktemp("state"), model=str(demo_model_dir), api_keys=(KEY,),
-                        sync_timeout_max=0.5, batch_chunk_size=3)
-    app = create_app(settings, redis_url)
-    if "batches" not in app.blueprints:  # until web/app.py registers it
-        app.extensions["flask-smorest"]["apis"][""]["ext_obj"].register_blueprint(batches.blp)
-    running = Service(app)
-    yield running
-    running.server.shutdown()
-
-
-@pytest.fixture
-def worker(service):
-    """A stand-in worker: makes the jobs of running batches and ends two lines every 50 ms."""
-    stop = threading.Event()
-    svc, owner = service.svc, key_id(KEY)
-
-    def loop():
-        store = batch_store(svc)
-        while not stop.wait(0.05):
-            for batch in store.list(owner=owner, status="in_progress", limit=10, cursor=None)[0]:
-                for index in range(batch["chunks"]):
-                    submit_chunk(svc, batch["id"], index)
-                job_ids = store.line_jobs(batch["id"], list(range(1, batch["total"] + 1)))
-                ended = store.ended(batch["id"], list(job_ids))
-                for line in sorted(set(job_ids) - ended)[:2]:
-                    end_job(svc, job_ids[line], "succeeded", result=RESULT)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join()
-
-
-def batch_file(tmp_path, lines: int, invalid: int = 0):
-    path = tmp_path / "rollouts.jsonl"
-    rows = [json.dumps({"custom_id": f"r{n}", "kind": "generate", "body": PROMPT}) for n in range(lines)]
-    rows += ['{"custom_id": "broken"'] * invalid
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def test_jobs_submit_get_cancel_wait(service):
-    client = service.client()
-    job = client.submit(PROMPT)
-    assert job["status"] == "queued" and client.get(job["id"])["id"] == job["id"]
-    with pytest.raises(WaitTimeoutError):
-        client.wait(job["id"], timeout=0.3, poll_interval=0.1)
-    assert client.cancel(job["id"])["status"] == "cancelled"
-    assert client.wait(job["id"], timeout=1)["status"] == "cancelled"
-    with pytest.raises(ClientError) as missing:
-        client.get("job_missing")
-    assert (missing.value.code, missing.value.status) == ("not_found", 404)
-    with pytest.raises(ClientError) as unauthorized:
-        RolloutClient(service.url, api_key="wrong").get(job["id"])
-    assert unauthorized.value.status == 401
-
-
-def test_generate_keeps_waiting_after_a_202(service):
-    client = service.client()
-    finisher = threading.Timer(1.0, lambda: end_job(service.svc, newest_job(service), "succeeded", result=RESULT))
-    finisher.start()
-    started = time.monotonic()
-    out = client.generate(PROMPT, timeout=10)  # the server gives up after 0.5 s (sync_timeout_max)
-    finisher.join()
-    assert 0.9 < time.monotonic() - started < 5
-    assert out["choices"] == RESULT["choices"] and out["prompt_token_ids"] == [1, 2, 3]
-    assert out["job_id"] == newest_job(service)
-
-
-def newest_job(service) -> str:
-    jobs, _ = service.svc.jobs.list(owner=key_id(KEY), status=None, limit=1, cursor=None)
-    return jobs[0]["id"]
-
-
-def test_batch_submit_wait_with_progress_and_download(service, worker, tmp_path):
-    client = service.client()
-    batch = client.batch_submit(batch_file(tmp_path, 7, invalid=1), metadata={"step": 3})
-    assert batch["request_counts"] == {"total": 8, "completed": 0, "failed": 1}
-    assert batch["errors"]["invalid_lines"] == 1 and batch["metadata"] == {"step": 3}
-    seen: list[tuple[str, int]] = []
-    done = client.batch_wait(batch["id"], timeout=20, poll_interval=0.05,
-                             progress=lambda b: seen.append((b["status"], b["request_counts"]["completed"])))
-    assert done["status"] == "completed" and done["request_counts"] == {"total": 8, "completed": 7, "failed": 1}
-    assert seen[-1] == ("completed", 7) and len(seen) > 2
-    assert [count for _, count in seen] == sorted(count for _, count in seen)
-    counts = client.batch_download(batch["id"], tmp_path / "out.jsonl", tmp_path / "err.jsonl")
-    assert counts == {"output": 7, "errors": 1}
-    output = [json.loads(text) for text in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert sorted(entry["custom_id"] for entry in output) == [f"r{n}" for n in range(7)]
-    assert output[0]["response"] == {"status_code": 200, "body": RESULT}
-    assert [entry["line"] for entry in client.batch_results(batch["id"], "errors")] == [8]
-    assert client.batch_list(limit=1)["data"][0]["id"] == batch["id"]
-
-
-def test_batch_submit_takes_lines_and_cancel_keeps_them(service):
-    client = service.client()
-    batch = client.batch_submit([{"custom_id": "a", "kind": "generate", "body": PROMPT},
-                                 json.dumps({"custom_id": "b", "kind": "generate", "body": PROMPT})],
-                                completion_window="1h")
-    assert batch["completion_window"] == 3600 and batch["request_counts"]["total"] == 2
-    assert client.batch_cancel(batch["id"])["status"] == "cancelling"
-    with pytest.raises(ClientError) as refused:
-        client.batch_submit([{"custom_id": "a", "body": {"tokens": [1]}}])
-    assert refused.value.code == "invalid_batch" and refused.value.errors[0]["line"] == 1
-
-
-def test_cli_submit_wait_shows_progress_and_writes_both_files(service, worker, tmp_path, capsys):
-    output, errors = tmp_path / "o.jsonl", tmp_path / "e.jsonl"
-    status = run_cli(["submit", str(batch_file(tmp_path, 5, invalid=2)), "--wait", "--url", service.url,
-                      "--api-key", KEY, "--output", str(output), "--errors", str(errors), "--poll-interval", "0.05"])
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    final = json.loads(captured.out)
-    assert final["status"] == "completed" and final["request_counts"] == {"total": 7, "completed": 5, "failed": 2}
-    assert "7/7" in captured.err and "failed=2" in captured.err  # the tqdm bar
-    assert len(output.read_text().splitlines()) == 5 and len(errors.read_text().splitlines()) == 2
-
-    assert run_cli(["status", final["id"], "--url", service.url, "--api-key", KEY]) == 0
-    assert json.loads(capsys.readouterr().out)["id"] == final["id"]
-    again = tmp_path / "again.jsonl"
-    assert run_cli(["download", final["id"], "--url", service.url, "--api-key", KEY, "--output", str(again),
-                    "--errors", str(tmp_path / "again-errors.jsonl")]) == 0
-    assert again.read_text().count("\n") == 5
-    assert run_cli(["cancel", "batch_missing", "--url", service.url, "--api-key", KEY]) == 2
-    assert "not_found" in capsys.readouterr().err
