@@ -129,3 +129,18 @@ def test_render_then_generate_matches_generating_from_the_prompt(stack):
     assert stack.client.post("/v1/render", json={"messages": []}, headers=stack.headers()).status_code == 422
     bad = stack.client.post("/v1/render", json={"messages": [{"content": "no role"}]}, headers=stack.headers())
     assert bad.status_code == 422 and bad.get_json()["code"] == "invalid_request"
+
+
+def test_healthz_and_metrics_reflect_the_running_stack(stack):
+    done = stack.wait(stack.submit({"token_ids": [100, 101], "sampling_params": GREEDY})["id"])
+    assert done["status"] == "succeeded"
+    health = stack.client.get("/healthz")
+    assert health.status_code == 200
+    assert health.get_json() == {"status": "ok", "redis": "up", "model": "up",
+                                 "workers": {"cpu": "up", "gpu": "up", "webhooks": "up", "batches": "up"}}
+    text = stack.client.get("/metrics").get_data(as_text=True)
+    assert 'rollout_jobs_ended_total{status="succeeded"}' in text
+    assert 'rollout_queue_depth{queue="preprocess"}' in text
+    assert 'rollout_stage_seconds_count{stage="generate"}' in text
+    assert 'rollout_stage_seconds_count{stage="preprocess"}' in text
+    assert 'rollout_events_total{event="mm_cache_miss"}' in text  # the image jobs above

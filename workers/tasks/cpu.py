@@ -14,7 +14,7 @@ from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected
 from workers.logs import job_context
-from workers.metrics import observe_stage
+from workers.metrics import count, observe_stage
 from workers.prompt_codec import encode_prompt
 from workers.runtime import runtime
 
@@ -54,6 +54,9 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, "preprocess", elapsed)
+    if processed.items:
+        count(rt.redis, "mm_cache_hit", processed.cache_hits)
+        count(rt.redis, "mm_cache_miss", len(processed.items) - processed.cache_hits)
     payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
     rt.redis.set(rt.jobs.prompt_key(job_id), json.dumps(payload), ex=rt.settings.result_ttl)
     # Handles name memory on this node: only this node's GPU workers may open them.
