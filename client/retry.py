@@ -32,7 +32,9 @@ class RetryPolicy:
         return computed * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
-def parse_retry_after(value: str | None) -> float | None:
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (delta-seconds or an HTTP date); None if absent
+    or unreadable. Shared with the service's webhook retries."""
     if not value:
         return None
     value = value.strip()
@@ -46,4 +48,4 @@ def parse_retry_after(value: str | None) -> float | None:
         return None
     if when.tzinfo is None:  # HTTP dates are GMT
         when = when.replace(tzinfo=UTC)
-    return max(when.timestamp() - time.time(), 0.0)
+    return max(when.timestamp() - (time.time() if now is None else now), 0.0)

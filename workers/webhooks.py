@@ -42,12 +42,12 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
 
 import redis
 from standardwebhooks.webhooks import Webhook
 
+from client.retry import parse_retry_after as parse_header
 from engine.errors import MediaError
 from processors.fetch import FetchPolicy, GuardedFetcher, MediaBlockedError
 from workers.settings import Settings
@@ -176,20 +176,8 @@ def outcome_of_error(exc: BaseException) -> Outcome:
 
 def parse_retry_after(value: str | None, *, now: float) -> float | None:
     """Seconds to wait from a ``Retry-After`` value (delta-seconds or an HTTP date), capped."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        seconds = float(value)
-    else:
-        try:
-            when = parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # HTTP dates are GMT
-            when = when.replace(tzinfo=UTC)
-        seconds = when.timestamp() - now
-    return min(max(seconds, 0.0), RETRY_AFTER_CAP_S)
+    seconds = parse_header(value, now=now)
+    return None if seconds is None else min(seconds, RETRY_AFTER_CAP_S)
 
 
 def retry_delay(attempt: int, schedule: tuple[float, ...], retry_after: float | None = None,
