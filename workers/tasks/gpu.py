@@ -30,7 +30,7 @@ from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_job, fail_job, fail_unexpected
 from workers.logs import job_context
-from workers.metrics import observe_stage
+from workers.metrics import count, observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
 from workers.runtime import runtime
 from workers.submission import enqueue_preprocess
@@ -40,7 +40,25 @@ log = logging.getLogger(__name__)
 ABORT_POLL_SECONDS = 0.05
 
 
-@shared_task(name="rollout.generate", base=Batches, bind=True, flush_every=16, flush_interval=0.005)
+class ReconnectingBatches(Batches):
+    """celery-batches' ``Batches``, made to survive a lost broker connection.
+
+    ``Batches`` starts its flush timer once and remembers it in ``_tref``. When the connection to
+    Redis drops, Celery clears the event loop's timers and restarts the consumer, so the remembered
+    timer never fires again: requests then sit in the buffer until ``flush_every`` of them arrive,
+    and their jobs hang in ``generating``. The consumer builds the strategy again on every
+    (re)start, so forget the dead timer there and flush what the old connection left behind.
+    """
+
+    def Strategy(self, task, app, consumer):
+        handler = super().Strategy(task, app, consumer)
+        self._tref = None
+        if not (self._buffer.empty() and self._pending.empty()):
+            self._tref = consumer.timer.call_repeatedly(self.flush_interval, self._do_flush)
+        return handler
+
+
+@shared_task(name="rollout.generate", base=ReconnectingBatches, bind=True, flush_every=16, flush_interval=0.005)
 def generate(self, requests) -> None:
     rt = runtime(self.app)
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
@@ -82,6 +100,7 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             # The producer died or its pool reclaimed the memory: preprocess again (cheap with the
             # multimodal cache) rather than fail the job.
             log.info("job %s: feature handles unavailable; preprocessing again", job_id)
+            count(rt.redis, "handle_unavailable")
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
         ready.append((job, prompt))
