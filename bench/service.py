@@ -1,0 +1,359 @@
+"""Service-level figures of DESIGN §7, side by side in one run on the tiny demo model.
+
+One real stack: an embedded Redis, the CPU, GPU and batches workers as subprocesses (started with
+``python -m web.cli worker KIND``, as a deployment runs them) and the API in this process (Flask
+test client). The in-process baseline is ``engine.generation.Engine`` on the same model, in this
+process, with one torch thread like the workers. Everything shares the machine's cores (on a
+2-core box: the benchmark, the API, three workers and Redis), so the ratios include that contention.
+
+- submit throughput: ``POST /v1/jobs`` accepted per second, before any worker runs (no consumer);
+- end-to-end throughput: the same 64 greedy requests (32 prompt ids, 32 new tokens, ignore_eos)
+  submitted at once and waited for, vs the engine generating them in batches of
+  ``ROLLOUT_GPU_BATCH_SIZE``; repeated, medians compared (goal >= 0.8);
+- added latency: jobs one at a time (max_tokens 1-4): submit, wait, GET the result, minus the
+  engine's time for the same single request; p50 (goal <= 15 ms), with where the time goes;
+- bulk scoring: a JSONL batch of score rows through ``POST /v1/batches`` until ``completed``,
+  vs ``bench.generation_batching.score_in_process`` on the same rows (goal >= 0.8).
+
+Waiting for a job means the job store's wake-up list (``JobStore.wait``, as ``POST /generate``
+waits) and then ``GET /v1/jobs/{id}``, not a polling loop. Rows marked ``·`` explain the figure
+above them: the CPU milliseconds each process spent per job (from /proc and Redis' INFO) and, for
+latency, each stage's p50 from the job record's own timestamps. ``ROLLOUT_*`` variables set in the
+environment reach the workers, so a setting can be tried: ``ROLLOUT_GPU_BATCH_WAIT_MS=20 bench/run``.
+
+Run: ``python -m bench.service [--score-rows 2000]`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.generation_batching import score_in_process
+from engine.demo_model import build_demo_model
+from engine.generation import Engine, GenerationRequest
+from engine.loading import load_model
+from engine.sampling import SamplingParams
+from engine.scoring import ScoreRequest
+from web.app import create_app
+from workers.heartbeats import alive_workers
+from workers.redis_server import EmbeddedRedis
+from workers.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+WORKERS = ("cpu", "gpu", "batches")
+BATCH = 16  # ROLLOUT_GPU_BATCH_SIZE's default: the in-process baseline batches like the GPU worker
+PROMPT_TOKENS = NEW_TOKENS = 32
+
+
+def prompt(i: int, length: int = PROMPT_TOKENS) -> list[int]:
+    """Token ids >= 100 (below are the demo model's special and media ids), different per job."""
+    return [100 + (i * 37 + k * 11) % 500 for k in range(length)]
+
+
+def job_body(i: int, max_tokens: int = NEW_TOKENS) -> dict:
+    return {"token_ids": prompt(i), "sampling_params": {"max_tokens": max_tokens, "temperature": 0,
+                                                        "ignore_eos": True}}
+
+
+def engine_request(i: int, max_tokens: int = NEW_TOKENS) -> GenerationRequest:
+    return GenerationRequest(prompt(i), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+class Service:
+    """Redis, worker subprocesses and the API's test client, all on one state directory."""
+
+    def __init__(self, state: Path, model_dir: Path):
+        self.state = state
+        self.redis_server = EmbeddedRedis(state / "redis", persistent=False).start()
+        self.env = {
+            "ROLLOUT_REDIS_URL": self.redis_server.url, "ROLLOUT_MODEL": str(model_dir),
+            "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_NODE_ID": "bench-node", "ROLLOUT_TORCH_THREADS": "1",
+            "ROLLOUT_GPU_BATCH_SIZE": str(BATCH), "ROLLOUT_LOG_LEVEL": "WARNING", "ROLLOUT_API_KEYS": KEY,
+        }
+        settings = Settings(redis_url=self.redis_server.url, state_dir=state, model=str(model_dir), api_keys=(KEY,),
+                            node_id="bench-node", gpu_batch_size=BATCH, log_level="WARNING")
+        try:
+            self.app = create_app(settings, self.redis_server.url)
+        except BaseException:
+            self.redis_server.stop()
+            raise
+        self.client = self.app.test_client()
+        self.svc = self.app.extensions["rollout"]
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def start_workers(self) -> None:
+        for kind in WORKERS:
+            with open(self.state / f"worker-{kind}.log", "ab") as log:
+                self.workers[kind] = subprocess.Popen(
+                    [sys.executable, "-m", "web.cli", "worker", kind], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", **self.env}, preexec_fn=_die_with_parent)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for kind, process in self.workers.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{kind} worker exited:\n{self.log_tail(kind)}")
+            alive = alive_workers(self.svc.redis)
+            if all(kind in alive for kind in WORKERS) and alive["gpu"].get("model_ready"):
+                return
+            time.sleep(0.2)
+        raise TimeoutError("workers not ready:\n" + "\n".join(self.log_tail(kind) for kind in WORKERS))
+
+    def log_tail(self, kind: str) -> str:
+        return (self.state / f"worker-{kind}.log").read_text(errors="replace")[-3000:]
+
+    def submit(self, body: dict) -> str:
+        response = self.client.post("/v1/jobs", json=body, headers=HEADERS)
+        assert response.status_code == 202, response.get_json()
+        return response.get_json()["id"]
+
+    def result(self, job_id: str, timeout: float = 120.0) -> dict:
+        """Block until the job ends (the job store's wake-up list, as POST /generate waits), then GET it."""
+        assert self.svc.jobs.wait(job_id, timeout=timeout) is not None, f"job {job_id} did not end"
+        job = self.client.get(f"/v1/jobs/{job_id}", headers=HEADERS).get_json()
+        assert job["status"] == "succeeded", job
+        return job
+
+    def close(self) -> None:
+        for process in self.workers.values():
+            process.send_signal(signal.SIGTERM)
+        for process in self.workers.values():
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.svc.redis.close()
+        self.redis_server.stop()
+
+
+def _die_with_parent() -> None:
+    # A benchmark killed without its clean-up must not leave workers behind.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+# --- The measurements -----------------------------------------------------------------------------
+
+def submit_rate(service: Service, count: int) -> float:
+    """Jobs accepted per second by POST /v1/jobs, one client, no worker consuming."""
+    for i in range(20):  # first-request costs are not the figure
+        service.submit(job_body(i))
+    started = time.perf_counter()
+    for i in range(count):
+        service.submit(job_body(i))
+    return count / (time.perf_counter() - started)
+
+
+def throughput(service: Service, engine: Engine, jobs: int, rounds: int) -> dict:
+    """Median seconds for ``jobs`` requests: in-process in batches of BATCH, and through the service;
+    the CPU seconds each process of the service spent per job."""
+    in_process, through_service = [], []
+    cpu = CpuMeter(service)
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for i in range(0, jobs, BATCH):
+            engine.generate([engine_request(j) for j in range(i, min(i + BATCH, jobs))])
+        in_process.append(time.perf_counter() - started)
+
+        cpu.start()
+        started = time.perf_counter()
+        ids = [service.submit(job_body(i)) for i in range(jobs)]
+        results = [service.result(job_id) for job_id in ids]
+        through_service.append(time.perf_counter() - started)
+        cpu.stop()
+        assert all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
+    batch_sizes = [r["result"]["timings"]["batch_size"] for r in results]
+    return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(through_service),
+            "mean_batch": statistics.mean(batch_sizes), "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds)}
+
+
+def added_latency(service: Service, engine: Engine, jobs: int) -> dict:
+    """Per job (one at a time): service wall time minus the engine's time for the same request, and
+    the service's time split into stages from the job's own timestamps (p50 of each, ms)."""
+    added, stages = [], []
+    for i in range(jobs):
+        max_tokens = 1 + i % 4
+        request = engine_request(i, max_tokens)
+        engine_s = min(_timed(engine.generate, [request]) for _ in range(3))
+        started, wall_started = time.perf_counter(), time.time()
+        job_id = service.submit(job_body(i, max_tokens))
+        submitted = time.perf_counter()
+        job = service.result(job_id)
+        wall = time.perf_counter() - started
+        added.append(wall - engine_s)
+        stages.append(_stages(job, wall_started, submit_s=submitted - started, wall_s=wall, engine_s=engine_s))
+    breakdown = {name: statistics.median(s[name] for s in stages) * 1e3 for name in stages[0]}
+    return {"p50_ms": statistics.median(added) * 1e3, "p90_ms": _percentile(added, 0.9) * 1e3, "stages_ms": breakdown}
+
+
+def _stages(job: dict, wall_started: float, *, submit_s: float, wall_s: float, engine_s: float) -> dict:
+    """Where one job's time went, from the job record's timestamps (every process's time.time())."""
+    timings = job["result"]["timings"]
+    created, started, completed = job["created_at"], job["started_at"], job["completed_at"]
+    generation_start = created + timings["queue_s"]  # the GPU worker's engine call began
+    return {
+        "POST /v1/jobs, whole request": submit_s,
+        "POST /v1/jobs, request -> job created": created - wall_started,
+        "job created -> CPU task starts": started - created,
+        "preprocess (CPU task body)": timings["preprocess"],
+        "CPU task starts -> GPU batch starts": generation_start - started,
+        "engine in the GPU worker": timings["generate"],
+        "engine in the GPU worker - in-process engine": timings["generate"] - engine_s,
+        "GPU engine done -> job ended": completed - generation_start - timings["generate"],
+        "job ended -> waiter has the GET result": wall_started + wall_s - completed,
+    }
+
+
+def bulk_scoring(service: Service, engine: Engine, rows: int) -> dict:
+    completion = prompt(10_000, NEW_TOKENS)
+    lines = [json.dumps({"custom_id": f"row-{i}", "kind": "score",
+                         "body": {"token_ids": prompt(i), "completion_token_ids": completion}}) for i in range(rows)]
+    requests = [ScoreRequest(prompt(i), completion) for i in range(rows)]
+    in_process = score_in_process(engine, requests, batch_size=BATCH)["seconds"]
+
+    cpu = CpuMeter(service)
+    cpu.start()
+    started = time.perf_counter()
+    response = service.client.post("/v1/batches", data=("\n".join(lines) + "\n").encode(),
+                                   headers={**HEADERS, "Content-Type": "application/jsonl"})
+    assert response.status_code == 202, response.get_json()
+    accepted = time.perf_counter() - started
+    batch_url = response.get_json()["links"]["self"]
+    while (batch := service.client.get(batch_url, headers=HEADERS).get_json())["status"] not in (
+            "completed", "failed", "cancelled", "expired"):
+        time.sleep(0.1)
+    elapsed = time.perf_counter() - started
+    cpu.stop()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == rows, batch
+    output = service.client.get(f"{batch_url}/output", headers=HEADERS).get_data(as_text=True).splitlines()
+    sizes = [json.loads(line)["response"]["body"]["timings"]["batch_size"] for line in output]
+    return {"in_process_s": in_process, "service_s": elapsed, "accept_s": accepted,
+            "mean_batch": statistics.mean(sizes), "cpu_ms_per_job": cpu.per_item_ms(rows)}
+
+
+class CpuMeter:
+    """CPU seconds used by each process of the service between start() and stop() (summed over
+    repeats): the workers (from /proc), Redis (its INFO) and this process (the API and the client)."""
+
+    def __init__(self, service: Service):
+        self.service = service
+        self.total: dict[str, float] = {}
+        self._at: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        now = {"API + client (bench process)": time.process_time()}
+        tick = os.sysconf("SC_CLK_TCK")
+        for kind, process in self.service.workers.items():
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            now[f"{kind} worker"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        info = self.service.svc.redis.info("cpu")
+        now["redis-server"] = info["used_cpu_user"] + info["used_cpu_sys"]
+        return now
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> None:
+        for name, value in self._now().items():
+            self.total[name] = self.total.get(name, 0.0) + value - self._at[name]
+
+    def per_item_ms(self, items: int) -> dict[str, float]:
+        return {name: seconds / items * 1e3 for name, seconds in self.total.items()}
+
+
+def _timed(call, *args) -> float:
+    started = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - started
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int = 2000,
+        submits: int = 500) -> list[dict]:
+    """The service rows of the benchmark table: ``{name, value, goal}`` (goal None: reported only)."""
+    torch.set_num_threads(1)  # as the workers run (ROLLOUT_TORCH_THREADS=1)
+    with tempfile.TemporaryDirectory(prefix="rq-bench-") as tmp:
+        state = Path(tmp)
+        model_dir = build_demo_model(state / "model")
+        service = Service(state, model_dir)
+        try:
+            rate = submit_rate(service, submits)
+            service.svc.redis.flushdb()  # the jobs above must not reach the workers
+            service.start_workers()
+            engine = Engine(load_model(str(model_dir), device="cpu"))
+            service.wait_ready()
+            # Warm up both sides: the first task after a worker starts is slow (DESIGN §8).
+            for job_id in [service.submit(job_body(i)) for i in range(BATCH)]:
+                service.result(job_id)
+            engine.generate([engine_request(i) for i in range(BATCH)])
+            flow = throughput(service, engine, jobs, rounds)
+            latency = added_latency(service, engine, latency_jobs)
+            scoring = bulk_scoring(service, engine, score_rows)
+        finally:
+            service.close()
+    rows = [
+        _row(f"service end-to-end throughput / in-process engine ({jobs} jobs, median of {rounds})",
+             flow["in_process_s"] / flow["service_s"], ">= 0.8"),
+        _row(f"· in-process engine, {jobs} jobs in batches of {BATCH} (s)", flow["in_process_s"]),
+        _row(f"· service, {jobs} jobs submitted at once until all ended (s)", flow["service_s"]),
+        _row("· service: mean GPU batch size", flow["mean_batch"]),
+        _row("· in-process engine: CPU ms per job", flow["in_process_s"] / jobs * 1e3),
+        *(_row(f"· service: CPU ms per job, {name}", ms) for name, ms in flow["cpu_ms_per_job"].items()),
+        _row(f"added latency per job over in-process, p50 (ms, {latency_jobs} sequential jobs)",
+             latency["p50_ms"], "<= 15"),
+        _row("· added latency per job, p90 (ms)", latency["p90_ms"]),
+        *(_row(f"· p50 {stage} (ms)", ms) for stage, ms in latency["stages_ms"].items()),
+        _row(f"bulk scoring throughput / in-process scoring loop ({score_rows} rows)",
+             scoring["in_process_s"] / scoring["service_s"], ">= 0.8"),
+        _row(f"· in-process scoring loop, {score_rows} rows in batches of {BATCH} (s)", scoring["in_process_s"]),
+        _row(f"· service: POST /v1/batches until completed, {score_rows} rows (s)", scoring["service_s"]),
+        _row("· service: of which POST /v1/batches accepting the file (s)", scoring["accept_s"]),
+        _row("· service: mean GPU batch size while scoring", scoring["mean_batch"]),
+        _row("· in-process scoring loop: CPU ms per row", scoring["in_process_s"] / score_rows * 1e3),
+        *(_row(f"· service: CPU ms per row, {name}", ms) for name, ms in scoring["cpu_ms_per_job"].items()),
+        _row(f"submit throughput, POST /v1/jobs per s (test client, no workers; {submits} jobs)", rate),
+    ]
+    return rows
+
+
+def _row(name: str, value: float, goal: str | None = None) -> dict:
+    return {"name": name, "value": round(value, 3 if abs(value) < 10 else 1), "goal": goal}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--latency-jobs", type=int, default=40)
+    parser.add_argument("--score-rows", type=int, default=2000)
+    parser.add_argument("--submits", type=int, default=500)
+    args = parser.parse_args()
+    rows = run(args.jobs, args.rounds, args.latency_jobs, args.score_rows, args.submits)
+    width = max(len(row["name"]) for row in rows)
+    for row in rows:
+        print(f"{row['name']:<{width}}  {row['value']:>10}  {row['goal'] or ''}")
+
+
+if __name__ == "__main__":
+    main()
