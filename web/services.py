@@ -12,7 +12,7 @@ from flask import current_app
 from web.auth import KeyRing
 from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
-from workers.models import context_length, model_id, resolve_model_path
+from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
 from workers.redis_client import connect
 from workers.runtime import fetch_policy
 from workers.settings import Settings
@@ -26,7 +26,7 @@ class Services:
     celery: Celery
     keys: KeyRing
     model_path: str
-    max_model_len: int | None
+    model_facts: ModelFacts
 
     @classmethod
     def build(cls, settings: Settings, redis_url: str) -> Services:
@@ -34,8 +34,11 @@ class Services:
         limits = Limits(settings.max_queued_per_key, settings.max_queued_total, settings.result_ttl)
         model_path = resolve_model_path(settings)
         return cls(settings, client, JobStore(client, limits), create_celery(settings, redis_url),
-                   KeyRing(settings.api_keys), model_path,
-                   settings.max_model_len or context_length(model_path))
+                   KeyRing(settings.api_keys), model_path, model_facts(model_path))
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.settings.max_model_len or self.model_facts.context_length
 
 
     # The model's processor, the guarded fetcher and the cache serve POST /v1/render, synchronously

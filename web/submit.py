@@ -43,4 +43,4 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
 
 def submit(request: dict[str, Any]) -> dict[str, Any]:
     svc = services()
-    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=check_limits(request))
+    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=check_limits(request), model=svc.model_facts)

@@ -40,7 +40,9 @@ TASK_MODULES = [
 
 
 def create_celery(settings: Settings, redis_url: str) -> Celery:
-    app = Celery("rollout_queue", broker=redis_url, backend=redis_url, include=TASK_MODULES)
+    # No result backend: the job record in Redis is the result. A backend would add a
+    # SUBSCRIBE/UNSUBSCRIBE round trip to every send_task for results nobody reads.
+    app = Celery("rollout_queue", broker=redis_url, include=TASK_MODULES)
     transport_options = {
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 5)),
@@ -60,12 +62,9 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
         task_soft_time_limit=settings.task_soft_time_limit,
         task_time_limit=settings.task_time_limit,
         broker_transport_options=transport_options,
-        result_backend_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
-        # The job record in Redis is the result; Celery's own result store is not used.
         task_ignore_result=True,
-        result_expires=settings.result_ttl,
         task_default_queue=PREPROCESS_QUEUE,
         # Each queue has its own exchange and routing key: with one shared default exchange,
         # a message for one queue would be copied into every queue bound to the same key.
@@ -73,8 +72,9 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
                                                WEBHOOKS_QUEUE, BATCHES_QUEUE)],
         worker_prefetch_multiplier=1,
         worker_hijack_root_logger=False,
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Task events cost a PUBLISH per message; they are for monitors like Flower (ROLLOUT_TASK_EVENTS).
+        worker_send_task_events=settings.task_events,
+        task_send_sent_event=settings.task_events,
         broker_pool_limit=10,
     )
     app.rollout_settings = settings

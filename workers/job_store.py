@@ -28,7 +28,7 @@ _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
 
-# KEYS: job, owner active counter, total active counter, done list. ARGV: new status, its rank, now, ttl,
+# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag. ARGV: new status, its rank, now, ttl,
 # then field/value pairs to set with the move. Returns 1 when the job moved.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
@@ -39,7 +39,7 @@ local to = tonumber(ARGV[2])
 if from >= 3 or to <= from then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if to == 1 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
 if to == 3 then
   redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
   redis.call('DECR', KEYS[2])
@@ -48,6 +48,7 @@ if to == 3 then
   -- Wakes a synchronous waiter (POST /generate) without polling.
   redis.call('RPUSH', KEYS[4], ARGV[1])
   redis.call('EXPIRE', KEYS[4], 300)
+  redis.call('DEL', KEYS[5], KEYS[6])
 end
 return 1
 """
@@ -139,21 +140,17 @@ class JobStore:
             pipe.hgetall(self.key(job_id))
         return [self._decode(raw) if raw else None for raw in pipe.execute()]
 
-    def advance(self, job_id: str, status: str, **fields: Any) -> bool:
-        """Move the job forward to ``status``; False if it is already there, past it, or ended."""
-        job = self.redis.hmget(self.key(job_id), "owner")
-        owner = (job[0] or b"").decode()
+    def advance(self, job_id: str, status: str, *, owner: str | None = None, **fields: Any) -> bool:
+        """Move the job forward to ``status``; False if it is already there, past it, or ended.
+        Pass ``owner`` when known: it saves a round trip."""
+        if owner is None:
+            owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
-        keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id)]
-        moved = self._transition(keys=keys, args=args) == 1
-        if moved and status in TERMINAL:
-            self.redis.delete(self.prompt_key(job_id), self.cancel_key(job_id))
-        return moved
-
-    def succeed(self, job_id: str, result: dict[str, Any], **fields: Any) -> bool:
-        return self.advance(job_id, "succeeded", result=result, **fields)
+        keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id),
+                self.prompt_key(job_id), self.cancel_key(job_id)]
+        return self._transition(keys=keys, args=args) == 1
 
     def fail(self, job_id: str, error: RolloutError) -> bool:
         return self.advance(job_id, "failed", error={"code": error.code, "message": error.message},

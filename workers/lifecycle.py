@@ -19,10 +19,12 @@ log = logging.getLogger(__name__)
 JOB_ENDED_WEBHOOK_TASK = "rollout.webhooks.job_ended"
 
 
-def end_job(rt, job_id: str, status: str, **fields: Any) -> bool:
-    moved = rt.jobs.advance(job_id, status, **fields)
+def end_job(rt, job_id: str, status: str, *, job: dict[str, Any] | None = None, **fields: Any) -> bool:
+    """End the job with ``status`` and ``fields``. ``job``, the record as the caller last read it,
+    saves reading it back."""
+    moved = rt.jobs.advance(job_id, status, owner=job["owner"] if job else None, **fields)
     if moved:
-        _after_end(rt, job_id)
+        _after_end(rt, job_id, {**job, "status": status, **fields} if job else None)
     return moved
 
 
@@ -51,11 +53,11 @@ def cancel_job(rt, job_id: str, *, owner: str) -> dict[str, Any]:
     return rt.jobs.get(job_id, owner=owner)
 
 
-def _after_end(rt, job_id: str) -> None:
+def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
     from workers.batch_progress import record_job_end
     from workers.metrics import record_job_end as count_job_end
 
-    job = rt.jobs.get(job_id)
+    job = job or rt.jobs.get(job_id)
     count_job_end(rt.redis, job)
     if job.get("batch_id"):
         record_job_end(rt, job)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.demo_model import build_demo_model
@@ -25,10 +26,33 @@ def model_id(settings: Settings) -> str:
     return settings.model or DEMO_MODEL_NAME
 
 
-def context_length(model_path: str) -> int | None:
-    """The model's context length from its config, without loading weights."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the API and the submit path need to know of the model, read from its config only."""
+
+    context_length: int | None
+    vocab_size: int | None
+    # Token ids that stand for media (placeholders, vision start/end): a prompt holding any of them
+    # needs the processor.
+    media_token_ids: frozenset[int]
+
+    def is_plain_text(self, token_ids: list[int]) -> bool:
+        """True when these ids need no preprocessing: in the vocabulary and no media tokens."""
+        if self.vocab_size is None:
+            return False
+        return all(0 <= t < self.vocab_size and t not in self.media_token_ids for t in token_ids)
+
+
+_MEDIA_TOKEN_ATTRS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                      "image_token_index", "audio_token_id", "image_break_token_id", "image_end_token_id")
+
+
+def model_facts(model_path: str) -> ModelFacts:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     text_config = getattr(config, "text_config", None) or config
-    return getattr(text_config, "max_position_embeddings", None)
+    media = {getattr(c, name) for c in (config, text_config) for name in _MEDIA_TOKEN_ATTRS
+             if isinstance(getattr(c, name, None), int)}
+    return ModelFacts(getattr(text_config, "max_position_embeddings", None), getattr(text_config, "vocab_size", None),
+                      frozenset(media))

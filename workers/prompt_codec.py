@@ -40,6 +40,12 @@ def encode_prompt(processed, *, preprocess_seconds: float, node_id: str) -> dict
     }
 
 
+def text_prompt(token_ids: list[int]) -> dict[str, Any]:
+    """The finalized prompt of plain token ids: nothing to process, nothing to transport."""
+    return {"token_ids": list(token_ids), "placeholder_ranges": [], "items": [], "transport": "inline",
+            "node_id": "", "timings": {"preprocess": 0.0}, "cache_hits": 0}
+
+
 @dataclass
 class OpenedPrompt:
     token_ids: list[int]

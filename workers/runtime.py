@@ -65,6 +65,12 @@ class WorkerRuntime:
         return resolve_model_path(self.settings)
 
     @cached_property
+    def model_facts(self):
+        from workers.models import model_facts
+
+        return model_facts(self.model_path)
+
+    @cached_property
     def model_id(self) -> str:
         return model_id(self.settings)
 

@@ -55,8 +55,9 @@ class Settings:
     task_soft_time_limit: int = 540
     task_time_limit: int = 600
     visibility_timeout: int = 3600
+    task_events: bool = False
     gpu_batch_size: int = 16
-    gpu_batch_wait_ms: int = 5
+    gpu_batch_wait_ms: int = 20
     torch_threads: int = 1
     cpu_concurrency: int = 1
     # Guarded fetching (processors.fetch).
@@ -176,6 +177,8 @@ def _read(env: Env, name: str, type_name: str, default: Any) -> Any:
             if not optional
             else env.int(key, None, validate=validate)
         )
+    if base == "bool":
+        return env.bool(key, default)
     if base == "float":
         return env.float(key, default, validate=validate)
     if base == "Path":

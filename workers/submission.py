@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from celery import Celery
 
-from workers.celery_app import PREPROCESS_QUEUE
+from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.job_store import JobStore
+from workers.models import ModelFacts
+from workers.prompt_codec import text_prompt
 
 PREPROCESS_TASK = "rollout.preprocess"
+GENERATE_TASK = "rollout.generate"
 
 
 def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str, Any],
-               extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """Create the job and enqueue its preprocessing; returns the stored job record."""
+               extra: dict[str, str] | None = None, model: ModelFacts | None = None) -> dict[str, Any]:
+    """Create the job and enqueue its first task; returns the stored job record.
+
+    A prompt of plain token ids (no media, no media tokens; the token-in-token-out path RL
+    trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
+    hop. Everything else is preprocessed by a CPU worker first.
+    """
     job = store.create(
         owner=owner,
         kind=request.get("kind", "generate"),
@@ -24,7 +33,13 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
         metadata=request.get("metadata"),
         extra=extra,
     )
-    enqueue_preprocess(celery, job["id"])
+    token_ids = request.get("token_ids")
+    if (model is not None and token_ids and not request.get("content_parts") and not request.get("features")
+            and model.is_plain_text(token_ids)):
+        store.redis.set(store.prompt_key(job["id"]), json.dumps(text_prompt(token_ids)), ex=store.limits.result_ttl)
+        celery.send_task(GENERATE_TASK, args=[job["id"]], queue=SHARED_GENERATE_QUEUE)
+    else:
+        enqueue_preprocess(celery, job["id"])
     return job
 
 

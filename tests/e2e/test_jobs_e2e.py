@@ -144,3 +144,15 @@ def test_healthz_and_metrics_reflect_the_running_stack(stack):
     assert 'rollout_stage_seconds_count{stage="generate"}' in text
     assert 'rollout_stage_seconds_count{stage="preprocess"}' in text
     assert 'rollout_events_total{event="mm_cache_miss"}' in text  # the image jobs above
+
+
+def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):
+    plain = stack.wait(stack.submit({"token_ids": [100, 101], "sampling_params": GREEDY})["id"])
+    assert plain["status"] == "succeeded" and plain["result"]["timings"]["preprocess"] == 0.0
+    media_id = stack.services.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert media_id in stack.services.model_facts.media_token_ids
+    stray = stack.wait(stack.submit({"token_ids": [100, media_id, 101], "sampling_params": GREEDY})["id"])
+    assert stray["status"] == "failed" and stray["error"]["code"] == "placeholder_mismatch", stray
+    vocab = stack.services.model_facts.vocab_size
+    outside = stack.wait(stack.submit({"token_ids": [100, vocab + 5], "sampling_params": GREEDY})["id"])
+    assert outside["status"] == "failed" and outside["error"]["code"] == "invalid_request", outside

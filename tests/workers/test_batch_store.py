@@ -14,7 +14,7 @@ from tests.conftest import db_url
 from web.batches import ParsedBatch, create_batch
 from workers.batch_progress import batch_store, cancel_lines, expire, record_job_end
 from workers.batch_store import lines_key, output_key
-from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, create_celery
+from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, create_celery
 from workers.job_store import QueueFullError
 from workers.lifecycle import end_job, fail_job
 from workers.runtime import WorkerRuntime
@@ -104,7 +104,8 @@ def test_chunk_creates_jobs_with_their_line_and_is_idempotent(rt, redis_client):
     job = next(job for job in jobs if job["line"] == "5")
     assert job["batch_id"] == batch["id"] and job["custom_id"] == "c5" and job["owner"] == OWNER
     assert job["request"]["token_ids"] == [1, 2, 5] and job["status"] == "queued"
-    assert redis_client.llen(PREPROCESS_QUEUE) == 6
+    # Plain token prompts go straight to the GPU queue, the others to preprocessing: one message each.
+    assert redis_client.llen(PREPROCESS_QUEUE) + redis_client.llen(SHARED_GENERATE_QUEUE) == 6
 
 
 def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client):

@@ -124,7 +124,8 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
             if line["line"] in skip:
                 continue
             extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
-            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=line["request"], extra=extra)
+            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=line["request"], extra=extra,
+                             model=rt.model_facts)
             store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
             created[line["line"]] = job["id"]
     except (QueueFullError, *_REDIS_DOWN):

@@ -7,7 +7,7 @@ import logging
 import time
 
 from celery import shared_task
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from workers.celery_app import SHARED_GENERATE_QUEUE
@@ -16,17 +16,25 @@ from workers.lifecycle import fail_job, fail_unexpected
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import encode_prompt
+from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
+from workers.submission import GENERATE_TASK
 
 log = logging.getLogger(__name__)
 
-GENERATE_TASK = "rollout.generate"
 
 
 @shared_task(name="rollout.preprocess", bind=True)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
-        _preprocess(self.app, job_id, retry_handles)
+        try:
+            _preprocess(self.app, job_id, retry_handles)
+        except REDIS_DOWN as exc:
+            # Celery acknowledges a failed task's message, and that ack (retried by the broker
+            # client) lands once Redis is back: the job would be stuck for good. Put the message
+            # back instead; the task is idempotent.
+            log.warning("job %s: Redis unavailable while preprocessing; message requeued", job_id)
+            raise Reject(exc, requeue=True) from exc
 
 
 def _preprocess(app, job_id: str, retry_handles: bool) -> None:
@@ -49,6 +57,8 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
     except RolloutError as error:
         fail_job(rt, job_id, error)
         return
+    except REDIS_DOWN:
+        raise  # an outage (the multimodal cache lives in Redis), not this job's fault
     except Exception:
         fail_unexpected(rt, job_id, "preprocessing")
         return
