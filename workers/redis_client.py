@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import redis
+from kombu.exceptions import OperationalError
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+# What a task sees while Redis is down or restarting (BusyLoadingError is a ConnectionError), from
+# our clients or from Celery publishing a message: not the job's fault, the store is away.
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, OperationalError)
 
 
 def connect(url: str) -> redis.Redis:
