@@ -56,7 +56,8 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
     if kind == "gpu":
         generate = app.tasks["rollout.generate"]
         generate.flush_every = settings.gpu_batch_size
-        generate.flush_interval = settings.gpu_batch_wait_ms / 1000
+        generate.max_wait = settings.gpu_batch_wait_ms / 1000
+        generate.flush_interval = 0.001  # a tick: each decides whether to flush (see ReconnectingBatches)
 
     @signals.setup_logging.connect(weak=False)
     def keep_our_logging(**_):

@@ -1,8 +1,8 @@
 """The GPU task: open the finalized items, generate or score in batches, store results.
 
-Batching: celery-batches hands this task every ``rollout.generate`` message that arrived within
-``ROLLOUT_GPU_BATCH_WAIT_MS`` (or up to ``ROLLOUT_GPU_BATCH_SIZE`` of them), and the engine runs them
-as one batch. We use celery-batches rather than a scheduler of our own because the messages are
+Batching: celery-batches hands this task the ``rollout.generate`` messages the worker has received
+(up to ``ROLLOUT_GPU_BATCH_SIZE``; a partial batch waits at most ``ROLLOUT_GPU_BATCH_WAIT_MS`` while
+more jobs are queued), and the engine runs them as one batch. We use celery-batches rather than a scheduler of our own because the messages are
 already in Celery; transformers' continuous batching cannot serve this path (it drops
 ``pixel_values``, DESIGN §8). The worker's prefetch is raised to the batch size: celery-batches can
 only batch messages the worker has reserved, so prefetch 1 would mean batches of one.
@@ -22,22 +22,29 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
-from celery_batches import Batches
+from celery_batches import Batches, SimpleRequest
+from celery_batches.trace import apply_batches_task
 
 from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
+from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_job, fail_job, fail_unexpected
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
+from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
 from workers.submission import enqueue_preprocess
 
 log = logging.getLogger(__name__)
 
 ABORT_POLL_SECONDS = 0.05
+REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
+# What the batch returns when Redis went away under it: its messages go back to the queue.
+REQUEUE = "requeue"
 
 
 class ReconnectingBatches(Batches):
@@ -50,20 +57,82 @@ class ReconnectingBatches(Batches):
     (re)start, so forget the dead timer there and flush what the old connection left behind.
     """
 
+    #: Longest a partial batch is held while more jobs wait in this worker's queues (seconds).
+    max_wait = 0.02
+    _oldest_buffered = 0.0
+
     def Strategy(self, task, app, consumer):
         handler = super().Strategy(task, app, consumer)
         self._tref = None
         if not (self._buffer.empty() and self._pending.empty()):
             self._tref = consumer.timer.call_repeatedly(self.flush_interval, self._do_flush)
-        return handler
+
+        def buffer_request(*args, **kwargs):
+            if self._buffer.empty():
+                self._oldest_buffered = time.monotonic()
+            return handler(*args, **kwargs)
+
+        return buffer_request
+
+    def _do_flush(self) -> None:
+        """Flush on a full batch, when nothing more waits in the queues, or after ``max_wait``.
+
+        celery-batches flushes whatever arrived on every timer tick; the worker reserves one
+        message per Redis round trip, so 64 waiting jobs ran as batches of ~5. Holding a partial
+        batch while the queues still hold jobs fills it; a lone job still goes at the next tick.
+        """
+        waiting = self._buffer.qsize()
+        if (0 < waiting < self.flush_every and time.monotonic() - self._oldest_buffered < self.max_wait
+                and self._more_queued()):
+            return
+        super()._do_flush()
+
+    def _more_queued(self) -> bool:
+        rt = runtime(self.app)
+        try:
+            pipe = rt.redis.pipeline(transaction=False)
+            for queue in (rt.settings.generate_queue, SHARED_GENERATE_QUEUE):
+                pipe.llen(queue)
+            return sum(pipe.execute()) > 0
+        except REDIS_DOWN:
+            return False
+
+    def flush(self, requests):
+        """As ``Batches.flush``, but a batch that returns ``REQUEUE`` (Redis went away under it) puts
+        its messages back instead of acknowledging them: an ack that lands once Redis is back would
+        leave those jobs unfinished for good."""
+        acks_early = [request for request in requests if not request.task.acks_late]
+        acks_late = [request for request in requests if request.task.acks_late]
+
+        def on_accepted(pid, time_accepted) -> None:
+            for request in acks_early:
+                request.acknowledge()
+
+        def on_return(result) -> None:
+            for request in acks_late:
+                if result == REQUEUE:
+                    request.reject(requeue=True)
+                else:
+                    request.acknowledge()
+
+        return self._pool.apply_async(
+            apply_batches_task, (self, ([SimpleRequest.from_request(r) for r in requests],), 0, None),
+            accept_callback=on_accepted, callback=on_return,
+        )
 
 
 @shared_task(name="rollout.generate", base=ReconnectingBatches, bind=True, flush_every=16, flush_interval=0.005)
-def generate(self, requests) -> None:
+def generate(self, requests) -> str | None:
     rt = runtime(self.app)
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
     with job_context(*job_ids):
-        _generate(rt, job_ids)
+        try:
+            _generate(rt, job_ids)
+        except REDIS_DOWN:
+            log.warning("Redis unavailable during a batch of %d jobs; their messages go back to the queue",
+                        len(job_ids))
+            return REQUEUE
+    return None
 
 
 def _generate(rt, job_ids: list[str]) -> None:
@@ -75,6 +144,8 @@ def _generate(rt, job_ids: list[str]) -> None:
         return
     try:
         run_batch(rt, engine, job_ids)
+    except REDIS_DOWN:
+        raise  # an outage, not these jobs' fault: the batch is requeued
     except Exception:
         # celery-batches only logs an exception from the batch body and leaves every job waiting;
         # end each job that is still open instead.
@@ -93,7 +164,7 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
         if raw is None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
-        rt.jobs.advance(job_id, "generating")
+        rt.jobs.advance(job_id, "generating", owner=job["owner"])
         try:
             prompt = open_prompt(json.loads(raw), device=engine.loaded.device)
         except HandleUnavailableError:
@@ -172,7 +243,13 @@ def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[in
         now = time.monotonic()
         if now - last_poll[0] >= ABORT_POLL_SECONDS:
             last_poll[0] = now
-            cancelled = rt.jobs.cancel_requested(job_ids)
+            try:
+                cancelled = rt.jobs.cancel_requested(job_ids)
+            except redis.RedisError:
+                # Redis is away: decode on, and look again in a second (each failed call waits on
+                # reconnect attempts; one per poll would slow every step down).
+                cancelled = set()
+                last_poll[0] = now + REDIS_DOWN_POLL_PAUSE_SECONDS
             aborted.update(i for i, job_id in enumerate(job_ids) if job_id in cancelled)
         if now >= deadline and len(aborted) < len(job_ids):
             timed_out.update(i for i in range(len(job_ids)) if i not in aborted)
@@ -213,4 +290,4 @@ def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batc
         result.update(choices=choices, usage=output.usage)
         if any(choice["finish_reason"] == "abort" for choice in choices):
             status = "cancelled"
-    end_job(rt, job["id"], status, result=result)
+    end_job(rt, job["id"], status, job=job, result=result)
