@@ -145,12 +145,24 @@ class JobStore:
         Pass ``owner`` when known: it saves a round trip."""
         if owner is None:
             owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
+        keys, args = self._transition_call(job_id, owner, status, fields)
+        return self._transition(keys=keys, args=args) == 1
+
+    def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
+        """``advance`` for many ``(job id, owner)`` pairs in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, owner in jobs:
+            keys, args = self._transition_call(job_id, owner, status, {})
+            self._transition(keys=keys, args=args, client=pipe)
+        return [moved == 1 for moved in pipe.execute()] if jobs else []
+
+    def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
         keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id),
                 self.prompt_key(job_id), self.cancel_key(job_id)]
-        return self._transition(keys=keys, args=args) == 1
+        return keys, args
 
     def fail(self, job_id: str, error: RolloutError) -> bool:
         return self.advance(job_id, "failed", error={"code": error.code, "message": error.message},

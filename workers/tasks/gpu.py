@@ -164,7 +164,6 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
         if raw is None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
-        rt.jobs.advance(job_id, "generating", owner=job["owner"])
         try:
             prompt = open_prompt(json.loads(raw), device=engine.loaded.device)
         except HandleUnavailableError:
@@ -175,6 +174,15 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
         ready.append((job, prompt))
+    moved = rt.jobs.advance_many([(job["id"], job["owner"]) for job, _ in ready], "generating")
+    running = []
+    for (job, prompt), advanced in zip(ready, moved, strict=True):
+        # Neither moved nor already generating (a redelivery): it was cancelled meanwhile.
+        if advanced or job["status"] == "generating":
+            running.append((job, prompt))
+        else:
+            release_prompt(rt.redis, prompt)
+    ready = running
     try:
         for kind in ("generate", "score"):
             group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
