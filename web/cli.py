@@ -15,6 +15,18 @@ KINDS = ("cpu", "gpu", "webhooks", "batches")
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (RolloutError, OSError) as error:
+        print(f"rollout-queue: error: {getattr(error, 'message', None) or error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line and its subcommands (deployment files are checked against it)."""
     parser = argparse.ArgumentParser(prog="rollout-queue", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("up", help="start Redis (embedded unless ROLLOUT_REDIS_URL), the API and every worker")
@@ -27,14 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         add_batch_commands = None
     if add_batch_commands:
         add_batch_commands(commands)
-    args = parser.parse_args(argv)
-    try:
-        return _run(args)
-    except (RolloutError, OSError) as error:
-        print(f"rollout-queue: error: {getattr(error, 'message', None) or error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return parser
 
 
 def _run(args) -> int:

@@ -13,6 +13,7 @@ import marshmallow as ma
 import redis
 from flask import Flask, jsonify
 from flask_smorest import Api
+from kombu.exceptions import OperationalError
 from werkzeug.exceptions import HTTPException
 
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
@@ -68,7 +69,8 @@ def register_error_handlers(app: Flask) -> None:
         return response
 
     @app.errorhandler(redis.RedisError)
-    def handle_redis_error(error: redis.RedisError):
+    @app.errorhandler(OperationalError)  # Celery could not publish a message: the broker (Redis) is away
+    def handle_redis_error(error: Exception):
         log.warning("redis unavailable: %s", error.__class__.__name__)
         return handle_rollout_error(
             RedisUnavailableError("the job store is unavailable; retry shortly", headers={"Retry-After": "2"})

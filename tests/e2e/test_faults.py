@@ -1,0 +1,249 @@
+"""The service under faults: workers killed mid-job, Redis restarted, jobs past their time limit.
+
+This module runs its own stack (its own persistent Redis on a fixed port, its own workers), so the
+shared session stack is never disturbed. Its Celery limits are small, so redelivery is quick:
+a message a dead worker held comes back after ROLLOUT_VISIBILITY_TIMEOUT (10 s); the hard and soft
+task limits are 8 s and 6 s (settings refuse visibility <= hard <= soft).
+
+What every fault test checks: every job ends exactly once, as ``succeeded``, with the tokens a
+healthy run gives (greedy, so they are reproducible) and exactly one webhook delivery.
+
+Known limits these tests step around on purpose (each is a finding, not an accident):
+
+- kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
+  unacknowledged. The GPU worker keeps a BRPOP pending while a batch blocks its event loop (it
+  reserves up to ROLLOUT_GPU_BATCH_SIZE messages), so a message Redis hands over during a batch sits
+  unread in the socket; a SIGKILL then loses it and its job never ends. The kill test therefore
+  kills only once every job has reached the worker. A reconciler that re-enqueues jobs without
+  progress (tasks are idempotent) would close the gap.
+- The solo pool (CPU workers at ROLLOUT_CPU_CONCURRENCY=1, the default, and the GPU worker)
+  enforces no Celery time limit. The time-limit test runs the CPU worker on prefork, where the soft
+  limit raises in the task; the GPU task keeps its own deadline (workers/tasks/gpu.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections import Counter
+
+import psutil
+import pytest
+from PIL import Image
+
+from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, settings_from_env
+from web.app import create_app
+from workers.celery_app import create_celery
+from workers.job_store import TERMINAL
+from workers.redis_server import EmbeddedRedis, free_port
+
+VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 10, 8, 6
+HOOK_PATH = "/hooks/faults"
+# Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
+LONG_TEXT = [{"token_ids": [100 + i, 140, 150, 160],
+              "sampling_params": {"max_tokens": 400, "temperature": 0, "ignore_eos": True}} for i in range(10)]
+MEDIA_DELAY_S = 0.3
+
+
+def png(color) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(buffer, format="PNG")  # 16x1176 pixel_values: past the inline size
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fault_redis(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("fault-redis"), port=free_port(), persistent=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def faults(fault_redis, demo_model_dir, loopback_host, tmp_path_factory):
+    env = make_stack_env(
+        redis_url=fault_redis.url, model_dir=demo_model_dir, state_dir=tmp_path_factory.mktemp("fault-state"),
+        loopback=loopback_host, node_id="faults-node",
+        ROLLOUT_VISIBILITY_TIMEOUT=str(VISIBILITY_S), ROLLOUT_TASK_TIME_LIMIT=str(HARD_LIMIT_S),
+        ROLLOUT_TASK_SOFT_TIME_LIMIT=str(SOFT_LIMIT_S), ROLLOUT_FETCH_TIMEOUT="30",
+        ROLLOUT_SHM_POOL_BYTES=str(32 * 1024 * 1024), ROLLOUT_WEBHOOK_RETRY_SCHEDULE="0.5,1,1,2,2,2",
+        ROLLOUT_LOG_LEVEL="INFO",  # every task received and ended, to tell what a fault did
+    )
+    loopback_host.route(HOOK_PATH, (200, {}, b""))
+    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "faults"),
+                     workers=("cpu", "gpu", "webhooks")) as stack:
+        yield stack
+
+
+def image_bodies(host, tag: str, count: int = 8) -> list[dict]:
+    bodies = []
+    for i in range(count):
+        url = host.route(f"/media/{tag}-{i}.png",
+                         (200, {"Content-Type": "image/png"}, png((30 * i, 90, 200 - 20 * i)), MEDIA_DELAY_S))
+        bodies.append({"prompt": "<image>Describe it.", "content_parts": [{"type": "image_url", "url": url}],
+                       "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}})
+    return bodies
+
+
+@pytest.fixture(scope="module")
+def reference(faults):
+    """Tokens of a healthy run of the same requests (greedy: a rerun must give the same)."""
+    bodies = {"text": LONG_TEXT, "image": image_bodies(faults.host, "faults")}
+    tokens = {}
+    for name, group in bodies.items():
+        ids = [faults.submit(body)["id"] for body in group]
+        done = [faults.wait(job_id, timeout=60) for job_id in ids]
+        assert all(job["status"] == "succeeded" for job in done), done
+        tokens[name] = [job["result"]["choices"][0]["token_ids"] for job in done]
+    return bodies, tokens
+
+
+def submit_all(stack, bodies) -> list[str]:
+    hook = {"url": stack.host.url(HOOK_PATH)}
+    return [stack.submit({**body, "webhook": hook})["id"] for body in bodies]
+
+
+def statuses(stack, ids) -> list[str]:
+    return [job["status"] for job in stack.services.jobs.get_many(ids)]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def webhook_counts(host, ids) -> Counter:
+    wanted = set(ids)
+    counts = Counter()
+    for _method, _headers, body in list(host.requests[HOOK_PATH]):
+        job_id = json.loads(body)["data"]["id"]
+        if job_id in wanted:
+            counts[job_id] += 1
+    return counts
+
+
+def assert_ended_once_as_before(stack, ids, expected_tokens, timeout: float = 90.0) -> None:
+    done = [stack.wait(job_id, timeout=timeout) for job_id in ids]
+    assert [job["status"] for job in done] == ["succeeded"] * len(ids), [(j["status"], j.get("error")) for j in done]
+    assert [job["result"]["choices"][0]["token_ids"] for job in done] == expected_tokens
+    wait_until(lambda: len(webhook_counts(stack.host, ids)) == len(ids), 30, "one webhook per job")
+    time.sleep(1.0)  # a duplicate would follow within the retry schedule's first steps
+    counts = webhook_counts(stack.host, ids)
+    assert counts == Counter(dict.fromkeys(ids, 1)), counts
+
+
+def use_cpu_concurrency(stack, concurrency: int) -> None:
+    """Run the CPU worker with ``concurrency`` (1: solo pool, the default; more: prefork)."""
+    if stack.worker_env.get("cpu", {}).get("ROLLOUT_CPU_CONCURRENCY", "1") == str(concurrency):
+        return
+    stack.stop("cpu")
+    stack.start("cpu", env={"ROLLOUT_CPU_CONCURRENCY": str(concurrency)})
+    stack.wait_ready(["cpu"])
+
+
+def test_gpu_worker_killed_mid_generation(faults, reference):
+    bodies, tokens = reference
+    ids = submit_all(faults, bodies["text"])
+    # Kill while a batch decodes, once every generate message has reached the worker. (A message
+    # Redis hands the worker's pending BRPOP while a batch blocks its event loop sits unread in the
+    # socket, not yet in the unacked set: a SIGKILL then loses it. kombu's Redis transport has this
+    # window; see the module docs.)
+    wait_until(lambda: "generating" in (now := statuses(faults, ids)) and not {"queued", "preprocessing"} & set(now),
+               30, "every job handed to the GPU worker")
+    time.sleep(0.2)
+    faults.kill("gpu")  # kill -9: no warm shutdown, its reserved messages stay unacknowledged
+    at_kill = statuses(faults, ids)
+    assert "generating" in at_kill and not set(at_kill) <= TERMINAL, at_kill
+    faults.start("gpu")
+    assert_ended_once_as_before(faults, ids, tokens["text"])
+
+
+def test_cpu_worker_killed_mid_preprocessing(faults, reference):
+    bodies, tokens = reference
+    ids = submit_all(faults, bodies["image"])
+    # Each fetch takes MEDIA_DELAY_S: the kill lands inside a task, with more jobs still queued.
+    wait_until(lambda: statuses(faults, ids).count("preprocessing") == 1 and "queued" in statuses(faults, ids),
+               30, "a job in preprocessing")
+    faults.kill("cpu")
+    at_kill = statuses(faults, ids)
+    assert "preprocessing" in at_kill and "queued" in at_kill, at_kill
+    faults.start("cpu")
+    assert_ended_once_as_before(faults, ids, tokens["image"])
+    results = [faults.services.jobs.get(job_id)["result"] for job_id in ids]
+    assert {result["transport"] for result in results} == {"shm"}  # features travelled as handles
+
+
+def test_redis_restart_loses_no_job(faults, fault_redis, reference):
+    bodies, tokens = reference
+    running = submit_all(faults, bodies["text"])
+    wait_until(lambda: "generating" in (now := statuses(faults, running)) and not {"queued", "preprocessing"} & set(now),
+               30, "every text job handed to the GPU worker")
+    queued = submit_all(faults, bodies["image"][:4])  # slow fetches: one in a CPU task, three queued
+    wait_until(lambda: "preprocessing" in statuses(faults, queued), 10, "an image job in preprocessing")
+    fault_redis.stop()
+    try:
+        for response in (faults.client.get(f"/v1/jobs/{running[0]}", headers=faults.headers()),
+                         faults.client.post("/v1/jobs", json=bodies["text"][0], headers=faults.headers())):
+            assert response.status_code == 503, response.get_json()
+            assert response.get_json()["code"] == "redis_unavailable"
+            assert response.headers.get("Retry-After")
+        time.sleep(3)  # the workers run into the outage: reads, writes, acks and consumers all fail
+    finally:
+        fault_redis.start()  # same port, same append-only file
+    # The API recovers without a restart, and the workers reconnect by themselves.
+    assert faults.client.get(f"/v1/jobs/{running[0]}", headers=faults.headers()).status_code == 200
+    assert_ended_once_as_before(faults, running + queued, tokens["text"] + tokens["image"][:4])
+    after = faults.submit(bodies["text"][0])
+    assert faults.wait(after["id"], timeout=30)["result"]["choices"][0]["token_ids"] == tokens["text"][0]
+
+
+def test_unreachable_broker_answers_503(faults):
+    """The job store answers but Celery cannot publish (the broker is away): 503, not a 500."""
+    app = create_app(settings_from_env(faults.env), faults.env["ROLLOUT_REDIS_URL"])
+    svc = app.extensions["rollout"]
+    svc.celery = create_celery(svc.settings, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    response = app.test_client().post("/v1/jobs", json=LONG_TEXT[0], headers=faults.headers())
+    assert response.status_code == 503, response.get_json()
+    assert response.get_json()["code"] == "redis_unavailable" and response.headers.get("Retry-After")
+
+
+def test_killed_prefork_child_is_redelivered_at_once(faults, reference):
+    bodies, tokens = reference
+    use_cpu_concurrency(faults, 2)
+    main = psutil.Process(faults.workers["cpu"].pid)
+    ids = submit_all(faults, bodies["image"][:2])
+    wait_until(lambda: "preprocessing" in statuses(faults, ids), 30, "a job in preprocessing")
+    pool_children = [child for child in main.children() if "resource_tracker" not in " ".join(child.cmdline())]
+    assert pool_children
+    for child in pool_children:
+        child.kill()
+    started = time.monotonic()
+    # WorkerLostError + reject_on_worker_lost: requeued now, not after the visibility timeout.
+    assert_ended_once_as_before(faults, ids, tokens["image"][:2], timeout=VISIBILITY_S)
+    assert time.monotonic() - started < VISIBILITY_S
+
+
+def test_time_limits_fail_the_job_with_its_code_and_free_the_worker(faults, reference):
+    bodies, tokens = reference
+    use_cpu_concurrency(faults, 2)  # the solo pool enforces no Celery time limit (see module docs)
+    stuck_url = faults.host.route("/media/stuck.png", (200, {"Content-Type": "image/png"}, png((1, 2, 3)), 25))
+    slow_cpu = {"prompt": "<image>x", "content_parts": [{"type": "image_url", "url": stuck_url}],
+                "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    # Four rows to the context limit: far longer than the soft limit on any CPU.
+    slow_gpu = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4000, "n": 4, "temperature": 0,
+                                                                  "ignore_eos": True}}
+    ids = submit_all(faults, [slow_cpu, slow_gpu])
+    started = time.monotonic()
+    done = [faults.wait(job_id, timeout=HARD_LIMIT_S + 10) for job_id in ids]
+    assert [job["status"] for job in done] == ["failed", "failed"], done
+    assert [job["error"]["code"] for job in done] == ["job_time_limit_exceeded"] * 2, done
+    assert time.monotonic() - started < HARD_LIMIT_S + 3
+    # Both workers are free again: the next jobs succeed promptly.
+    next_ids = submit_all(faults, [bodies["text"][0], bodies["image"][0]])
+    assert_ended_once_as_before(faults, next_ids, [tokens["text"][0], tokens["image"][0]], timeout=15)
+    assert webhook_counts(faults.host, ids) == Counter(dict.fromkeys(ids, 1))
