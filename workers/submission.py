@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import redis
 from celery import Celery
 
+from engine.errors import ServiceUnavailableError
 from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.job_store import JobStore
 from workers.models import ModelFacts
@@ -33,6 +35,20 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
         metadata=request.get("metadata"),
         extra=extra,
     )
+    try:
+        _enqueue_first_task(store, celery, job, request, model)
+    except Exception:
+        # The client gets an error (503 when Redis is away): the job must not linger as queued,
+        # holding a place under the queue caps. Best effort: the store may be away too.
+        try:
+            store.fail(job["id"], ServiceUnavailableError("the job could not be queued"))
+        except redis.RedisError:
+            pass
+        raise
+    return job
+
+
+def _enqueue_first_task(store: JobStore, celery: Celery, job: dict, request: dict, model: ModelFacts | None) -> None:
     token_ids = request.get("token_ids")
     if (model is not None and token_ids and not request.get("content_parts") and not request.get("features")
             and model.is_plain_text(token_ids)):
@@ -40,7 +56,6 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
         celery.send_task(GENERATE_TASK, args=[job["id"]], queue=SHARED_GENERATE_QUEUE)
     else:
         enqueue_preprocess(celery, job["id"])
-    return job
 
 
 def enqueue_preprocess(celery: Celery, job_id: str, *, retry_handles: bool = False) -> None:

@@ -74,7 +74,9 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         if kind == "cpu":
             from engine.transport import sweep_orphaned_segments
 
-            sweep_orphaned_segments()  # segments of producers killed with their resource tracker
+            # Segments of producers killed together with their resource tracker. It judges owners by
+            # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
+            sweep_orphaned_segments()
             _ = rt.processor  # load it now, not on the first job
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})

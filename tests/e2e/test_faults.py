@@ -207,9 +207,12 @@ def test_unreachable_broker_answers_503(faults):
     app = create_app(settings_from_env(faults.env), faults.env["ROLLOUT_REDIS_URL"])
     svc = app.extensions["rollout"]
     svc.celery = create_celery(svc.settings, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    active_before = svc.jobs.active_counts()
     response = app.test_client().post("/v1/jobs", json=LONG_TEXT[0], headers=faults.headers())
     assert response.status_code == 503, response.get_json()
     assert response.get_json()["code"] == "redis_unavailable" and response.headers.get("Retry-After")
+    # The job that could not be queued does not linger as queued under the caps.
+    assert svc.jobs.active_counts() == active_before
 
 
 def test_killed_prefork_child_is_redelivered_at_once(faults, reference):

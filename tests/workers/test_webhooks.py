@@ -40,6 +40,7 @@ from workers.webhooks import (
     Signer,
     WebhookStore,
     build_payload,
+    event_key,
     outcome_of_error,
     outcome_of_status,
     parse_retry_after,
@@ -514,3 +515,19 @@ def test_deliveries_endpoints_show_attempts_to_the_owner_only(api, rt, receiver)
     assert api.get("/v1/batches/batch_api/deliveries", headers=two).status_code == 404
     assert api.get("/v1/batches/batch_missing/deliveries", headers=one).status_code == 404
     assert "/v1/jobs/{job_id}/deliveries" in api.get("/openapi.json").json["paths"]
+
+
+def test_a_long_retry_wait_goes_in_hops_shorter_than_the_visibility_timeout(rt, receiver):
+    url = receiver.script("/later", [(500, {}), (200, {})])
+    store = WebhookStore(rt.redis, 600)
+    event_id, _ = store.create(object_kind="job", object_id="job_later", owner=OWNER,
+                               event_type="job.succeeded", url=url, data={})
+    queued: list = []
+    run_attempt(rt, event_id, 1, token="a1", queue_next=lambda *a: queued.append(a))
+    # Pretend attempt 2 is due in an hour: a message for it now only waits again, sending nothing.
+    rt.redis.hset(event_key(event_id), "next_attempt_at", time.time() + 3600)
+    queued.clear()
+    state = run_attempt(rt, event_id, 2, token="a2", queue_next=lambda *a: queued.append(a))
+    assert state == RETRYING and len(receiver.hits_for("/later")) == 1
+    [(attempt, countdown)] = queued
+    assert attempt == 2 and 3590 < countdown <= 3600  # deliver() caps each hop at half the visibility timeout

@@ -136,10 +136,15 @@ def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict |
 def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     """Attempt ``attempt`` of the event; the event's state afterwards (None when there is no event)."""
 
-    def queue_next(next_attempt: int, countdown: float) -> None:
-        _queue_attempt(self.app, event_id, next_attempt, countdown=countdown)
+    rt = runtime(self.app)
+    # A countdown longer than the broker's visibility timeout would be redelivered while it waits
+    # (Redis hands unacknowledged messages to another worker): wait in hops, see run_attempt.
+    hop = rt.settings.visibility_timeout / 2
 
-    return run_attempt(runtime(self.app), event_id, attempt, token=self.request.id or uuid.uuid4().hex,
+    def queue_next(next_attempt: int, countdown: float) -> None:
+        _queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
+
+    return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
                        queue_next=queue_next)
 
 
@@ -163,6 +168,10 @@ def run_attempt(rt, event_id: str, attempt: int, *, token: str,
     if event["attempts"] != attempt - 1:
         log.warning("webhook %s: attempt %d out of order (%d recorded); dropped", event_id, attempt,
                     event["attempts"])
+        return event["state"]
+    not_before = event["next_attempt_at"] or 0.0
+    if not_before - time.time() > 1.0:
+        queue_next(attempt, not_before - time.time())  # a hop of a long wait: not due yet
         return event["state"]
     if not store.claim(event_id, attempt, token):
         return event["state"]  # another message owns this attempt
