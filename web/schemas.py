@@ -162,8 +162,9 @@ class ResultSchema(Schema):
     completion_logprobs = fields.List(fields.Float(), metadata={"description": "kind=score"})
     usage = fields.Dict()
     weight_version = fields.String()
-    timings = fields.Dict()
-    transport = fields.String()
+    timings = fields.Dict(metadata={"description": "Seconds per stage, and the GPU batch size"})
+    transport = fields.String(metadata={"description": "How the features travelled: shm | cuda_ipc | inline"})
+    nodes = fields.Dict(metadata={"description": "The nodes that preprocessed and generated the job"})
 
 
 class JobSchema(Schema):
