@@ -78,8 +78,7 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def handle_unexpected(error: Exception):
-        if isinstance(error, HTTPException):  # routed here only when smorest's handler is absent
-            return app.extensions["flask-smorest"]["apis"][""]["ext_obj"].handle_http_exception(error)
+        # HTTP errors never get here: ServiceApi's handler for HTTPException is more specific.
         log.exception("unexpected error in a view")
         return handle_rollout_error(InternalError("internal error"))
 
