@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from engine.errors import NotFoundError
+from workers.batch_store import DIRECT_LINE, BatchStore, public_batch
 from workers.batch_store import TERMINAL as BATCH_TERMINAL
-from workers.batch_store import BatchStore, public_batch
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.lifecycle import cancel_job
 
@@ -152,7 +152,9 @@ def _sweep(rt, batch: dict[str, Any], reason: tuple[str, str], *, wait_for_runni
     for page in store.iter_lines(batch_id):
         done = store.ended(batch_id, [line["line"] for line in page])
         pending = [line for line in page if line["line"] not in done]
-        job_ids = store.line_jobs(batch_id, [line["line"] for line in pending])
+        # Lines scored directly (no job) are counted below like lines without a job.
+        job_ids = {line: job_id for line, job_id in store.line_jobs(batch_id, [line["line"] for line in pending]).items()
+                   if job_id != DIRECT_LINE}
         jobs = dict(zip(job_ids.values(), rt.jobs.get_many(list(job_ids.values())), strict=True))
         entries = []
         for line in pending:

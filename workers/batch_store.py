@@ -85,6 +85,10 @@ return 0
 """
 
 
+# The job id recorded for a line scored directly by ``rollout.batches.score_lines``: it has no job.
+DIRECT_LINE = "direct"
+
+
 def batch_key(batch_id: str) -> str:
     return f"rq:batch:{batch_id}"
 

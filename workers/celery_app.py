@@ -36,6 +36,7 @@ TASK_MODULES = [
     "workers.tasks.gpu",
     "workers.tasks.webhooks",
     "workers.tasks.batches",
+    "workers.tasks.score_lines",
 ]
 
 

@@ -104,3 +104,18 @@ def test_cancel_midway_keeps_finished_lines(service, tmp_path):
     assert counts["output"] >= 20 and counts["output"] + counts["errors"] == 300
     finished = [json.loads(t) for t in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert all(len(r["response"]["body"]["choices"][0]["token_ids"]) <= 40 for r in finished)
+
+
+def test_score_lines_scored_directly_match_score_jobs(service, stack, tmp_path):
+    client = RolloutClient(service, api_key=API_KEY)
+    rows = [{"token_ids": [100 + n, 101, 102], "completion_token_ids": [110 + n, 111]} for n in range(20)]
+    batch = client.batch_submit([{"custom_id": f"s{n}", "kind": "score", "body": row} for n, row in enumerate(rows)])
+    assert client.batch_wait(batch["id"], timeout=120, poll_interval=0.05)["status"] == "completed"
+    client.batch_download(batch["id"], tmp_path / "o.jsonl", tmp_path / "e.jsonl")
+    lines = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
+    assert len(lines) == 20 and all("job_id" not in line for line in lines.values())  # no job per row
+    job = stack.wait(stack.submit({"kind": "score", **rows[3]})["id"])
+    direct = lines["s3"]["response"]["body"]
+    assert direct["prompt_token_ids"] == job["result"]["prompt_token_ids"]
+    for a, b in zip(direct["completion_logprobs"], job["result"]["completion_logprobs"], strict=True):
+        assert abs(a - b) < 1e-4

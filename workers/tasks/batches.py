@@ -35,13 +35,15 @@ from workers.batch_progress import (
     line_error,
     record_lines,
 )
-from workers.celery_app import BATCHES_QUEUE
+from workers.batch_store import DIRECT_LINE
+from workers.celery_app import BATCHES_QUEUE, SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
 from workers.lifecycle import cancel_job
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
+from workers.tasks.score_lines import SCORE_LINES_TASK, scorable_directly
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,13 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     lines = store.chunk(batch_id, index, batch["chunk_size"])
     numbers = [line["line"] for line in lines]
     skip = store.ended(batch_id, numbers) | set(store.line_jobs(batch_id, numbers))
+    direct = [line for line in lines
+              if line["line"] not in skip and scorable_directly(line["request"], rt.model_facts)]
+    if direct:
+        for line in direct:
+            store.set_line_job(batch_id, line["line"], DIRECT_LINE, expire_at=batch["keys_expire_at"])
+        rt.celery.send_task(SCORE_LINES_TASK, args=[batch_id, index], queue=SHARED_GENERATE_QUEUE)
+        skip |= {line["line"] for line in direct}
     created: dict[int, str] = {}
     try:
         for line in lines:

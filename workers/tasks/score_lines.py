@@ -1,0 +1,78 @@
+"""Scoring batch lines directly: a chunk of plain-token score lines in one GPU task.
+
+A score line of plain token ids needs no processor, and a job record plus two Celery messages per
+line cost the service more than the scoring itself (DESIGN §7's bulk-scoring figure). Such lines
+are scored here, ``ROLLOUT_GPU_BATCH_SIZE`` rows per forward pass, and recorded straight into the
+batch's results. Other lines (media, generation) still run as jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import shared_task
+
+from engine.errors import NotFoundError, RolloutError
+from workers.batch_progress import batch_store, line_error, record_lines
+from workers.batch_store import DIRECT_LINE
+from workers.runtime import runtime
+
+log = logging.getLogger(__name__)
+
+SCORE_LINES_TASK = "rollout.batches.score_lines"
+
+
+def scorable_directly(request: dict[str, Any], model_facts) -> bool:
+    return (isinstance(request, dict) and request.get("kind") == "score" and not request.get("content_parts") and not request.get("features")
+            and bool(request.get("token_ids")) and model_facts.is_plain_text(request["token_ids"])
+            and model_facts.is_plain_text(request["completion_token_ids"]))
+
+
+@shared_task(name=SCORE_LINES_TASK, bind=True)
+def score_lines(self, batch_id: str, index: int) -> int:
+    """Score the direct lines of chunk ``index`` not yet counted; how many were scored."""
+    rt = runtime(self.app)
+    store = batch_store(rt)
+    try:
+        batch = store.get(batch_id)
+    except NotFoundError:
+        return 0
+    if batch["status"] != "in_progress":
+        return 0  # cancelled or expired: the sweep counts these lines
+    lines = store.chunk(batch_id, index, batch["chunk_size"])
+    numbers = [line["line"] for line in lines]
+    mine = store.line_jobs(batch_id, numbers)
+    ended = store.ended(batch_id, numbers)
+    pending = [line for line in lines if mine.get(line["line"]) == DIRECT_LINE and line["line"] not in ended]
+    engine = rt.wait_for_model()
+    size = rt.settings.gpu_batch_size
+    for start in range(0, len(pending), size):
+        record_lines(rt, batch_id, _score(engine, pending[start:start + size]))
+    return len(pending)
+
+
+def _score(engine, lines: list[dict]) -> list[tuple[int, bool, dict]]:
+    from engine.scoring import ScoreRequest
+
+    requests = [ScoreRequest(prompt_token_ids=line["request"]["token_ids"],
+                             completion_token_ids=line["request"]["completion_token_ids"]) for line in lines]
+    started = time.perf_counter()
+    try:
+        results = engine.score(requests)
+    except RolloutError as error:
+        if len(lines) == 1:
+            return [line_error(lines[0], error.code, error.message)]
+        # One bad row must not fail its batch mates: score each alone to find it.
+        return [entry for line in lines for entry in _score(engine, [line])]
+    elapsed = time.perf_counter() - started
+    entries = []
+    for line, result in zip(lines, results, strict=True):
+        body = {"prompt_token_ids": result.prompt_token_ids, "placeholder_ranges": [],
+                "completion_logprobs": result.logprobs, "usage": result.usage,
+                "weight_version": result.weight_version, "transport": "inline",
+                "timings": {**result.timings, "score": elapsed, "batch_size": len(lines)}}
+        entries.append((line["line"], True, {"custom_id": line["custom_id"], "line": line["line"],
+                                             "response": {"status_code": 200, "body": body}}))
+    return entries
