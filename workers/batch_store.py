@@ -218,8 +218,11 @@ class BatchStore:
         return {n: job_id.decode() for n, job_id in zip(lines, job_ids, strict=True) if job_id}
 
     def set_line_job(self, batch_id: str, line: int, job_id: str, *, expire_at: int) -> None:
+        self.set_line_jobs(batch_id, {line: job_id}, expire_at=expire_at)
+
+    def set_line_jobs(self, batch_id: str, jobs: dict[int, str], *, expire_at: int) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(jobs_key(batch_id), str(line), job_id)
+        pipe.hset(jobs_key(batch_id), mapping={str(line): job_id for line, job_id in jobs.items()})
         pipe.expireat(jobs_key(batch_id), expire_at)
         pipe.execute()
 

@@ -78,6 +78,8 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
             sweep_orphaned_segments()
             _ = rt.processor  # load it now, not on the first job
+        if kind == "batches":
+            _ = rt.model_facts  # which lines need no processor: read the model's config once, now
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
 

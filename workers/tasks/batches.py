@@ -123,8 +123,8 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     direct = [line for line in lines
               if line["line"] not in skip and scorable_directly(line["request"], rt.model_facts)]
     if direct:
-        for line in direct:
-            store.set_line_job(batch_id, line["line"], DIRECT_LINE, expire_at=batch["keys_expire_at"])
+        store.set_line_jobs(batch_id, dict.fromkeys((line["line"] for line in direct), DIRECT_LINE),
+                            expire_at=batch["keys_expire_at"])
         rt.celery.send_task(SCORE_LINES_TASK, args=[batch_id, index], queue=SHARED_GENERATE_QUEUE)
         skip |= {line["line"] for line in direct}
     created: dict[int, str] = {}
