@@ -250,3 +250,31 @@ def test_time_limits_fail_the_job_with_its_code_and_free_the_worker(faults, refe
     next_ids = submit_all(faults, [bodies["text"][0], bodies["image"][0]])
     assert_ended_once_as_before(faults, next_ids, [tokens["text"][0], tokens["image"][0]], timeout=15)
     assert webhook_counts(faults.host, ids) == Counter(dict.fromkeys(ids, 1))
+
+
+def test_batch_survives_a_cpu_worker_killed_midway(faults, reference):
+    """A batch whose lines are preprocessed by a CPU worker killed mid-batch still completes, every line once."""
+    bodies, tokens = reference
+    faults.start("batches")
+    faults.wait_ready(["batches"])
+    lines = "\n".join(json.dumps({"custom_id": f"b{n}", "kind": "generate", "body": body})
+                      for n, body in enumerate(bodies["image"]))
+    response = faults.client.post("/v1/batches", data=lines, headers={**faults.headers(),
+                                                                       "Content-Type": "application/jsonl"})
+    assert response.status_code == 202, response.get_json()
+    batch_id = response.get_json()["id"]
+
+    def batch():
+        return faults.client.get(f"/v1/batches/{batch_id}", headers=faults.headers()).get_json()
+
+    # Each fetch takes MEDIA_DELAY_S: kill the CPU worker once a few lines are done, others still to run.
+    wait_until(lambda: 0 < batch()["request_counts"]["completed"] < len(bodies["image"]) - 2, 60, "a batch midway")
+    faults.kill("cpu")
+    faults.start("cpu")
+    done = wait_until(lambda: (b := batch())["status"] == "completed" and b, 120, "the batch to complete")
+    assert done["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+    output = [json.loads(text) for text in faults.client.get(f"/v1/batches/{batch_id}/output",
+                                                             headers=faults.headers()).get_data(as_text=True).splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(f"b{n}" for n in range(8))  # each line once
+    by_line = {line["custom_id"]: line["response"]["body"]["choices"][0]["token_ids"] for line in output}
+    assert [by_line[f"b{n}"] for n in range(8)] == tokens["image"]
