@@ -25,7 +25,7 @@ from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
 from engine.errors import InvalidRequestError, PayloadTooLargeError, RolloutError
 from web.auth import current_owner
-from web.schemas import JOB_KINDS, JobRequestSchema
+from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
 from web.services import services
 from web.submit import check_limits
 from workers.batch_progress import batch_store
@@ -177,10 +177,9 @@ class BatchSchema(Schema):
     links = fields.Dict()
 
 
-class BatchListQuerySchema(Schema):
+class BatchListQuerySchema(ListQuerySchema):
     status = fields.String(validate=validate.OneOf(STATUSES))
     limit = fields.Integer(strict=False, validate=validate.Range(1, 1000), load_default=20)
-    cursor = fields.String(validate=validate.Regexp(r"^[0-9]+(\.[0-9]+)?$"))
 
 
 class BatchListSchema(Schema):

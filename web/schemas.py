@@ -182,10 +182,15 @@ class JobSchema(Schema):
     links = fields.Dict()
 
 
-class JobListQuerySchema(Schema):
-    status = fields.String(validate=validate.OneOf(JOB_STATUSES))
+class ListQuerySchema(Schema):
+    """Paging of the caller's own objects, newest first (jobs, batches)."""
+
     limit = fields.Integer(strict=False, validate=validate.Range(1, 1000), load_default=50)
     cursor = fields.String(validate=validate.Regexp(r"^[0-9]+(\.[0-9]+)?$"))
+
+
+class JobListQuerySchema(ListQuerySchema):
+    status = fields.String(validate=validate.OneOf(JOB_STATUSES))
 
 
 class JobListSchema(Schema):

@@ -45,7 +45,9 @@ CHUNK = 64 * 1024
 USER_AGENT = "rollout-queue-media-fetcher"
 
 
-class _WatchedHTTPConnection(HTTPConnection):
+class _Watched:
+    """Mixed into urllib3's connection classes: every new socket is watched by the deadline."""
+
     def __init__(self, *args: Any, deadline: Deadline, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._deadline = deadline
@@ -58,15 +60,12 @@ class _WatchedHTTPConnection(HTTPConnection):
         return sock
 
 
-class _WatchedHTTPSConnection(HTTPSConnection):
-    def __init__(self, *args: Any, deadline: Deadline, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
+class _WatchedHTTPConnection(_Watched, HTTPConnection):
+    pass
 
-    def _new_conn(self) -> socket.socket:
-        sock = super()._new_conn()
-        self._deadline.watch(sock)
-        return sock
+
+class _WatchedHTTPSConnection(_Watched, HTTPSConnection):
+    pass
 
 
 class _PinnedHTTPPool(HTTPConnectionPool):
