@@ -53,15 +53,17 @@ end
 return 1
 """
 
-# KEYS: job, owner index, owner active counter, total active counter.
-# ARGV: per-owner cap, total cap, created_at, then the job's field/value pairs.
+# KEYS: job, owner index, owner active counter, total active counter, prompt.
+# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, then the job's
+# field/value pairs.
 _CREATE = """
 if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
 if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
 redis.call('INCR', KEYS[3])
 redis.call('INCR', KEYS[4])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
 return 1
 """
 
@@ -108,7 +110,9 @@ class JobStore:
 
     def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
                webhook: dict | None = None, metadata: dict | None = None,
-               extra: dict[str, str] | None = None) -> dict[str, Any]:
+               extra: dict[str, str] | None = None, prompt: str | None = None) -> dict[str, Any]:
+        """Store a new queued job and return its record. ``prompt``, a finalized prompt as JSON, is
+        stored with it (under ``prompt_key``) when the job needs no preprocessing."""
         now = time.time()
         job_id = new_id("job")
         fields: dict[str, Any] = {
@@ -116,16 +120,18 @@ class JobStore:
             "request_id": request_id or "", "request": request, "webhook": webhook,
             "metadata": metadata, **(extra or {}),
         }
-        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now]
-        for name, value in fields.items():
-            args += [name, _encode(name, value)]
-        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY]
+        encoded = {name: _encode(name, value) for name, value in fields.items()}
+        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, prompt or "",
+                           self.limits.result_ttl]
+        for pair in encoded.items():
+            args += pair
+        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.prompt_key(job_id)]
         outcome = self._create(keys=keys, args=args)
         if outcome == -1:
             raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
         if outcome == -2:
             raise QueueFullError("the service has too many unfinished jobs", headers={"Retry-After": "5"})
-        return self._decode(self.redis.hgetall(self.key(job_id)))
+        return self._decode(encoded)  # what the hash now holds, without reading it back
 
     def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """The job, or NotFoundError — also when it belongs to another owner."""
@@ -150,11 +156,17 @@ class JobStore:
 
     def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
         """``advance`` for many ``(job id, owner)`` pairs in one round trip."""
+        return self.advance_each([(job_id, owner, status, {}) for job_id, owner in jobs])
+
+    def advance_each(self, moves: list[tuple[str, str, str, dict[str, Any]]]) -> list[bool]:
+        """``advance`` for many ``(job id, owner, status, fields)`` in one round trip."""
+        if not moves:
+            return []
         pipe = self.redis.pipeline(transaction=False)
-        for job_id, owner in jobs:
-            keys, args = self._transition_call(job_id, owner, status, {})
+        for job_id, owner, status, fields in moves:
+            keys, args = self._transition_call(job_id, owner, status, fields)
             self._transition(keys=keys, args=args, client=pipe)
-        return [moved == 1 for moved in pipe.execute()] if jobs else []
+        return [moved == 1 for moved in pipe.execute()]
 
     def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl]
@@ -213,11 +225,11 @@ class JobStore:
         return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
 
     @staticmethod
-    def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
         job: dict[str, Any] = {}
         for key, value in raw.items():
-            name = key.decode()
-            text = value.decode()
+            name = key.decode() if isinstance(key, bytes) else key
+            text = value.decode() if isinstance(value, bytes) else value
             if name in _JSON_FIELDS:
                 job[name] = json.loads(text) if text else None
             elif name.endswith("_at"):

@@ -28,6 +28,15 @@ def end_job(rt, job_id: str, status: str, *, job: dict[str, Any] | None = None, 
     return moved
 
 
+def end_jobs(rt, endings: list[tuple[dict[str, Any], str, dict[str, Any]]]) -> list[bool]:
+    """``end_job`` for many ``(job record, status, fields)`` at once (a GPU batch's results): the
+    moves and the metrics take one round trip each, not one per job."""
+    moved = rt.jobs.advance_each([(job["id"], job["owner"], status, fields) for job, status, fields in endings])
+    _after_ends(rt, [{**job, "status": status, **fields}
+                     for (job, status, fields), ended in zip(endings, moved, strict=True) if ended])
+    return moved
+
+
 def fail_job(rt, job_id: str, error: RolloutError) -> bool:
     moved = rt.jobs.fail(job_id, error)
     if moved:
@@ -54,12 +63,18 @@ def cancel_job(rt, job_id: str, *, owner: str) -> dict[str, Any]:
 
 
 def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
-    from workers.batch_progress import record_job_end
-    from workers.metrics import record_job_end as count_job_end
+    _after_ends(rt, [job or rt.jobs.get(job_id)])
 
-    job = job or rt.jobs.get(job_id)
-    count_job_end(rt.redis, job)
-    if job.get("batch_id"):
-        record_job_end(rt, job)
-    if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
-        rt.celery.send_task(JOB_ENDED_WEBHOOK_TASK, args=[job_id], queue=WEBHOOKS_QUEUE)
+
+def _after_ends(rt, jobs: list[dict[str, Any]]) -> None:
+    from workers.batch_progress import record_job_end
+    from workers.metrics import record_job_ends
+
+    if not jobs:
+        return
+    record_job_ends(rt.redis, jobs)
+    for job in jobs:
+        if job.get("batch_id"):
+            record_job_end(rt, job)
+        if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
+            rt.celery.send_task(JOB_ENDED_WEBHOOK_TASK, args=[job["id"]], queue=WEBHOOKS_QUEUE)

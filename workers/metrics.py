@@ -37,12 +37,13 @@ def count(client: redis.Redis, name: str, amount: int = 1) -> None:
     _best_effort(client.pipeline(transaction=False).hincrby("rq:metrics:counters", name, amount))
 
 
-def record_job_end(client: redis.Redis, job: dict) -> None:
+def record_job_ends(client: redis.Redis, jobs: list[dict]) -> None:
     pipe = client.pipeline(transaction=False)
-    pipe.hincrby("rq:metrics:jobs_ended", job["status"], 1)
-    transport = (job.get("result") or {}).get("transport")
-    if transport:
-        pipe.hincrby("rq:metrics:counters", f"transport_{transport}", 1)
+    for job in jobs:
+        pipe.hincrby("rq:metrics:jobs_ended", job["status"], 1)
+        transport = (job.get("result") or {}).get("transport")
+        if transport:
+            pipe.hincrby("rq:metrics:counters", f"transport_{transport}", 1)
     _best_effort(pipe)
 
 

@@ -36,10 +36,11 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
         pool = "solo" if settings.cpu_concurrency == 1 else "prefork"
         return WorkerKind((PREPROCESS_QUEUE,), pool, settings.cpu_concurrency, 1)
     if kind == "gpu":
-        # One process owns the model. celery-batches batches only the messages a worker has
-        # reserved, so the prefetch is the batch size rather than 1.
+        # One process owns the model and runs one batch at a time in its pool thread, while the
+        # event loop reserves the next batch (workers/gpu_batching.py): celery-batches batches only
+        # reserved messages, so the prefetch is two batches rather than 1.
         queues = (settings.generate_queue, SHARED_GENERATE_QUEUE)
-        return WorkerKind(queues, "solo", 1, settings.gpu_batch_size)
+        return WorkerKind(queues, "threads", 1, 2 * settings.gpu_batch_size)
     if kind == "webhooks":
         # Deliveries wait on the network, not the CPU: threads.
         return WorkerKind((WEBHOOKS_QUEUE,), "threads", 8, 1)
@@ -57,7 +58,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         generate = app.tasks["rollout.generate"]
         generate.flush_every = settings.gpu_batch_size
         generate.max_wait = settings.gpu_batch_wait_ms / 1000
-        generate.flush_interval = 0.001  # a tick: each decides whether to flush (see ReconnectingBatches)
+        generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/gpu_batching.py)
 
     @signals.setup_logging.connect(weak=False)
     def keep_our_logging(**_):

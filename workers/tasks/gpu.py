@@ -1,17 +1,15 @@
 """The GPU task: open the finalized items, generate or score in batches, store results.
 
-Batching: celery-batches hands this task the ``rollout.generate`` messages the worker has received
-(up to ``ROLLOUT_GPU_BATCH_SIZE``; a partial batch waits at most ``ROLLOUT_GPU_BATCH_WAIT_MS`` while
-more jobs are queued), and the engine runs them as one batch. We use celery-batches rather than a scheduler of our own because the messages are
-already in Celery; transformers' continuous batching cannot serve this path (it drops
-``pixel_values``, DESIGN §8). The worker's prefetch is raised to the batch size: celery-batches can
-only batch messages the worker has reserved, so prefetch 1 would mean batches of one.
+Batching: :class:`workers.gpu_batching.GenerateBatches` hands this task the ``rollout.generate``
+messages the worker has reserved (up to ``ROLLOUT_GPU_BATCH_SIZE``), and the engine runs them as
+one batch in the worker's single pool thread. transformers' continuous batching cannot serve this
+path (it drops ``pixel_values``, DESIGN §8).
 
-Time limit: Celery enforces no time limit here (celery-batches hands the batch to the pool without
-one, and the solo pool the GPU worker runs has no enforcement anyway), so the batch keeps its own
-deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it starts: ``should_abort`` stops every row
-still decoding then, and those jobs fail with ``job_time_limit_exceeded``. The worker is then free
-for the next batch, well before the visibility timeout would hand the messages to another worker.
+Time limit: Celery enforces none here (celery-batches hands the batch to the pool without one, and
+the threads pool cannot interrupt a thread anyway), so the batch keeps its own deadline,
+``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it starts: ``should_abort`` stops every row still
+decoding then, and those jobs fail with ``job_time_limit_exceeded``. The worker is then free for
+the next batch, well before the visibility timeout would hand the messages to another worker.
 """
 
 from __future__ import annotations
@@ -24,14 +22,11 @@ from typing import Any
 
 import redis
 from celery import shared_task
-from celery.exceptions import SoftTimeLimitExceeded
-from celery_batches import Batches, SimpleRequest
-from celery_batches.trace import apply_batches_task
 
 from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
-from workers.celery_app import SHARED_GENERATE_QUEUE
+from workers.gpu_batching import REQUEUE, GenerateBatches
 from workers.job_store import TERMINAL
-from workers.lifecycle import end_job, fail_job, fail_unexpected
+from workers.lifecycle import end_jobs, fail_job, fail_unexpected
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
@@ -43,85 +38,9 @@ log = logging.getLogger(__name__)
 
 ABORT_POLL_SECONDS = 0.05
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
-# What the batch returns when Redis went away under it: its messages go back to the queue.
-REQUEUE = "requeue"
 
 
-class ReconnectingBatches(Batches):
-    """celery-batches' ``Batches``, made to survive a lost broker connection.
-
-    ``Batches`` starts its flush timer once and remembers it in ``_tref``. When the connection to
-    Redis drops, Celery clears the event loop's timers and restarts the consumer, so the remembered
-    timer never fires again: requests then sit in the buffer until ``flush_every`` of them arrive,
-    and their jobs hang in ``generating``. The consumer builds the strategy again on every
-    (re)start, so forget the dead timer there and flush what the old connection left behind.
-    """
-
-    #: Longest a partial batch is held while more jobs wait in this worker's queues (seconds).
-    max_wait = 0.02
-    _oldest_buffered = 0.0
-
-    def Strategy(self, task, app, consumer):
-        handler = super().Strategy(task, app, consumer)
-        self._tref = None
-        if not (self._buffer.empty() and self._pending.empty()):
-            self._tref = consumer.timer.call_repeatedly(self.flush_interval, self._do_flush)
-
-        def buffer_request(*args, **kwargs):
-            if self._buffer.empty():
-                self._oldest_buffered = time.monotonic()
-            return handler(*args, **kwargs)
-
-        return buffer_request
-
-    def _do_flush(self) -> None:
-        """Flush on a full batch, when nothing more waits in the queues, or after ``max_wait``.
-
-        celery-batches flushes whatever arrived on every timer tick; the worker reserves one
-        message per Redis round trip, so 64 waiting jobs ran as batches of ~5. Holding a partial
-        batch while the queues still hold jobs fills it; a lone job still goes at the next tick.
-        """
-        waiting = self._buffer.qsize()
-        if (0 < waiting < self.flush_every and time.monotonic() - self._oldest_buffered < self.max_wait
-                and self._more_queued()):
-            return
-        super()._do_flush()
-
-    def _more_queued(self) -> bool:
-        rt = runtime(self.app)
-        try:
-            pipe = rt.redis.pipeline(transaction=False)
-            for queue in (rt.settings.generate_queue, SHARED_GENERATE_QUEUE):
-                pipe.llen(queue)
-            return sum(pipe.execute()) > 0
-        except REDIS_DOWN:
-            return False
-
-    def flush(self, requests):
-        """As ``Batches.flush``, but a batch that returns ``REQUEUE`` (Redis went away under it) puts
-        its messages back instead of acknowledging them: an ack that lands once Redis is back would
-        leave those jobs unfinished for good."""
-        acks_early = [request for request in requests if not request.task.acks_late]
-        acks_late = [request for request in requests if request.task.acks_late]
-
-        def on_accepted(pid, time_accepted) -> None:
-            for request in acks_early:
-                request.acknowledge()
-
-        def on_return(result) -> None:
-            for request in acks_late:
-                if result == REQUEUE:
-                    request.reject(requeue=True)
-                else:
-                    request.acknowledge()
-
-        return self._pool.apply_async(
-            apply_batches_task, (self, ([SimpleRequest.from_request(r) for r in requests],), 0, None),
-            accept_callback=on_accepted, callback=on_return,
-        )
-
-
-@shared_task(name="rollout.generate", base=ReconnectingBatches, bind=True, flush_every=16, flush_interval=0.005)
+@shared_task(name="rollout.generate", base=GenerateBatches, bind=True, flush_every=16, flush_interval=0.005)
 def generate(self, requests) -> str | None:
     rt = runtime(self.app)
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
@@ -198,10 +117,6 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     timed_out: set[int] = set()
     try:
         outputs = _run_engine(rt, engine, kind, group, deadline, timed_out)
-    except SoftTimeLimitExceeded:
-        for job, _ in group:
-            fail_job(rt, job["id"], JobTimeoutError("generation exceeded its time limit"))
-        return
     except RolloutError:
         if len(group) == 1:
             raise
@@ -211,12 +126,14 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, kind, elapsed)
+    endings = []
     for index, ((job, prompt), output) in enumerate(zip(group, outputs, strict=True)):
         if index in timed_out and any(choice.finish_reason == "abort" for choice in output.choices):
             limit = rt.settings.task_soft_time_limit
             fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
         else:
-            _store_result(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
+            endings.append(_ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group)))
+    end_jobs(rt, endings)
 
 
 def _run_one(rt, engine, kind: str, member, deadline: float) -> None:
@@ -278,7 +195,8 @@ def sampling_params(params: dict[str, Any]):
     )
 
 
-def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int) -> None:
+def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
+    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``)."""
     timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
                "batch_size": batch_size}
     result: dict[str, Any] = {
@@ -298,4 +216,4 @@ def _store_result(rt, engine, job: dict, prompt, output, elapsed: float, *, batc
         result.update(choices=choices, usage=output.usage)
         if any(choice["finish_reason"] == "abort" for choice in choices):
             status = "cancelled"
-    end_job(rt, job["id"], status, job=job, result=result)
+    return job, status, {"result": result}
