@@ -30,12 +30,23 @@ SGLANG_ALIASES = {
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
 
-def _token_list(**kwargs) -> fields.List:
-    return fields.List(
-        fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID)),
-        validate=validate.Length(min=1, max=1_000_000),
-        **kwargs,
-    )
+class TokenIds(fields.List):
+    """A list of token ids, checked in one pass.
+
+    ``fields.List(fields.Integer(...))`` runs marshmallow's field machinery once per item: ~3 µs a
+    token, 12 ms for a 4k-token RL prompt. A list of in-range plain ints (every valid request) is
+    taken as is; anything else goes through the per-item fields for their exact errors.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID)),
+                         validate=validate.Length(min=1, max=1_000_000), **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if (type(value) is list and value and all(type(token) is int for token in value)
+                and min(value) >= 0 and max(value) <= MAX_TOKEN_ID):
+            return value
+        return super()._deserialize(value, attr, data, **kwargs)
 
 
 class ContentPartSchema(Schema):
@@ -90,12 +101,12 @@ class WebhookSchema(Schema):
 
 class JobRequestSchema(Schema):
     kind = fields.String(validate=validate.OneOf(JOB_KINDS), load_default="generate")
-    token_ids = _token_list()
+    token_ids = TokenIds()
     prompt = fields.String(validate=validate.Length(min=1, max=4_000_000))
     content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
     features = fields.List(fields.Nested(FeatureItemSchema), validate=validate.Length(min=1, max=1024))
     sampling_params = fields.Nested(SamplingParamsSchema, load_default=lambda: SamplingParamsSchema().load({}))
-    completion_token_ids = _token_list(metadata={"description": "kind=score: the tokens to score"})
+    completion_token_ids = TokenIds(metadata={"description": "kind=score: the tokens to score"})
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})

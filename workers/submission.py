@@ -26,6 +26,9 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
     trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
     hop. Everything else is preprocessed by a CPU worker first.
     """
+    token_ids = request.get("token_ids")
+    plain = bool(model is not None and token_ids and not request.get("content_parts")
+                 and not request.get("features") and model.is_plain_text(token_ids))
     job = store.create(
         owner=owner,
         kind=request.get("kind", "generate"),
@@ -34,9 +37,13 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
         webhook=request.get("webhook"),
         metadata=request.get("metadata"),
         extra=extra,
+        prompt=json.dumps(text_prompt(token_ids)) if plain else None,
     )
     try:
-        _enqueue_first_task(store, celery, job, request, model)
+        if plain:
+            celery.send_task(GENERATE_TASK, args=[job["id"]], queue=SHARED_GENERATE_QUEUE)
+        else:
+            enqueue_preprocess(celery, job["id"])
     except Exception:
         # The client gets an error (503 when Redis is away): the job must not linger as queued,
         # holding a place under the queue caps. Best effort: the store may be away too.
@@ -46,16 +53,6 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
             pass
         raise
     return job
-
-
-def _enqueue_first_task(store: JobStore, celery: Celery, job: dict, request: dict, model: ModelFacts | None) -> None:
-    token_ids = request.get("token_ids")
-    if (model is not None and token_ids and not request.get("content_parts") and not request.get("features")
-            and model.is_plain_text(token_ids)):
-        store.redis.set(store.prompt_key(job["id"]), json.dumps(text_prompt(token_ids)), ex=store.limits.result_ttl)
-        celery.send_task(GENERATE_TASK, args=[job["id"]], queue=SHARED_GENERATE_QUEUE)
-    else:
-        enqueue_preprocess(celery, job["id"])
 
 
 def enqueue_preprocess(celery: Celery, job_id: str, *, retry_handles: bool = False) -> None:
