@@ -62,17 +62,30 @@ def cancel_job(rt, job_id: str, *, owner: str) -> dict[str, Any]:
     return rt.jobs.get(job_id, owner=owner)
 
 
+def resume_followups(rt, jobs: list[dict[str, Any]]) -> None:
+    """Redo what ending these already-ended jobs starts (their batch line, their webhook), for a
+    task that finds its job ended when its message comes back.
+
+    Ending a job and queueing its follow-ups are separate Redis calls; when Redis goes away between
+    them, the task fails and its message comes back (requeued, or restored after the visibility
+    timeout), and lands here. Both follow-ups are idempotent: a batch line counts once and a job's
+    webhook event is made once, so a message that comes back for another reason costs a no-op.
+    """
+    _after_ends(rt, [job for job in jobs if job["status"] in TERMINAL], count=False)
+
+
 def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
     _after_ends(rt, [job or rt.jobs.get(job_id)])
 
 
-def _after_ends(rt, jobs: list[dict[str, Any]]) -> None:
+def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
     from workers.batch_progress import record_job_end
     from workers.metrics import record_job_ends
 
     if not jobs:
         return
-    record_job_ends(rt.redis, jobs)
+    if count:
+        record_job_ends(rt.redis, jobs)
     for job in jobs:
         if job.get("batch_id"):
             record_job_end(rt, job)

@@ -12,7 +12,7 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
-from workers.lifecycle import fail_job, fail_unexpected
+from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import encode_prompt
@@ -45,7 +45,10 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         return  # expired or never existed: nothing to do
     # A redelivered message for a job that moved on is a no-op; a job whose feature handles could
     # not be opened comes back here (retry_handles) to be preprocessed again on this node.
-    if job["status"] in TERMINAL or (job["status"] == "generating" and not retry_handles):
+    if job["status"] in TERMINAL:
+        resume_followups(rt, [job])
+        return
+    if job["status"] == "generating" and not retry_handles:
         return
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()

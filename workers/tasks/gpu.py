@@ -26,7 +26,7 @@ from celery import shared_task
 from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
 from workers.gpu_batching import REQUEUE, GenerateBatches
 from workers.job_store import TERMINAL
-from workers.lifecycle import end_jobs, fail_job, fail_unexpected
+from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
@@ -76,9 +76,12 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
     deadline = time.monotonic() + rt.settings.task_soft_time_limit
     jobs = rt.jobs.get_many(job_ids)
     prompts = rt.redis.mget([rt.jobs.prompt_key(job_id) for job_id in job_ids])
-    ready = []
+    ready, ended = [], []
     for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
-        if job is None or job["status"] in TERMINAL:
+        if job is None:
+            continue
+        if job["status"] in TERMINAL:
+            ended.append(job)
             continue
         if raw is None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
@@ -93,6 +96,7 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
             continue
         ready.append((job, prompt))
+    resume_followups(rt, ended)
     moved = rt.jobs.advance_many([(job["id"], job["owner"]) for job, _ in ready], "generating")
     running = []
     for (job, prompt), advanced in zip(ready, moved, strict=True):
