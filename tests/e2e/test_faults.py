@@ -10,15 +10,15 @@ healthy run gives (greedy, so they are reproducible) and exactly one webhook del
 
 Known limits these tests step around on purpose (each is a finding, not an accident):
 
-- kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
-  unacknowledged. The GPU worker keeps a BRPOP pending while a batch blocks its event loop (it
-  reserves up to ROLLOUT_GPU_BATCH_SIZE messages), so a message Redis hands over during a batch sits
-  unread in the socket; a SIGKILL then loses it and its job never ends. The kill test therefore
-  kills only once every job has reached the worker. A reconciler that re-enqueues jobs without
-  progress (tasks are idempotent) would close the gap.
-- The solo pool (CPU workers at ROLLOUT_CPU_CONCURRENCY=1, the default, and the GPU worker)
-  enforces no Celery time limit. The time-limit test runs the CPU worker on prefork, where the soft
-  limit raises in the task; the GPU task keeps its own deadline (workers/tasks/gpu.py).
+- The solo pool (CPU workers at ROLLOUT_CPU_CONCURRENCY=1, the default) enforces no Celery time
+  limit. The time-limit test runs the CPU worker on prefork, where the soft limit raises in the
+  task; the GPU task keeps its own deadline (workers/tasks/gpu.py).
+
+The GPU worker once had a window here: kombu's Redis transport takes a message off its queue
+(BRPOP) before it records it as unacknowledged, and the worker's event loop, blocked by a batch on
+the solo pool, left a message Redis had handed over unread in the socket, so a SIGKILL lost it. It
+now runs batches in a pool thread (workers/gpu_batching.py); the kill test kills it with the next
+batch reserved.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from PIL import Image
 
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, settings_from_env
 from web.app import create_app
-from workers.celery_app import create_celery
+from workers.celery_app import SHARED_GENERATE_QUEUE, create_celery
 from workers.job_store import TERMINAL
 from workers.redis_server import EmbeddedRedis, free_port
 
@@ -148,19 +148,18 @@ def use_cpu_concurrency(stack, concurrency: int) -> None:
 
 def test_gpu_worker_killed_mid_generation(faults, reference):
     bodies, tokens = reference
-    ids = submit_all(faults, bodies["text"])
-    # Kill while a batch decodes, once every generate message has reached the worker. (A message
-    # Redis hands the worker's pending BRPOP while a batch blocks its event loop sits unread in the
-    # socket, not yet in the unacked set: a SIGKILL then loses it. kombu's Redis transport has this
-    # window; see the module docs.)
-    wait_until(lambda: "generating" in (now := statuses(faults, ids)) and not {"queued", "preprocessing"} & set(now),
-               30, "every job handed to the GPU worker")
-    time.sleep(0.2)
+    running = submit_all(faults, bodies["text"])
+    wait_until(lambda: "generating" in (now := statuses(faults, running)) and not {"queued", "preprocessing"} & set(now),
+               30, "a batch decoding")
+    # More jobs while the batch decodes: the worker's event loop reserves them (they leave the queue)
+    # and they wait for the next batch. A SIGKILL must lose none of them.
+    waiting = submit_all(faults, bodies["text"])
+    wait_until(lambda: faults.services.redis.llen(SHARED_GENERATE_QUEUE) == 0, 10, "the next batch reserved")
     faults.kill("gpu")  # kill -9: no warm shutdown, its reserved messages stay unacknowledged
-    at_kill = statuses(faults, ids)
-    assert "generating" in at_kill and not set(at_kill) <= TERMINAL, at_kill
+    at_kill = statuses(faults, running + waiting)
+    assert "generating" in at_kill[:len(running)] and set(at_kill[len(running):]) == {"queued"}, at_kill
     faults.start("gpu")
-    assert_ended_once_as_before(faults, ids, tokens["text"])
+    assert_ended_once_as_before(faults, running + waiting, tokens["text"] * 2)
 
 
 def test_cpu_worker_killed_mid_preprocessing(faults, reference):
