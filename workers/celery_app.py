@@ -72,6 +72,9 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
         task_queues=[_queue(name) for name in (PREPROCESS_QUEUE, settings.generate_queue, SHARED_GENERATE_QUEUE,
                                                WEBHOOKS_QUEUE, BATCHES_QUEUE)],
         worker_prefetch_multiplier=1,
+        # A CPU worker's pool process loads the model's processor before it reports ready
+        # (workers/worker_main.py); Celery's default allows 4 s.
+        worker_proc_alive_timeout=60,
         worker_hijack_root_logger=False,
         # Task events cost a PUBLISH per message; they are for monitors like Flower (ROLLOUT_TASK_EVENTS).
         worker_send_task_events=settings.task_events,

@@ -32,9 +32,9 @@ class WorkerKind:
 
 def worker_kind(kind: str, settings: Settings) -> WorkerKind:
     if kind == "cpu":
-        # Preprocessing is CPU-bound: one process per core (prefork), or solo for one.
-        pool = "solo" if settings.cpu_concurrency == 1 else "prefork"
-        return WorkerKind((PREPROCESS_QUEUE,), pool, settings.cpu_concurrency, 1)
+        # Preprocessing is CPU-bound: one pool process per core. Prefork even for one, because
+        # only prefork enforces Celery's time limits (the solo pool enforces none).
+        return WorkerKind((PREPROCESS_QUEUE,), "prefork", settings.cpu_concurrency, 1)
     if kind == "gpu":
         # One process owns the model and runs one batch at a time in its pool thread, while the
         # event loop reserves the next batch (workers/gpu_batching.py): celery-batches batches only
@@ -78,18 +78,32 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             # Segments of producers killed together with their resource tracker. It judges owners by
             # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
             sweep_orphaned_segments()
-            _ = rt.processor  # load it now, not on the first job
         if kind == "batches":
             _ = rt.model_facts  # which lines need no processor: read the model's config once, now
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
 
+    @signals.worker_process_init.connect(weak=False)
+    def on_pool_process_start(**_):
+        # Sent in each prefork pool process (and once by the solo pool, in the main process).
+        if kind != "cpu":
+            return
+        from engine.transport import sweep_orphaned_segments
+        from workers.runtime import runtime
+
+        # A pool process preprocesses with its own processor and makes handles from its own
+        # transport memory. Load the processor now, not on the first job (within
+        # worker_proc_alive_timeout, raised for this in workers/celery_app.py).
+        sweep_orphaned_segments()  # what a pool process killed before this one left behind
+        _ = runtime(app).processor
+
+    @signals.worker_process_shutdown.connect(weak=False)
     @signals.worker_shutdown.connect(weak=False)
     def on_shutdown(**_):
         from workers.runtime import runtime
 
         rt = runtime(app)
-        if "transport" in rt.__dict__:  # only a worker that made handles owns transport memory
+        if "transport" in rt.__dict__:  # only a process that made handles owns transport memory
             rt.transport.close()
 
     app.worker_main([

@@ -8,17 +8,15 @@ task limits are 8 s and 6 s (settings refuse visibility <= hard <= soft).
 What every fault test checks: every job ends exactly once, as ``succeeded``, with the tokens a
 healthy run gives (greedy, so they are reproducible) and exactly one webhook delivery.
 
-Known limits these tests step around on purpose (each is a finding, not an accident):
+Two windows these tests once had to step around are closed, and the tests now go through them:
 
-- The solo pool (CPU workers at ROLLOUT_CPU_CONCURRENCY=1, the default) enforces no Celery time
-  limit. The time-limit test runs the CPU worker on prefork, where the soft limit raises in the
-  task; the GPU task keeps its own deadline (workers/tasks/gpu.py).
-
-The GPU worker once had a window here: kombu's Redis transport takes a message off its queue
-(BRPOP) before it records it as unacknowledged, and the worker's event loop, blocked by a batch on
-the solo pool, left a message Redis had handed over unread in the socket, so a SIGKILL lost it. It
-now runs batches in a pool thread (workers/gpu_batching.py); the kill test kills it with the next
-batch reserved.
+- kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
+  unacknowledged. The GPU worker's event loop, blocked by a batch on the solo pool, left a message
+  Redis had handed over unread in the socket, so a SIGKILL lost it. Batches now run in a pool
+  thread (workers/gpu_batching.py); the kill test kills the worker with the next batch reserved.
+- The solo pool enforces no Celery time limit. The CPU worker now runs prefork at any concurrency
+  (the time-limit test runs the default, 1); the GPU task keeps its own deadline
+  (workers/tasks/gpu.py).
 """
 
 from __future__ import annotations
@@ -138,7 +136,7 @@ def assert_ended_once_as_before(stack, ids, expected_tokens, timeout: float = 90
 
 
 def use_cpu_concurrency(stack, concurrency: int) -> None:
-    """Run the CPU worker with ``concurrency`` (1: solo pool, the default; more: prefork)."""
+    """Run the CPU worker with ``concurrency`` pool processes (default 1)."""
     if stack.worker_env.get("cpu", {}).get("ROLLOUT_CPU_CONCURRENCY", "1") == str(concurrency):
         return
     stack.stop("cpu")
@@ -232,7 +230,7 @@ def test_killed_prefork_child_is_redelivered_at_once(faults, reference):
 
 def test_time_limits_fail_the_job_with_its_code_and_free_the_worker(faults, reference):
     bodies, tokens = reference
-    use_cpu_concurrency(faults, 2)  # the solo pool enforces no Celery time limit (see module docs)
+    use_cpu_concurrency(faults, 1)  # the default
     stuck_url = faults.host.route("/media/stuck.png", (200, {"Content-Type": "image/png"}, png((1, 2, 3)), 25))
     slow_cpu = {"prompt": "<image>x", "content_parts": [{"type": "image_url", "url": stuck_url}],
                 "sampling_params": {"max_tokens": 4, "temperature": 0}}

@@ -1,4 +1,11 @@
-"""The CPU task: fetch media through the guard, run the model's processor, hand over to the GPU."""
+"""The CPU task: fetch media through the guard, run the model's processor, hand over to the GPU.
+
+Time limits: the CPU worker runs the prefork pool (workers/worker_main.py), where Celery enforces
+both. The soft limit raises in the task, which fails the job with ``job_time_limit_exceeded``. The
+hard limit kills the pool child (the task ignored the soft one, e.g. stuck in C code) and Celery
+acknowledges the message without running any of our code, so :class:`PreprocessRequest` fails the
+job then, with the same code.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,10 @@ import json
 import logging
 import time
 
-from celery import shared_task
+from celery import Task, shared_task
 from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.worker import state as worker_state
+from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from workers.celery_app import SHARED_GENERATE_QUEUE
@@ -24,7 +33,23 @@ log = logging.getLogger(__name__)
 
 
 
-@shared_task(name="rollout.preprocess", bind=True)
+class PreprocessRequest(Request):
+    """Celery's request of a preprocess task; a hard time limit fails its job (see the module docs)."""
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        # During a cold shutdown Celery kills tasks through this path too: that is no timeout.
+        if not soft and not worker_state.should_terminate:
+            job_id = self.args[0]
+            fail_job(runtime(self.app), job_id,
+                     JobTimeoutError(f"preprocessing exceeded its hard time limit ({timeout} s)"))
+
+
+class PreprocessTask(Task):
+    Request = PreprocessRequest
+
+
+@shared_task(name="rollout.preprocess", bind=True, base=PreprocessTask)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
         try:
