@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import signal
 import time
 
 from PIL import Image
@@ -156,3 +157,24 @@ def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):
     vocab = stack.services.model_facts.vocab_size
     outside = stack.wait(stack.submit({"token_ids": [100, vocab + 5], "sampling_params": GREEDY})["id"])
     assert outside["status"] == "failed" and outside["error"]["code"] == "invalid_request", outside
+
+
+def test_jobs_waiting_together_run_as_one_batch_and_a_lone_job_is_not_held(stack):
+    """The GPU worker's flush rule (workers/gpu_batching.py): jobs that wait in the queue when the
+    worker reads them become one batch; a job alone goes at once, without waiting for company."""
+    gpu = stack.workers["gpu"]
+    bodies = [{"token_ids": [100 + i, 110, 120], "sampling_params": GREEDY} for i in range(6)]
+    gpu.send_signal(signal.SIGSTOP)  # the jobs pile up in the queue meanwhile
+    try:
+        ids = [stack.submit(body)["id"] for body in bodies]
+    finally:
+        gpu.send_signal(signal.SIGCONT)
+    done = [stack.wait(job_id) for job_id in ids]
+    assert [job["result"]["timings"]["batch_size"] for job in done] == [6] * 6, done
+    alone = stack.wait(stack.submit(bodies[0])["id"])
+    assert alone["result"]["timings"]["batch_size"] == 1
+    batched, single = done[0]["result"]["choices"][0], alone["result"]["choices"][0]
+    assert single["token_ids"] == batched["token_ids"]  # batched or alone, the same tokens
+    assert all(abs(a - b) < 1e-5 for a, b in zip(single["logprobs"], batched["logprobs"], strict=True))
+    # From queued to generating: well under a second (held at most ROLLOUT_GPU_BATCH_WAIT_MS, 5 ms here).
+    assert alone["result"]["timings"]["queue_s"] < 0.5
