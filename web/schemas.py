@@ -99,13 +99,22 @@ class WebhookSchema(Schema):
     events = fields.List(fields.String(validate=validate.OneOf(JOB_EVENTS)), validate=validate.Length(min=1))
 
 
+def _default_sampling_params() -> dict[str, Any]:
+    # Loaded once; each request gets a fresh copy (check_limits fills in max_tokens). Building a
+    # SamplingParamsSchema per request cost ~0.1 ms, half of validating a score line.
+    return {**_SAMPLING_DEFAULTS, "stop_token_ids": []}
+
+
+_SAMPLING_DEFAULTS = SamplingParamsSchema().load({})
+
+
 class JobRequestSchema(Schema):
     kind = fields.String(validate=validate.OneOf(JOB_KINDS), load_default="generate")
     token_ids = TokenIds()
     prompt = fields.String(validate=validate.Length(min=1, max=4_000_000))
     content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
     features = fields.List(fields.Nested(FeatureItemSchema), validate=validate.Length(min=1, max=1024))
-    sampling_params = fields.Nested(SamplingParamsSchema, load_default=lambda: SamplingParamsSchema().load({}))
+    sampling_params = fields.Nested(SamplingParamsSchema, load_default=_default_sampling_params)
     completion_token_ids = TokenIds(metadata={"description": "kind=score: the tokens to score"})
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     webhook = fields.Nested(WebhookSchema)
