@@ -5,7 +5,8 @@ entirely), else by the sha256 of the media bytes, together with the model id, th
 the processor options. Values are the per-image features after the model hook, as safetensors
 bytes in Redis, so a hit gives bit-identical tensors.
 
-Each worker process also keeps the entries it used last in memory (``local_max_bytes``, LRU):
+Each worker process also keeps the entries it used last in memory (``local_max_bytes``, LRU;
+``ROLLOUT_MM_CACHE_PROCESS_BYTES``):
 a repeated image then costs no Redis transfer and no deserialization, only a touch of its
 last-use time in Redis so the shared LRU order stays true. The content hash finalize computed
 is stored with the features, so a hit does not hash them again.

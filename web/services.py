@@ -14,7 +14,7 @@ from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
 from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
 from workers.redis_client import connect
-from workers.runtime import fetch_policy
+from workers.runtime import fetch_policy, multimodal_cache
 from workers.settings import Settings
 
 
@@ -57,9 +57,7 @@ class Services:
 
     @cached_property
     def mm_cache(self):
-        from processors.cache import MultimodalCache
-
-        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes) if self.settings.mm_cache_bytes else None
+        return multimodal_cache(self.settings, self.redis)
 
 
 def services() -> Services:

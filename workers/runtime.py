@@ -38,6 +38,15 @@ def fetch_policy(settings: Settings) -> FetchPolicy:
     )
 
 
+def multimodal_cache(settings: Settings, client: redis.Redis):
+    """The multimodal cache the settings ask for, or None (``ROLLOUT_MM_CACHE_BYTES=0``)."""
+    from processors.cache import MultimodalCache
+
+    if not settings.mm_cache_bytes:
+        return None
+    return MultimodalCache(client, max_bytes=settings.mm_cache_bytes, local_max_bytes=settings.mm_cache_process_bytes)
+
+
 class WorkerRuntime:
     def __init__(self, settings: Settings, redis_url: str, celery):
         self.settings = settings
@@ -82,11 +91,7 @@ class WorkerRuntime:
 
     @cached_property
     def mm_cache(self):
-        from processors.cache import MultimodalCache
-
-        if self.settings.mm_cache_bytes == 0:
-            return None
-        return MultimodalCache(self.redis, max_bytes=self.settings.mm_cache_bytes)
+        return multimodal_cache(self.settings, self.redis)
 
     @cached_property
     def processing_limits(self):

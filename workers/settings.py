@@ -72,6 +72,7 @@ class Settings:
     max_image_pixels: int = 40_000_000
     # Multimodal cache and feature transport.
     mm_cache_bytes: int = 512 * 1024 * 1024
+    mm_cache_process_bytes: int = 256 * 1024 * 1024
     transport: str = "auto"
     shm_pool_bytes: int = 1024 * 1024 * 1024
     handle_ack_timeout: float = 600.0
@@ -129,6 +130,7 @@ _RANGES = {
     "max_video_frames": (1, 100_000),
     "max_media_seconds": (0.01, 86_400),
     "mm_cache_bytes": (0, 2**40),
+    "mm_cache_process_bytes": (0, 2**40),
     "shm_pool_bytes": (1024, 2**40),
     "handle_ack_timeout": (1, 86_400),
     "webhook_timeout": (0.1, 600),

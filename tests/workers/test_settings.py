@@ -55,3 +55,14 @@ def test_readme_documents_every_setting():
     text = README.read_text()
     missing = [env_name(spec.name) for spec in fields(Settings) if f"`{env_name(spec.name)}`" not in text]
     assert not missing, f"README configuration table lacks {missing}"
+
+
+def test_multimodal_cache_follows_its_two_settings(monkeypatch, redis_client):
+    from workers.runtime import multimodal_cache
+
+    monkeypatch.setenv("ROLLOUT_MM_CACHE_BYTES", "1048576")
+    monkeypatch.setenv("ROLLOUT_MM_CACHE_PROCESS_BYTES", "0")
+    cache = multimodal_cache(load_settings(), redis_client)
+    assert (cache.max_bytes, cache.local_max_bytes) == (1048576, 0)
+    monkeypatch.setenv("ROLLOUT_MM_CACHE_BYTES", "0")
+    assert multimodal_cache(load_settings(), redis_client) is None
