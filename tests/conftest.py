@@ -48,6 +48,14 @@ def db_url(url: str, db: int) -> str:
     return url.rsplit("/", 1)[0] + f"/{db}"
 
 
+def empty_db_url(url: str, db: int) -> str:
+    """``db_url``, with the database emptied first."""
+    target = db_url(url, db)
+    with redis.Redis.from_url(target) as client:
+        client.flushdb()
+    return target
+
+
 @pytest.fixture
 def redis_client(redis_url):
     client = redis.Redis.from_url(redis_url)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import redis
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from tests.conftest import db_url
+from tests.conftest import empty_db_url
 from web.app import create_app
 from workers.settings import Settings
 
 
 @pytest.fixture(scope="module")
 def fuzz_schema(redis_url, demo_model_dir, tmp_path_factory):
-    url = db_url(redis_url, 4)
-    redis.Redis.from_url(url).flushdb()
+    url = empty_db_url(redis_url, 4)
     app = create_app(Settings(
         state_dir=tmp_path_factory.mktemp("fuzz"), model=str(demo_model_dir),
         # No worker runs here: POST /generate must answer 202 quickly instead of waiting.

@@ -8,9 +8,8 @@ import base64
 import json
 
 import pytest
-import redis
 
-from tests.conftest import db_url
+from tests.conftest import empty_db_url
 from workers.celery_app import WEBHOOKS_QUEUE, create_celery
 from workers.lifecycle import JOB_ENDED_WEBHOOK_TASK, resume_followups
 from workers.runtime import runtime
@@ -26,10 +25,7 @@ RESULT = {"prompt_token_ids": [100], "choices": [{"index": 0, "token_ids": [101]
 
 @pytest.fixture
 def app(redis_url, tmp_path):
-    url = db_url(redis_url, 8)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    client.close()
+    url = empty_db_url(redis_url, 8)
     return create_celery(Settings(state_dir=tmp_path), url)
 
 

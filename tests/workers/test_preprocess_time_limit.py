@@ -8,9 +8,8 @@ that submitting the job queued (real Redis and broker; the pool and its kill are
 from __future__ import annotations
 
 import pytest
-import redis
 
-from tests.conftest import db_url
+from tests.conftest import empty_db_url
 from workers.celery_app import PREPROCESS_QUEUE, create_celery
 from workers.runtime import runtime
 from workers.settings import Settings
@@ -22,10 +21,7 @@ OWNER = "key_owner"
 
 @pytest.fixture
 def app(redis_url, tmp_path):
-    url = db_url(redis_url, 9)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
-    client.close()
+    url = empty_db_url(redis_url, 9)
     return create_celery(Settings(state_dir=tmp_path), url)
 
 

@@ -256,9 +256,8 @@ def settings(receiver, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def celery_app(settings, webhook_redis_url):
-    client = redis.Redis.from_url(webhook_redis_url)
-    client.flushdb()
-    client.close()
+    with redis.Redis.from_url(webhook_redis_url) as client:
+        client.flushdb()
     app = create_celery(settings, webhook_redis_url)
     app.conf.include = ["workers.tasks.webhooks"]  # this worker serves the webhooks queue only
     with start_worker(app, pool="solo", perform_ping_check=False, queues=[WEBHOOKS_QUEUE],
