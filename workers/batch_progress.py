@@ -2,7 +2,7 @@
 
 Lines end in three ways, and each is counted once (``BatchStore.record`` skips a line seen before):
 
-- its job ends: ``workers.lifecycle`` calls :func:`record_job_end` for the one call that ended it;
+- its job ends: ``workers.lifecycle`` calls :func:`record_job_lines` for the calls that ended them;
 - the batch is cancelled: :func:`cancel_lines` cancels the jobs not started yet and counts the
   lines that never got a job as ``batch_cancelled`` errors; jobs already generating are asked to
   abort and end by themselves;
@@ -36,24 +36,35 @@ def batch_store(rt) -> BatchStore:
     return BatchStore(rt.redis, result_ttl=rt.settings.result_ttl)
 
 
-def record_job_end(rt, job: dict[str, Any]) -> None:
-    """Count the ended job's line: its result goes to the batch output, its error to the errors.
+def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
+    """Count the ended jobs' lines (jobs of any batches): results go to a batch's output, errors to
+    its errors; one ``record`` per batch, not per job.
 
-    Called by ``workers.lifecycle`` once per job end; a repeated call for the same line is a no-op.
+    Called by ``workers.lifecycle`` for the calls that ended the jobs; a line counted before is a
+    no-op.
     """
-    batch_id = job["batch_id"]
-    if not job.get("line"):
-        log.error("job %s names batch %s but no line; not counted", job["id"], batch_id)
-        return
-    store = batch_store(rt)
-    cancelled_as = JOB_CANCELLED
-    if job["status"] == "cancelled":
-        try:
-            status = store.get(batch_id)["status"]
-        except NotFoundError:
-            return
-        cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(status, JOB_CANCELLED)
-    record_lines(rt, batch_id, [job_entry(job, cancelled_as)])
+    by_batch: dict[str, list[dict[str, Any]]] = {}
+    for job in jobs:
+        if job.get("line"):
+            by_batch.setdefault(job["batch_id"], []).append(job)
+        else:
+            log.error("job %s names batch %s but no line; not counted", job["id"], job["batch_id"])
+    for batch_id, ended in by_batch.items():
+        cancelled_as = JOB_CANCELLED
+        if any(job["status"] == "cancelled" for job in ended):
+            # Cancelled with its batch, or on its own: the line's error says which.
+            try:
+                status = batch_store(rt).get(batch_id)["status"]
+            except NotFoundError:
+                continue
+            cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(
+                status, JOB_CANCELLED)
+        record_lines(rt, batch_id, [job_entry(job, cancelled_as) for job in ended])
+
+
+def record_job_end(rt, job: dict[str, Any]) -> None:
+    """``record_job_lines`` for one job."""
+    record_job_lines(rt, [job])
 
 
 def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:

@@ -79,15 +79,14 @@ def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
 
 
 def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
-    from workers.batch_progress import record_job_end
+    from workers.batch_progress import record_job_lines
     from workers.metrics import record_job_ends
 
     if not jobs:
         return
     if count:
         record_job_ends(rt.redis, jobs)
+    record_job_lines(rt, [job for job in jobs if job.get("batch_id")])
     for job in jobs:
-        if job.get("batch_id"):
-            record_job_end(rt, job)
         if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
             rt.celery.send_task(JOB_ENDED_WEBHOOK_TASK, args=[job["id"]], queue=WEBHOOKS_QUEUE)

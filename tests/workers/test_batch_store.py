@@ -16,7 +16,7 @@ from workers.batch_progress import batch_store, cancel_lines, expire, record_job
 from workers.batch_store import lines_key, output_key
 from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, create_celery
 from workers.job_store import QueueFullError
-from workers.lifecycle import end_job, fail_job
+from workers.lifecycle import end_job, end_jobs, fail_job
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk
@@ -106,6 +106,18 @@ def test_chunk_creates_jobs_with_their_line_and_is_idempotent(rt, redis_client):
     assert job["request"]["token_ids"] == [1, 2, 5] and job["status"] == "queued"
     # Plain token prompts go straight to the GPU queue, the others to preprocessing: one message each.
     assert redis_client.llen(PREPROCESS_QUEUE) + redis_client.llen(SHARED_GENERATE_QUEUE) == 6
+
+
+def test_jobs_ended_together_count_their_lines_in_one_record(rt):
+    """A GPU batch ends its jobs with ``end_jobs``: jobs of two batches, one record per batch."""
+    first, second = new_batch(rt, 3), new_batch(rt, 2)
+    jobs = submit_all(rt, first["id"]) + submit_all(rt, second["id"])
+    endings = [(rt.jobs.get(job["id"]), "succeeded", {"result": RESULT}) for job in jobs[:4]]
+    assert end_jobs(rt, endings) == [True] * 4
+    assert end_jobs(rt, endings[:1]) == [False]  # ended already: not counted again
+    assert counts(rt, first["id"])[0] == "completed"
+    assert counts(rt, second["id"]) == ("in_progress", 2, 1, 0)
+    assert sorted(line["custom_id"] for line in results(rt, first["id"], "output")) == ["c1", "c2", "c3"]
 
 
 def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client):
