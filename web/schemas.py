@@ -33,9 +33,9 @@ TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 class TokenIds(fields.List):
     """A list of token ids, checked in one pass.
 
-    ``fields.List(fields.Integer(...))`` runs marshmallow's field machinery once per item: ~3 µs a
-    token, 12 ms for a 4k-token RL prompt. A list of in-range plain ints (every valid request) is
-    taken as is; anything else goes through the per-item fields for their exact errors.
+    ``fields.List(fields.Integer(...))`` runs marshmallow's field machinery once per item: ~1.6 µs a
+    token, 6.7 ms for a 4k-token RL prompt (0.2 ms here). A list of in-range plain ints (every valid
+    request) is taken as is; anything else goes through the per-item fields for their exact errors.
     """
 
     def __init__(self, **kwargs):
