@@ -34,15 +34,14 @@ def decode_text(tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens
     ids = list(token_ids)
     if spaces_between_special_tokens:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-    added = tokenizer.added_tokens_decoder  # id -> AddedToken
-    special = set(tokenizer.all_special_ids)
+    added = tokenizer.added_tokens_decoder  # id -> AddedToken (special or not)
     pieces: list[str] = []
     run: list[int] = []
     for token in ids:
         if token not in added:
             run.append(token)
             continue
-        if skip_special_tokens and token in special:
+        if skip_special_tokens and added[token].special:
             continue
         if run:
             pieces.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
