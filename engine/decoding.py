@@ -64,6 +64,12 @@ class RowDecoder:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """This step's token is the argmax of the raw logits (no penalty, no min_tokens mask)."""
+        params = self.params
+        return params.greedy and self._penalties is None and len(self.token_ids) >= params.min_tokens
+
     def pick(self, raw: torch.Tensor) -> torch.Tensor:
         """This step's token (0-d long tensor) from the row's raw fp32 logits (vocab,)."""
         logits = raw
@@ -159,9 +165,13 @@ class RowSampler(LogitsProcessor):
             state.first_token_at = time.perf_counter()
         # ``scores`` are the raw fp32 logits: this is the only processor in the list.
         live = [i for i, row in enumerate(state.rows) if not row.done]
-        tokens = torch.full((scores.shape[0],), state.fill_token_id, dtype=torch.long, device=scores.device)
-        for i in live:
-            tokens[i] = state.rows[i].pick(scores[i])
+        # One batched argmax serves the plain greedy rows (exact per row, like a row's own argmax).
+        tokens = torch.argmax(scores, dim=-1)
+        for i, row in enumerate(state.rows):
+            if row.done:
+                tokens[i] = state.fill_token_id
+            elif not row.plain_greedy:
+                tokens[i] = row.pick(scores[i])
         picked = tokens[:, None]
         raw_logprobs = torch.log_softmax(scores, dim=-1)
         chosen = raw_logprobs.gather(1, picked)[:, 0]

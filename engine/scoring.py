@@ -7,6 +7,9 @@ scoring the tokens a greedy generation produced gives its logprobs back (tests: 
 measured ~1e-6 on fp32 CPU). Memory: the forward holds rows x (longest completion + 1) x vocab
 logits, so the caller bounds the batch (16 rows x 2k tokens x 152k vocab in bf16 is ~10 GB).
 
+:func:`teacher_forced` is the forward pass itself, shared with generation's prompt logprobs
+(``SamplingParams.prompt_logprobs``), which score a prompt's own tokens from the second on.
+
 The completion is text to the model: Qwen-VL's ``mm_token_type_ids`` are 0 over the appended
 tokens (transformers 5.x needs them extended). A completion holding a media placeholder id is
 refused: the model would take it for a media slot (generation never feeds it back that way).

@@ -313,3 +313,20 @@ def test_stop_strings_need_a_tokenizer(loaded, prompts):
         engine.generate([GenerationRequest(prompts.text("Yes."), dataclasses.replace(GREEDY, stop=("x",)))])
     assert set(info.value.errors) == {"stop"}
     assert only(engine.generate([GenerationRequest(prompts.text("Yes."), GREEDY)])[0]).text is None
+
+
+@pytest.mark.gpu
+def test_knobs_on_cuda_match_alone_batched_and_cpu(demo_model_dir, engine, prompts):
+    from engine.loading import load_model
+
+    cuda = Engine(load_model(str(demo_model_dir), device="cuda"))
+    greedy_knobs = dataclasses.replace(KNOBBED, temperature=0, n=1)
+    batch = [GenerationRequest(prompts.text("The quick brown fox"), greedy_knobs),
+             GenerationRequest(prompts.text("Yes."), dataclasses.replace(KNOBBED, n=2))]
+    together = cuda.generate(batch)
+    assert [c.token_ids for c in cuda.generate(batch[:1])[0].choices] == [c.token_ids for c in together[0].choices]
+    on_cpu = engine.generate(batch[:1])[0]
+    # fp32 on both: greedy with penalties picks the same tokens unless a near-tie flips.
+    assert together[0].choices[0].token_ids == on_cpu.choices[0].token_ids
+    torch.testing.assert_close(together[0].prompt_logprobs[1:], on_cpu.prompt_logprobs[1:], atol=1e-3, rtol=0)
+    assert len(together[1].choices[1].top_logprobs) == len(together[1].choices[1].token_ids)
