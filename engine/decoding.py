@@ -6,7 +6,15 @@ row its own parameters and seed, the engine runs ``generate`` greedily and insta
 raw logits, with the row's parameters and ``torch.Generator``), records that token's logprob
 under the raw distribution, and returns scores that are -inf everywhere but the picked token,
 so the greedy step takes exactly it. :class:`RowStopper` ends each row on its own terms
-(max_tokens, stop ids, eos unless ignore_eos, abort) and remembers why.
+(stop ids, eos unless ignore_eos, stop strings, max_tokens, abort) and remembers why.
+
+Everything a row needs lives in its :class:`RowDecoder` (parameters, generator, penalty
+counts, text, logprobs, finish): nothing assumes the rows of a batch start or end together,
+so a scheduler that lets rows join and leave between steps can drive the same objects.
+
+Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf), the
+penalties (:mod:`engine.penalties`), then temperature and truncation (:func:`sample_row`).
+Logprobs, the sampled token's and the top-k alternatives, are of the raw logits before all of it.
 """
 
 from __future__ import annotations
@@ -15,42 +23,136 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
+from engine.detokenize import IncrementalText, decode_text, find_stop
+from engine.penalties import RowPenalties
 from engine.sampling import SamplingParams, sample_row
 
 
-@dataclass
-class DecodeRow:
-    request_index: int
-    choice_index: int
-    params: SamplingParams
-    generator: torch.Generator | None  # None for greedy rows
+class RowDecoder:
+    """One choice of one request, from its first decode step to its finish."""
+
+    def __init__(self, request_index: int, choice_index: int, params: SamplingParams,
+                 generator: torch.Generator | None, *, prompt_token_ids: Sequence[int] = (),
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None):
+        self.request_index = request_index
+        self.choice_index = choice_index
+        self.params = params
+        self.generator = generator  # None for greedy rows
+        self.tokenizer = tokenizer
+        self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        # vLLM masks eos under min_tokens even with ignore_eos (it is in all_stop_token_ids).
+        self._min_tokens_ids = sorted(frozenset(params.stop_token_ids) | eos_token_ids)
+        self._penalties = RowPenalties(params, prompt_token_ids) if params.penalized else None
+        self._text = None
+        if params.stop:
+            self._text = IncrementalText(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                         spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None
+        self._stop_text: str | None = None  # the text cut at the matched stop string
+        self._logprobs: list[torch.Tensor] = []  # 0-d, on the model's device until the end
+        self._top_values: list[torch.Tensor] = []
+        self._top_ids: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """This step's token is the argmax of the raw logits (no penalty, no min_tokens mask)."""
+        params = self.params
+        return params.greedy and self._penalties is None and len(self.token_ids) >= params.min_tokens
+
+    def pick(self, raw: torch.Tensor) -> torch.Tensor:
+        """This step's token (0-d long tensor) from the row's raw fp32 logits (vocab,)."""
+        logits = raw
+        if len(self.token_ids) < self.params.min_tokens and self._min_tokens_ids:
+            ids = [t for t in self._min_tokens_ids if t < raw.shape[-1]]
+            logits = logits.index_fill(0, torch.as_tensor(ids, device=raw.device), -math.inf)
+        if self._penalties is not None:
+            logits = self._penalties.apply(logits)
+        token = sample_row(logits, self.params, self.generator)
+        if self._penalties is not None:
+            self._penalties.add(token)
+        return token
+
+    def add_logprobs(self, logprob: torch.Tensor, top_values: torch.Tensor | None,
+                     top_ids: torch.Tensor | None) -> None:
+        self._logprobs.append(logprob)
+        if top_values is not None:
+            self._top_values.append(top_values)
+            self._top_ids.append(top_ids)
+
+    def record(self, token: int, *, aborted: bool) -> None:
+        """The token this step produced (on the host); decides whether the row ends here."""
+        self.token_ids.append(token)
+        step = len(self.token_ids)
+        new_text = self._text.push(token) if self._text is not None else ""
+        params = self.params
+        if token in self._stop_ids:
+            # The stop or eos token itself stays in the output: the trainer needs it and its logprob.
+            self._finish("stop", token)
+        elif new_text and step > params.min_tokens and (match := find_stop(self._text.text, len(new_text),
+                                                                            params.stop)):
+            index, stop = match
+            self._stop_text = self._text.text[: index + len(stop) if params.include_stop_str_in_output else index]
+            self._finish("stop", stop)
+        elif step >= params.max_tokens:
+            self._finish("length")
+        elif aborted:
+            self._finish("abort")
+
+    def _finish(self, reason: str, matched: int | str | None = None) -> None:
+        self.finish_reason = reason
+        self.matched_stop = matched
+
+    def text(self) -> str | None:
+        """The returned text: cut at a matched stop string, without a matched stop token's
+        text, unless include_stop_str_in_output."""
+        params = self.params
+        if not params.detokenize or self.tokenizer is None:
+            return None
+        if self._stop_text is not None:
+            return self._stop_text
+        ids = self.token_ids
+        if isinstance(self.matched_stop, int) and not params.include_stop_str_in_output:
+            ids = ids[:-1]
+        return decode_text(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                           spaces_between_special_tokens=params.spaces_between_special_tokens)
+
+    def logprobs(self) -> list[float] | None:
+        if not self.params.logprobs:
+            return None
+        return torch.stack(self._logprobs).tolist() if self._logprobs else []
+
+    def top_logprobs(self) -> list[list[list]] | None:
+        """Per token, ``[[token_id, logprob], ...]`` of the k most likely tokens, most likely first."""
+        if not self.params.top_logprobs:
+            return None
+        if not self._top_values:
+            return []
+        values, ids = torch.stack(self._top_values).tolist(), torch.stack(self._top_ids).tolist()
+        return [[[t, v] for t, v in zip(step_ids, step_values, strict=True)]
+                for step_ids, step_values in zip(ids, values, strict=True)]
 
 
 @dataclass
 class DecodeState:
-    rows: Sequence[DecodeRow]
-    prompt_width: int  # padded prompt length: generated token k sits at column prompt_width + k
-    eos_token_ids: frozenset[int]
+    rows: Sequence[RowDecoder]
     fill_token_id: int
     should_abort: Callable[[], set[int]] | None = None
-    done: list[bool] = field(init=False)
-    finish_reasons: list[str | None] = field(init=False)
-    lengths: list[int] = field(init=False)
-    step_logprobs: list[torch.Tensor] = field(default_factory=list)  # one (rows,) tensor per step
     first_token_at: float | None = None  # perf_counter when the prefill's logits arrived
+    done: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.done = [False] * len(self.rows)
-        self.finish_reasons = [None] * len(self.rows)
-        self.lengths = [0] * len(self.rows)
-
-    def logprobs(self) -> torch.Tensor:
-        """(rows, steps) logprobs of the picked tokens, on the CPU."""
-        return torch.stack(self.step_logprobs, dim=1).cpu()
+        self.done = [row.done for row in self.rows]
 
 
 class RowSampler(LogitsProcessor):
@@ -62,14 +164,25 @@ class RowSampler(LogitsProcessor):
         if state.first_token_at is None:
             state.first_token_at = time.perf_counter()
         # ``scores`` are the raw fp32 logits: this is the only processor in the list.
+        live = [i for i, row in enumerate(state.rows) if not row.done]
+        # One batched argmax serves the plain greedy rows (exact per row, like a row's own argmax).
         tokens = torch.argmax(scores, dim=-1)
         for i, row in enumerate(state.rows):
-            if state.done[i]:
+            if row.done:
                 tokens[i] = state.fill_token_id
-            elif not row.params.greedy:
-                tokens[i] = sample_row(scores[i], row.params, row.generator)
+            elif not row.plain_greedy:
+                tokens[i] = row.pick(scores[i])
         picked = tokens[:, None]
-        state.step_logprobs.append(torch.log_softmax(scores, dim=-1).gather(1, picked)[:, 0])
+        raw_logprobs = torch.log_softmax(scores, dim=-1)
+        chosen = raw_logprobs.gather(1, picked)[:, 0]
+        k = max((state.rows[i].params.top_logprobs for i in live), default=0)
+        top = torch.topk(raw_logprobs, k, dim=-1) if k else None
+        for i in live:
+            row_k = state.rows[i].params.top_logprobs
+            if top is not None and row_k:
+                state.rows[i].add_logprobs(chosen[i], top.values[i, :row_k], top.indices[i, :row_k])
+            else:
+                state.rows[i].add_logprobs(chosen[i], None, None)
         return torch.full_like(scores, -math.inf).scatter_(1, picked, 0.0)
 
 
@@ -79,26 +192,10 @@ class RowStopper(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         state = self.state
-        step = input_ids.shape[1] - state.prompt_width
         last = input_ids[:, -1].tolist()
         aborted = state.should_abort() if state.should_abort is not None else set()
         for i, row in enumerate(state.rows):
-            if state.done[i]:
-                continue
-            reason = _finish_reason(last[i], step, row, state.eos_token_ids, aborted)
-            if reason is not None:
-                state.done[i] = True
-                state.finish_reasons[i] = reason
-                state.lengths[i] = step
+            if not row.done:
+                row.record(last[i], aborted=row.request_index in aborted)
+                state.done[i] = row.done
         return torch.tensor(state.done, dtype=torch.bool, device=input_ids.device)
-
-
-def _finish_reason(token: int, step: int, row: DecodeRow, eos: frozenset[int], aborted: set[int]) -> str | None:
-    # The stop or eos token itself stays in the output: the trainer needs it and its logprob.
-    if (token in eos and not row.params.ignore_eos) or token in row.params.stop_token_ids:
-        return "stop"
-    if step >= row.params.max_tokens:
-        return "length"
-    if row.request_index in aborted:
-        return "abort"
-    return None

@@ -14,9 +14,11 @@ seed and inputs then give the same tokens alone or in any batch, as long as the 
 for the row agree (fp32 CPU: equal to ~1e-7 under padding, see tests; on GPU, kernels chosen by
 batch shape can differ in the last bits, which may flip a near-tie).
 
-Logprobs are log_softmax of the raw logits (before temperature and truncation) at the sampled
-token, computed as each step's logits arrive rather than kept as ``output_logits`` (that would
-hold steps x rows x vocab floats until the end).
+Logprobs are log_softmax of the raw logits (before penalties, temperature and truncation) at
+the sampled token (and, with ``top_logprobs``, the k most likely tokens), computed as each step's
+logits arrive rather than kept as ``output_logits`` (that would hold steps x rows x vocab floats
+until the end). Prompt logprobs come from teacher-forced scoring (:mod:`engine.scoring`) of the
+prompts that ask for them, one extra forward pass over those prompts after decoding.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from engine.batch_inputs import (
     placeholder_ranges,
     request_features,
 )
-from engine.decoding import DecodeRow, DecodeState, RowSampler, RowStopper
+from engine.decoding import DecodeState, RowDecoder, RowSampler, RowStopper
+from engine.errors import InvalidRequestError
 from engine.items import MultimodalItem
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams, choice_seed
-from engine.scoring import ScoreRequest, ScoreResult, score
+from engine.scoring import ScoreRequest, ScoreResult, score, teacher_forced
 
 
 class Engine:
@@ -87,6 +90,11 @@ class Choice:
     token_ids: list[int]
     logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
     finish_reason: str  # "stop" | "length" | "abort"
+    # The stop token id (eos included) or stop string that ended the choice; None otherwise.
+    matched_stop: int | str | None = None
+    text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
+    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
+    top_logprobs: list[list[list]] | None = None
 
 
 @dataclass
@@ -97,6 +105,10 @@ class GenerationResult:
     timings: dict[str, float]
     weight_version: str
     placeholder_ranges: list[dict[str, Any]] = field(default_factory=list)
+    # With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it
+    # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list] | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,47 +133,53 @@ def generate(
         check_prompt(loaded, request.prompt_token_ids, request.sampling.max_tokens)
         features.append(request_features(request.items, request.mm_kwargs))
         check_placeholders(loaded, request.prompt_token_ids, features[-1])
+        if request.sampling.stop and loaded.tokenizer is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
+                                      errors={"stop": ["not supported by this model"]})
 
     aborted = should_abort() if should_abort is not None else set()
     live = [i for i in range(len(requests)) if i not in aborted]
+    eos = frozenset(loaded.eos_token_ids)
     rows = [
-        DecodeRow(i, c, requests[i].sampling, _generator(loaded, requests[i].sampling, c))
+        RowDecoder(i, c, requests[i].sampling, _generator(loaded, requests[i].sampling, c),
+                   prompt_token_ids=requests[i].prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)
         for i in live
         for c in range(requests[i].sampling.n)
     ]
-    state = DecodeState(
-        rows=rows,
-        prompt_width=max((len(requests[r.request_index].prompt_token_ids) for r in rows), default=0),
-        eos_token_ids=frozenset(loaded.eos_token_ids),
-        fill_token_id=loaded.fill_token_id,
-        should_abort=should_abort,
-    )
-    sequences = _run(loaded, requests, features, state) if rows else None
+    state = DecodeState(rows=rows, fill_token_id=loaded.fill_token_id, should_abort=should_abort)
+    if rows:
+        _run(loaded, requests, features, state)
     finished = time.perf_counter()
-
     first = state.first_token_at or finished
     timings = {
         "prefill_s": first - started,
         "decode_s": finished - first,
     }
-    logprobs = state.logprobs() if rows else None
+    scored_prompts = _prompt_logprobs(loaded, requests, features, [i for i in live if requests[i].sampling.prompt_logprobs is not None])
+    if scored_prompts:
+        timings["prompt_logprobs_s"] = time.perf_counter() - finished
+
     choices: dict[int, list[Choice]] = {i: [] for i in range(len(requests))}
-    for r, row in enumerate(rows):
-        length = state.lengths[r]
-        tokens = sequences[r, state.prompt_width : state.prompt_width + length].tolist()
+    for row in rows:
         choices[row.request_index].append(
             Choice(
                 index=row.choice_index,
-                token_ids=tokens,
-                logprobs=logprobs[r, :length].tolist() if row.params.logprobs else None,
-                finish_reason=state.finish_reasons[r],
+                token_ids=list(row.token_ids),
+                logprobs=row.logprobs(),
+                finish_reason=row.finish_reason,
+                matched_stop=row.matched_stop,
+                text=row.text(),
+                top_logprobs=row.top_logprobs(),
             )
         )
     results = []
     for i, request in enumerate(requests):
         if i in aborted:
-            choices[i] = [Choice(c, [], [] if request.sampling.logprobs else None, "abort")
-                          for c in range(request.sampling.n)]
+            params = request.sampling
+            empty_text = "" if params.detokenize and loaded.tokenizer is not None else None
+            choices[i] = [Choice(c, [], [] if params.logprobs else None, "abort", text=empty_text,
+                                 top_logprobs=[] if params.top_logprobs else None)
+                          for c in range(params.n)]
         request_timings = dict(timings)
         if request.enqueued_at is not None:
             request_timings["queue_s"] = max(0.0, started_wall - request.enqueued_at)
@@ -176,9 +194,34 @@ def generate(
                 timings=request_timings,
                 weight_version=loaded.weight_version,
                 placeholder_ranges=placeholder_ranges(loaded, request.prompt_token_ids, request.items),
+                **scored_prompts.get(i, {}),
             )
         )
     return results
+
+
+def _prompt_logprobs(loaded: LoadedModel, requests, features, wanted: list[int]) -> dict[int, dict[str, Any]]:
+    """``{request index: {prompt_logprobs, prompt_top_logprobs}}`` by teacher-forced scoring."""
+    if not wanted:
+        return {}
+    top_k = max(requests[i].sampling.prompt_logprobs for i in wanted)
+    # The first prompt token has no logprob; a one-token prompt scores nothing (keep a row anyway).
+    scored = teacher_forced(
+        loaded,
+        [Row(requests[i].prompt_token_ids, features[i]) for i in wanted],
+        [max(len(requests[i].prompt_token_ids) - 1, 1) for i in wanted],
+        top_k=top_k,
+    )
+    out = {}
+    for i, (logprobs, top) in zip(wanted, scored, strict=True):
+        length, k = len(requests[i].prompt_token_ids), requests[i].sampling.prompt_logprobs
+        logprobs = logprobs[-(length - 1):] if length > 1 else []
+        entry: dict[str, Any] = {"prompt_logprobs": [None, *logprobs]}
+        if k:
+            top = top[-(length - 1):] if length > 1 else []
+            entry["prompt_top_logprobs"] = [None, *[step[:k] for step in top]]
+        out[i] = entry
+    return out
 
 
 def _run(loaded: LoadedModel, requests, features, state: DecodeState) -> torch.Tensor:

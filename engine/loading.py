@@ -43,6 +43,9 @@ class LoadedModel:
     uses_mm_token_type_ids: bool = False
     # The checkpoint's own generation defaults; the engine does not apply them (see below).
     source_generation_config: Any = None
+    # Detokenizes results and matches stop strings; None when the directory has no tokenizer
+    # (results then carry no text, and stop strings are refused).
+    tokenizer: Any = None
     # generate() keeps per-call state on the model (Qwen-VL's rope_deltas): one call at a time.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -125,7 +128,17 @@ def load_model(
         media_token_ids=_media_token_ids(config),
         uses_mm_token_type_ids="mm_token_type_ids" in inspect.signature(model.forward).parameters,
         source_generation_config=source_generation_config,
+        tokenizer=_load_tokenizer(model_path, local_files_only),
     )
+
+
+def _load_tokenizer(model_path: str, local_files_only: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=local_files_only)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -7,6 +7,9 @@ scoring the tokens a greedy generation produced gives its logprobs back (tests: 
 measured ~1e-6 on fp32 CPU). Memory: the forward holds rows x (longest completion + 1) x vocab
 logits, so the caller bounds the batch (16 rows x 2k tokens x 152k vocab in bf16 is ~10 GB).
 
+:func:`teacher_forced` is the forward pass itself, shared with generation's prompt logprobs
+(``SamplingParams.prompt_logprobs``), which score a prompt's own tokens from the second on.
+
 The completion is text to the model: Qwen-VL's ``mm_token_type_ids`` are 0 over the appended
 tokens (transformers 5.x needs them extended). A completion holding a media placeholder id is
 refused: the model would take it for a media slot (generation never feeds it back that way).
@@ -64,29 +67,15 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
         ))
     if not requests:
         return []
-    batch = collate(loaded, rows)
-    keep = max(len(r.completion_token_ids) for r in requests) + 1
-    if "mm_token_type_ids" not in batch:
-        # Unless the model derives positions from the mask itself (Qwen-VL M-RoPE with media),
-        # it numbers them 0..width-1; count real tokens instead, as generate does, so a padded
-        # row sees the positions it would see alone.
-        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-
-    with loaded.lock, torch.inference_mode():
-        logits = loaded.model(**batch, use_cache=False, logits_to_keep=keep).logits
-
+    scored = teacher_forced(loaded, rows, [len(r.completion_token_ids) for r in requests])
     results = []
-    for i, request in enumerate(requests):
+    for request, (logprobs, _) in zip(requests, scored, strict=True):
         n = len(request.completion_token_ids)
-        # Column keep-1 predicts nothing we score; the n columns before it predict the completion.
-        row_logits = logits[i, keep - 1 - n : keep - 1].float()
-        targets = torch.as_tensor(list(request.completion_token_ids), device=row_logits.device)
-        logprobs = torch.log_softmax(row_logits, dim=-1).gather(1, targets[:, None])[:, 0]
         results.append(
             ScoreResult(
                 prompt_token_ids=list(request.prompt_token_ids),
                 completion_token_ids=list(request.completion_token_ids),
-                logprobs=logprobs.cpu().tolist(),
+                logprobs=logprobs,
                 usage={"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": n},
                 timings={},
                 weight_version=loaded.weight_version,
@@ -96,3 +85,35 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
     for result in results:
         result.timings["forward_s"] = elapsed
     return results
+
+
+def teacher_forced(
+    loaded: LoadedModel, rows: Sequence[Row], scored: Sequence[int], *, top_k: int = 0
+) -> list[tuple[list[float], list[list[list]] | None]]:
+    """For each row, the raw-distribution logprobs of its last ``scored[i]`` tokens given all
+    before them, in one forward pass; with ``top_k``, also ``[[token_id, logprob], ...]`` of
+    the k most likely tokens at each of those positions. Rows are checked by the caller."""
+    batch = collate(loaded, rows)
+    keep = max(scored) + 1
+    if "mm_token_type_ids" not in batch:
+        # Unless the model derives positions from the mask itself (Qwen-VL M-RoPE with media),
+        # it numbers them 0..width-1; count real tokens instead, as generate does, so a padded
+        # row sees the positions it would see alone.
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+    with loaded.lock, torch.inference_mode():
+        logits = loaded.model(**batch, use_cache=False, logits_to_keep=keep).logits
+
+    out = []
+    for i, (row, n) in enumerate(zip(rows, scored, strict=True)):
+        # Column keep-1 predicts nothing we score; the n columns before it predict the last n tokens.
+        row_logprobs = torch.log_softmax(logits[i, keep - 1 - n : keep - 1].float(), dim=-1)
+        targets = torch.as_tensor(list(row.token_ids[len(row.token_ids) - n:]), device=row_logprobs.device)
+        chosen = row_logprobs.gather(1, targets[:, None])[:, 0].cpu().tolist()
+        top = None
+        if top_k:
+            values, ids = torch.topk(row_logprobs, top_k, dim=-1)
+            top = [[[t, v] for t, v in zip(step_ids, step_values, strict=True)]
+                   for step_ids, step_values in zip(ids.tolist(), values.tolist(), strict=True)]
+        out.append((chosen, top))
+    return out

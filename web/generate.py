@@ -51,6 +51,8 @@ class Generate(MethodView):
             "job_id": finished["id"],
             "prompt_token_ids": result.get("prompt_token_ids"),
             "choices": result.get("choices"),
+            "prompt_logprobs": result.get("prompt_logprobs"),
+            "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),
         }
 

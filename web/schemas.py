@@ -11,6 +11,8 @@ from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
+from engine.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
 JOB_KINDS = ("generate", "score")
 JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
 JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
@@ -83,6 +85,29 @@ class SamplingParamsSchema(Schema):
     stop_token_ids = fields.List(TokenId, validate=validate.Length(max=256), load_default=list)
     ignore_eos = fields.Boolean(load_default=False)
     logprobs = fields.Boolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
+    # The knobs below mirror engine.sampling.SamplingParams field for field (same names, same
+    # bounds); the engine checks them again, so nothing accepted here is dropped later.
+    stop = fields.List(fields.String(validate=validate.Length(1, MAX_STOP_STRING_CHARS)),
+                       validate=validate.Length(max=MAX_STOP_STRINGS), load_default=list,
+                       metadata={"description": "Strings that end a choice when they appear in its text "
+                                                "(a single string is taken as a list of one)"})
+    include_stop_str_in_output = fields.Boolean(load_default=False, metadata={
+        "description": "Keep the matched stop string (or stop token's text) in the returned text"})
+    min_tokens = fields.Integer(strict=True, validate=validate.Range(0, 1_000_000), load_default=0, metadata={
+        "description": "No eos, stop id or stop string ends a choice before this many tokens"})
+    repetition_penalty = fields.Float(allow_nan=False, validate=validate.Range(0, 2, min_inclusive=False),
+                                      load_default=1.0, metadata={"description": "vLLM's; 1 turns it off"})
+    frequency_penalty = fields.Float(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
+    presence_penalty = fields.Float(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
+    top_logprobs = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOP_LOGPROBS), load_default=0,
+                                  metadata={"description": "Per token, this many most likely tokens with their "
+                                                           "logprobs (raw distribution)"})
+    prompt_logprobs = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOP_LOGPROBS), allow_none=True,
+                                     load_default=None, metadata={
+                                         "description": "null: none; k: each prompt token's logprob and the top k"})
+    detokenize = fields.Boolean(load_default=True, metadata={"description": "Return each choice's text"})
+    skip_special_tokens = fields.Boolean(load_default=True)
+    spaces_between_special_tokens = fields.Boolean(load_default=True)
 
     @pre_load
     def accept_aliases(self, data: Any, **_) -> Any:
@@ -91,7 +116,16 @@ class SamplingParamsSchema(Schema):
             if "max_tokens" in data:
                 raise ValidationError("give max_tokens or max_new_tokens, not both", "max_new_tokens")
             data["max_tokens"] = data.pop("max_new_tokens")
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
         return data
+
+    @validates_schema
+    def consistent_knobs(self, data: dict, **_) -> None:
+        if "max_tokens" in data and data["min_tokens"] > data["max_tokens"]:
+            raise ValidationError("must not exceed max_tokens", "min_tokens")
+        if data["stop"] and not data["detokenize"]:
+            raise ValidationError("stop strings are matched on the text: they need detokenize", "stop")
 
 
 class WebhookSchema(Schema):
@@ -102,7 +136,7 @@ class WebhookSchema(Schema):
 def _default_sampling_params() -> dict[str, Any]:
     # Loaded once; each request gets a fresh copy (check_limits fills in max_tokens). Building a
     # SamplingParamsSchema per request cost ~0.1 ms, half of validating a score line.
-    return {**_SAMPLING_DEFAULTS, "stop_token_ids": []}
+    return {**_SAMPLING_DEFAULTS, "stop_token_ids": [], "stop": []}
 
 
 _SAMPLING_DEFAULTS = SamplingParamsSchema().load({})
@@ -168,11 +202,19 @@ class ErrorInfoSchema(Schema):
     message = fields.String()
 
 
+TopLogprobs = fields.List(fields.List(fields.Raw(), validate=validate.Length(equal=2)),
+                          metadata={"description": "[[token_id, logprob], ...], most likely first"})
+
+
 class ChoiceSchema(Schema):
     index = fields.Integer()
     token_ids = fields.List(fields.Integer())
     logprobs = fields.List(fields.Float(), allow_none=True)
     finish_reason = fields.String(metadata={"description": "stop | length | abort"})
+    matched_stop = fields.Raw(allow_none=True, metadata={
+        "description": "The stop token id (eos included) or stop string that ended the choice"})
+    text = fields.String(allow_none=True, metadata={"description": "The choice's text (null: detokenize false)"})
+    top_logprobs = fields.List(TopLogprobs, allow_none=True, metadata={"description": "Per token (top_logprobs)"})
 
 
 class ResultSchema(Schema):
@@ -180,6 +222,9 @@ class ResultSchema(Schema):
     placeholder_ranges = fields.List(fields.Dict())
     choices = fields.List(fields.Nested(ChoiceSchema))
     completion_logprobs = fields.List(fields.Float(), metadata={"description": "kind=score"})
+    prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True, metadata={
+        "description": "sampling_params.prompt_logprobs: per prompt token (null for the first)"})
+    prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
     weight_version = fields.String()
     timings = fields.Dict(metadata={"description": "Seconds per stage, and the GPU batch size"})
@@ -222,5 +267,7 @@ class SyncResultSchema(Schema):
     request_id = fields.String(allow_none=True)
     prompt_token_ids = fields.List(fields.Integer())
     choices = fields.List(fields.Nested(ChoiceSchema))
+    prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True)
+    prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
     job_id = fields.String()

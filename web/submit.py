@@ -30,6 +30,9 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
                                   errors={"metadata": [f"at most {settings.max_metadata_bytes} bytes as JSON"]})
     params = request["sampling_params"]
     params.setdefault("max_tokens", settings.default_max_tokens)
+    if params.get("min_tokens", 0) > params["max_tokens"]:
+        raise InvalidRequestError("min_tokens exceeds max_tokens",
+                                  errors={"sampling_params": {"min_tokens": [f"at most max_tokens ({params['max_tokens']})"]}})
     max_len = svc.max_model_len
     prompt_len = len(request.get("token_ids") or [])
     wanted = prompt_len + (len(request.get("completion_token_ids") or []) or params["max_tokens"])

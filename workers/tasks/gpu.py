@@ -189,6 +189,8 @@ def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[in
 
 
 def sampling_params(params: dict[str, Any]):
+    """The engine's SamplingParams from a stored request's ``sampling_params``: every key the
+    API accepts has a field (a job stored before a knob existed gets that knob's default)."""
     from engine.sampling import SamplingParams
 
     return SamplingParams(
@@ -196,7 +198,13 @@ def sampling_params(params: dict[str, Any]):
         top_k=max(params["top_k"], 0), min_p=params["min_p"], n=params["n"], seed=params.get("seed"),
         stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=params["ignore_eos"],
         logprobs=params["logprobs"],
+        **{name: params[name] for name in _SAMPLING_KNOBS if name in params},
     )
+
+
+_SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "top_logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
+                   "spaces_between_special_tokens")
 
 
 def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
@@ -218,6 +226,8 @@ def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size
     else:
         choices = [asdict(choice) for choice in output.choices]
         result.update(choices=choices, usage=output.usage)
+        if output.prompt_logprobs is not None:
+            result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
         if any(choice["finish_reason"] == "abort" for choice in choices):
             status = "cancelled"
     return job, status, {"result": result}
