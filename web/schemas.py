@@ -27,6 +27,24 @@ SGLANG_ALIASES = {
     "rid": "request_id",
 }
 
+class StrictFloat(fields.Float):
+    """A JSON number only: marshmallow's Float also takes strings ("1") and booleans."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
+class StrictBoolean(fields.Boolean):
+    """``true`` or ``false`` only: marshmallow's Boolean also takes "yes", "1", 1 and the like."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, bool):
+            raise self.make_error("invalid")
+        return value
+
+
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
 
@@ -72,17 +90,17 @@ class FeatureItemSchema(Schema):
 class SamplingParamsSchema(Schema):
     max_tokens = fields.Integer(strict=True, validate=validate.Range(1, 1_000_000),
                                 metadata={"description": "Alias: max_new_tokens. Default: ROLLOUT_DEFAULT_MAX_TOKENS"})
-    temperature = fields.Float(allow_nan=False, validate=validate.Range(0, 100), load_default=1.0,
+    temperature = StrictFloat(allow_nan=False, validate=validate.Range(0, 100), load_default=1.0,
                                metadata={"description": "0 means greedy"})
-    top_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1, min_inclusive=False), load_default=1.0)
+    top_p = StrictFloat(allow_nan=False, validate=validate.Range(0, 1, min_inclusive=False), load_default=1.0)
     top_k = fields.Integer(strict=True, validate=validate.Range(-1, 1_000_000), load_default=-1,
                            metadata={"description": "-1 or 0 turns it off"})
-    min_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1), load_default=0.0)
+    min_p = StrictFloat(allow_nan=False, validate=validate.Range(0, 1), load_default=0.0)
     seed = fields.Integer(strict=True, validate=validate.Range(0, 2**63 - 1), allow_none=True, load_default=None)
     n = fields.Integer(strict=True, validate=validate.Range(1, 64), load_default=1)
     stop_token_ids = fields.List(TokenId, validate=validate.Length(max=256), load_default=list)
-    ignore_eos = fields.Boolean(load_default=False)
-    logprobs = fields.Boolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
+    ignore_eos = StrictBoolean(load_default=False)
+    logprobs = StrictBoolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
 
     @pre_load
     def accept_aliases(self, data: Any, **_) -> Any:
@@ -159,7 +177,7 @@ class JobRequestSchema(Schema):
 
 
 class SyncGenerateRequestSchema(JobRequestSchema):
-    timeout = fields.Float(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
+    timeout = StrictFloat(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
                            metadata={"description": "Seconds to wait before answering 202 with the job link"})
 
 
