@@ -23,6 +23,7 @@ from transformers import AutoProcessor, PretrainedConfig
 from transformers.processing_utils import ProcessorMixin
 
 from processors.errors import ItemLayoutError
+from processors.fetch.errors import MediaDecodeError
 from processors.placeholders import normalize_text, sentinel_pattern
 
 Features = dict[str, torch.Tensor]
@@ -35,6 +36,9 @@ class MultimodalProcessor:
     native_image_placeholder: ClassVar[str]
     #: Feature names one image has, exactly (validated for precomputed features).
     feature_names: ClassVar[frozenset[str]] = frozenset({"pixel_values"})
+    #: Longest side over shortest side an image may have. Qwen-VL's resize refuses past 200, and
+    #: shortest-edge resizers (CLIP, LLaVA) would blow a thin strip up to billions of pixels.
+    max_aspect_ratio: ClassVar[float] = 200.0
 
     def __init__(self, model_dir: str | Path, *, config: PretrainedConfig, model_id: str | None = None):
         self.model_dir = Path(model_dir)
@@ -80,6 +84,14 @@ class MultimodalProcessor:
         if the HF processor has no ``replace_image_token``."""
         text = self.hf.replace_image_token(features, image_idx=index)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def check_image(self, image: Image.Image) -> None:
+        """Refuse a decoded image the model's processor cannot take, before it runs. Override to
+        add limits; raise :class:`~processors.fetch.errors.MediaDecodeError`."""
+        width, height = image.size
+        if max(width, height) > self.max_aspect_ratio * min(width, height):
+            raise MediaDecodeError(f"the image is {width}x{height}: this model takes aspect ratios up to "
+                                   f"{self.max_aspect_ratio:g}:1")
 
     def validate_features(self, features: Features) -> None:
         """Check one image's precomputed features beyond names, dtypes and sizes (which the

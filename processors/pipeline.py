@@ -242,6 +242,7 @@ class _Run:
         started = time.perf_counter()
         try:
             item.image = decode_image(data, max_pixels=self.limits.max_image_pixels)
+            self.processor.check_image(item.image)
         except MediaError as exc:
             _at_part(exc, item.part)
             raise

@@ -8,7 +8,9 @@ from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
 from web import batches, deliveries, generate, health, jobs, metrics, render
+from web.body_limit import BoundedRequest
 from web.errors import ServiceApi, register_error_handlers
+from web.json_body import JsonProvider
 from web.services import Services
 from workers.settings import Settings, load_settings
 
@@ -24,6 +26,8 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
     if not redis_url:
         raise ValueError("the API needs ROLLOUT_REDIS_URL (rollout-queue up sets it for you)")
     app = Flask("rollout_queue")
+    app.request_class = BoundedRequest
+    app.json = JsonProvider(app)
     app.config.update(
         API_TITLE="Rollout Queue",
         API_VERSION="v1",

@@ -18,12 +18,13 @@ from typing import Any
 
 from flask import Response, request
 from flask.views import MethodView
-from flask_smorest import Blueprint
 from marshmallow import Schema, ValidationError, fields, pre_load, validate
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
-from engine.errors import InvalidRequestError, PayloadTooLargeError, RolloutError
+from engine.errors import InvalidRequestError, PayloadTooLargeError, RateLimitedError, RolloutError
 from web.auth import current_owner
+from web.blueprint import Blueprint
+from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
 from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
 from web.services import services
 from web.submit import check_limits
@@ -44,7 +45,10 @@ REFUSED_LINE_ERRORS = 5
 # Room for the multipart boundaries and the form fields around the file.
 MULTIPART_OVERHEAD = 64 * 1024
 RECORD_PAGE = 1000
-_WINDOW = re.compile(r"^\s*(\d+)\s*([smhd]?)\s*$")
+# A hint only: batches end when their lines do, minutes to hours.
+STORAGE_RETRY_AFTER_S = 60
+# At most 9 digits: past that the window is out of range anyway, and int() of thousands of digits raises.
+_WINDOW = re.compile(r"^\s*(\d{1,9})\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -56,6 +60,12 @@ class InvalidBatchError(InvalidRequestError):
 
 class BatchTooLargeError(PayloadTooLargeError):
     code = "batch_too_large"
+
+
+class BatchStorageFullError(RateLimitedError):
+    """The key's unfinished batches hold as much input in Redis as it may store."""
+
+    code = "batch_storage_full"
 
 
 # --- Schemas --------------------------------------------------------------------------------------
@@ -70,9 +80,9 @@ class JsonText(fields.Field):
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except (ValueError, RecursionError):
-                raise ValidationError("must be JSON") from None
+                value = parse_json(value)
+            except (InvalidJsonError, UnsupportedJsonValueError) as exc:
+                raise ValidationError(f"must be JSON: {exc.message}") from None
         return self.inner.deserialize(value)
 
 
@@ -181,6 +191,7 @@ class Batches(MethodView):
     @blp.alt_response(413, schema=None, description="More than ROLLOUT_BATCH_MAX_LINES lines or ROLLOUT_BATCH_MAX_BYTES bytes")
     @blp.alt_response(415, schema=None, description="Neither multipart/form-data nor a JSONL content type")
     @blp.alt_response(422, schema=None, description="Invalid parameters, or no valid line (the first line errors are listed)")
+    @blp.alt_response(429, schema=None, description="The key's unfinished batches hold ROLLOUT_BATCH_MAX_STORED_BYTES_PER_KEY")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def post(self):
         """Upload a JSONL file of job requests and run it as a batch."""
@@ -297,18 +308,15 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+            obj = parse_json(raw)
+        except InvalidJsonError:
             parsed.invalid.append(_line_error(number, None, "invalid_json", "the line is not valid JSON"))
+            continue
+        except UnsupportedJsonValueError as exc:
+            parsed.invalid.append(_line_error(number, None, exc.code, exc.message))
             continue
         custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
         custom_id = custom_id if isinstance(custom_id, str) else None
-        if custom_id is not None:
-            if custom_id in seen:
-                parsed.invalid.append(_line_error(number, custom_id, "duplicate_custom_id",
-                                                  "custom_id is used by an earlier line"))
-                continue
-            seen.add(custom_id)
         try:
             line = schema.load(obj)
             body = check_limits(line["body"])
@@ -319,6 +327,12 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
         except RolloutError as exc:
             parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message))
             continue
+        # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
+        if custom_id in seen:
+            parsed.invalid.append(_line_error(number, custom_id, "duplicate_custom_id",
+                                              "custom_id is used by an earlier valid line"))
+            continue
+        seen.add(custom_id)
         parsed.valid.append(json.dumps({"line": number, "custom_id": line["custom_id"], "request": body},
                                        separators=(",", ":")))
     return parsed
@@ -328,11 +342,21 @@ def create_batch(svc, owner: str, parsed: ParsedBatch, *, completion_window: int
                  metadata: dict | None, webhook: dict | None) -> dict[str, Any]:
     """Store the batch and its lines, then queue its chunks; the public batch object."""
     store = batch_store(svc)
+    cap = svc.settings.batch_max_stored_bytes_per_key
+    size = sum(len(line) for line in parsed.valid)  # ASCII JSON: characters are bytes
+    if size > cap:
+        raise BatchTooLargeError(f"the valid lines take {size} bytes as stored; a key may store at most {cap}")
     batch = store.create(owner=owner, total=parsed.total, chunk_size=svc.settings.batch_chunk_size,
                          completion_window=completion_window, metadata=metadata, webhook=webhook,
                          validation_errors=parsed.invalid[:REPORTED_LINE_ERRORS],
                          invalid_lines=len(parsed.invalid))
     batch_id = batch["id"]
+    held = store.reserve_input(batch, size, cap=cap)
+    if held is not None:
+        store.discard(batch)
+        raise BatchStorageFullError(
+            f"this key's unfinished batches hold {held} bytes of input; this one needs {size} more "
+            f"and a key may store {cap}: retry when one ends", headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)})
     for start in range(0, len(parsed.invalid), RECORD_PAGE):
         store.record(batch_id, [(entry["line"], False, entry) for entry in parsed.invalid[start:start + RECORD_PAGE]])
     chunks = store.add_lines(batch_id, parsed.valid)

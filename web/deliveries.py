@@ -5,11 +5,11 @@ and every delivery attempt (time, status code, latency, error code). Owners see 
 from __future__ import annotations
 
 from flask.views import MethodView
-from flask_smorest import Blueprint
 from marshmallow import Schema, fields
 
 from engine.errors import NotFoundError
 from web.auth import current_owner
+from web.blueprint import Blueprint
 from web.services import services
 from workers.webhooks import store_for_redis
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from flask import jsonify
 from flask.views import MethodView
-from flask_smorest import Blueprint
 
 from engine.errors import RolloutError
+from web.blueprint import Blueprint
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
 from web.submit import submit

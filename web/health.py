@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from flask.views import MethodView
-from flask_smorest import Blueprint
 from marshmallow import Schema, fields
 
+from web.blueprint import Blueprint
 from web.services import services
 from workers.heartbeats import WORKER_KINDS, alive_workers
 

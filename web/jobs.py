@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from flask.views import MethodView
-from flask_smorest import Blueprint
 
 from web.auth import current_owner
+from web.blueprint import Blueprint
 from web.schemas import JobListQuerySchema, JobListSchema, JobRequestSchema, JobSchema
 from web.services import services
 from web.submit import submit

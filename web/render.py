@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from flask.views import MethodView
-from flask_smorest import Blueprint
 from marshmallow import Schema, fields, validate
 
+from web.blueprint import Blueprint
 from web.schemas import ContentPartSchema
 from web.services import services
 

@@ -29,6 +29,24 @@ SGLANG_ALIASES = {
     "rid": "request_id",
 }
 
+class StrictFloat(fields.Float):
+    """A JSON number only: marshmallow's Float also takes strings ("1") and booleans."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
+class StrictBoolean(fields.Boolean):
+    """``true`` or ``false`` only: marshmallow's Boolean also takes "yes", "1", 1 and the like."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, bool):
+            raise self.make_error("invalid")
+        return value
+
+
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
 
@@ -74,40 +92,40 @@ class FeatureItemSchema(Schema):
 class SamplingParamsSchema(Schema):
     max_tokens = fields.Integer(strict=True, validate=validate.Range(1, 1_000_000),
                                 metadata={"description": "Alias: max_new_tokens. Default: ROLLOUT_DEFAULT_MAX_TOKENS"})
-    temperature = fields.Float(allow_nan=False, validate=validate.Range(0, 100), load_default=1.0,
+    temperature = StrictFloat(allow_nan=False, validate=validate.Range(0, 100), load_default=1.0,
                                metadata={"description": "0 means greedy"})
-    top_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1, min_inclusive=False), load_default=1.0)
+    top_p = StrictFloat(allow_nan=False, validate=validate.Range(0, 1, min_inclusive=False), load_default=1.0)
     top_k = fields.Integer(strict=True, validate=validate.Range(-1, 1_000_000), load_default=-1,
                            metadata={"description": "-1 or 0 turns it off"})
-    min_p = fields.Float(allow_nan=False, validate=validate.Range(0, 1), load_default=0.0)
+    min_p = StrictFloat(allow_nan=False, validate=validate.Range(0, 1), load_default=0.0)
     seed = fields.Integer(strict=True, validate=validate.Range(0, 2**63 - 1), allow_none=True, load_default=None)
     n = fields.Integer(strict=True, validate=validate.Range(1, 64), load_default=1)
     stop_token_ids = fields.List(TokenId, validate=validate.Length(max=256), load_default=list)
-    ignore_eos = fields.Boolean(load_default=False)
-    logprobs = fields.Boolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
+    ignore_eos = StrictBoolean(load_default=False)
+    logprobs = StrictBoolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
     # The knobs below mirror engine.sampling.SamplingParams field for field (same names, same
     # bounds); the engine checks them again, so nothing accepted here is dropped later.
     stop = fields.List(fields.String(validate=validate.Length(1, MAX_STOP_STRING_CHARS)),
                        validate=validate.Length(max=MAX_STOP_STRINGS), load_default=list,
                        metadata={"description": "Strings that end a choice when they appear in its text "
                                                 "(a single string is taken as a list of one)"})
-    include_stop_str_in_output = fields.Boolean(load_default=False, metadata={
+    include_stop_str_in_output = StrictBoolean(load_default=False, metadata={
         "description": "Keep the matched stop string (or stop token's text) in the returned text"})
     min_tokens = fields.Integer(strict=True, validate=validate.Range(0, 1_000_000), load_default=0, metadata={
         "description": "No eos, stop id or stop string ends a choice before this many tokens"})
-    repetition_penalty = fields.Float(allow_nan=False, validate=validate.Range(0, 2, min_inclusive=False),
+    repetition_penalty = StrictFloat(allow_nan=False, validate=validate.Range(0, 2, min_inclusive=False),
                                       load_default=1.0, metadata={"description": "vLLM's; 1 turns it off"})
-    frequency_penalty = fields.Float(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
-    presence_penalty = fields.Float(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
+    frequency_penalty = StrictFloat(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
+    presence_penalty = StrictFloat(allow_nan=False, validate=validate.Range(-2, 2), load_default=0.0)
     top_logprobs = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOP_LOGPROBS), load_default=0,
                                   metadata={"description": "Per token, this many most likely tokens with their "
                                                            "logprobs (raw distribution)"})
     prompt_logprobs = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOP_LOGPROBS), allow_none=True,
                                      load_default=None, metadata={
                                          "description": "null: none; k: each prompt token's logprob and the top k"})
-    detokenize = fields.Boolean(load_default=True, metadata={"description": "Return each choice's text"})
-    skip_special_tokens = fields.Boolean(load_default=True)
-    spaces_between_special_tokens = fields.Boolean(load_default=True)
+    detokenize = StrictBoolean(load_default=True, metadata={"description": "Return each choice's text"})
+    skip_special_tokens = StrictBoolean(load_default=True)
+    spaces_between_special_tokens = StrictBoolean(load_default=True)
 
     @pre_load
     def accept_aliases(self, data: Any, **_) -> Any:
@@ -193,7 +211,7 @@ class JobRequestSchema(Schema):
 
 
 class SyncGenerateRequestSchema(JobRequestSchema):
-    timeout = fields.Float(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
+    timeout = StrictFloat(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
                            metadata={"description": "Seconds to wait before answering 202 with the job link"})
 
 

@@ -2,9 +2,67 @@
 
 from __future__ import annotations
 
+import json
+
+from gunicorn import util
 from gunicorn.app.base import BaseApplication
+from gunicorn.workers.gthread import ThreadWorker
 
 from workers.settings import Settings
+
+# Codes for the statuses gunicorn answers itself, before the app sees a request.
+_GUNICORN_ERRORS = {
+    400: ("bad_request", "the request is not valid HTTP (its request line or a header is malformed)"),
+    403: ("forbidden", "the request was refused"),
+    414: ("uri_too_long", "the request line is longer than {limit} bytes"),
+    417: ("expectation_failed", "the Expect header cannot be met"),
+    431: ("headers_too_large", "the request headers are too many or too large"),
+    501: ("not_implemented", "the transfer coding is not supported"),
+}
+
+
+class _ErrorCapture:
+    """The client socket as gunicorn's error writer sees it: what it writes is kept, not sent."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self.written = b""
+
+    def gettimeout(self) -> float:
+        return 0.0  # non-blocking already: the writer need not switch the real socket
+
+    def sendall(self, data: bytes) -> None:
+        self.written += data
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class JsonErrorWorker(ThreadWorker):
+    """gunicorn's threaded worker, answering the errors it finds itself (a request line past
+    ``limit_request_line``, a NUL in a header, ...) in our error shape instead of HTML.
+
+    gunicorn has no setting for its error pages. Its own ``handle_error`` still decides status
+    and logging; only the HTML it writes is swapped for JSON (hand-written HTTP, as gunicorn's own
+    ``util.write_error`` is, because no request or WSGI response exists at that point).
+    """
+
+    def handle_error(self, req, client, addr, exc):
+        capture = _ErrorCapture(client)
+        super().handle_error(req, capture, addr, exc)
+        status_line = capture.written.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[1].isdigit():
+            return
+        status = int(parts[1])
+        code, message = _GUNICORN_ERRORS.get(status, ("internal_error", "internal error"))
+        body = json.dumps({"code": code, "message": message.format(limit=self.cfg.limit_request_line)}).encode()
+        head = (f"{status_line}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        try:
+            util.write_nonblock(client, head + body)
+        except Exception:
+            self.log.debug("Failed to send error message.")
 
 
 class ApiServer(BaseApplication):
@@ -18,7 +76,7 @@ class ApiServer(BaseApplication):
         self.cfg.set("bind", f"{s.host}:{s.port}")
         self.cfg.set("workers", s.api_workers)
         # Threads: POST /generate waits for its job, and a waiting request must not hold a process.
-        self.cfg.set("worker_class", "gthread")
+        self.cfg.set("worker_class", JsonErrorWorker)
         self.cfg.set("threads", 16)
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)
         self.cfg.set("graceful_timeout", 5)

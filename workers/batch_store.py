@@ -15,6 +15,9 @@ A batch is a JSONL file of job requests run offline. Every key of batch ``<id>``
     rq:batch:<id>:output    list: one JSON line per succeeded request
     rq:batch:<id>:errors    list: one JSON line per failed request (invalid lines included)
     rq:batches:<owner>      sorted set: the owner's batch ids by creation time (listing)
+    rq:batch-input:<owner>  hash: batch id -> bytes of its stored input lines, counted against
+                            ``batch_max_stored_bytes_per_key``; a batch whose lines are gone
+                            (released or expired) is dropped from it at the next reservation
 
 Results stay in lists of one entry per line, so no Redis value grows with the batch and downloads
 read them in pages. While a batch runs its keys live until ``expires_at + result_ttl``
@@ -35,6 +38,7 @@ from typing import Any
 import redis
 
 from engine.errors import NotFoundError
+from workers import finite_json
 from workers.job_store import new_id
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -84,6 +88,26 @@ end
 return 0
 """
 
+# KEYS: the owner's input hash. ARGV: batch id, its input bytes, the owner's cap, seconds the
+# hash must live at least (the new batch's keys). Returns -1 when the bytes fit (and counts them),
+# else the bytes the owner's other batches hold. It reads each listed batch's keys by name (not
+# declared in KEYS): fine on one Redis, as this service runs it, not on Redis Cluster.
+_RESERVE_INPUT = """
+local held = 0
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local batch = 'rq:batch:' .. entries[i]
+  if redis.call('EXISTS', batch .. ':lines') == 1 or redis.call('HGET', batch, 'status') == 'validating' then
+    held = held + tonumber(entries[i + 1])
+  else
+    redis.call('HDEL', KEYS[1], entries[i])
+  end
+end
+if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return held end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
+return -1
+"""
 
 # The job id recorded for a line scored directly by ``rollout.batches.score_lines``: it has no job.
 DIRECT_LINE = "direct"
@@ -117,12 +141,17 @@ def owner_index_key(owner: str) -> str:
     return f"rq:batches:{owner}"
 
 
+def owner_input_key(owner: str) -> str:
+    return f"rq:batch-input:{owner}"
+
+
 class BatchStore:
     def __init__(self, client: redis.Redis, *, result_ttl: int):
         self.redis = client
         self.result_ttl = result_ttl
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
+        self._reserve_input = client.register_script(_RESERVE_INPUT)
 
     # --- Creating -------------------------------------------------------------------------------
 
@@ -146,6 +175,22 @@ class BatchStore:
         pipe.zadd(owner_index_key(owner), {batch_id: now})
         pipe.execute()
         return self.get(batch_id)
+
+    def reserve_input(self, batch: dict[str, Any], size: int, *, cap: int) -> int | None:
+        """Count ``size`` bytes of input lines of ``batch`` (still ``validating``) against its
+        owner's ``cap``. None when they fit; else nothing is counted and the answer is the bytes
+        the owner's other unfinished batches hold."""
+        ttl = max(1, int(batch["keys_expire_at"] - time.time()))
+        held = self._reserve_input(keys=[owner_input_key(batch["owner"])], args=[batch["id"], size, cap, ttl])
+        return None if held == -1 else int(held)
+
+    def discard(self, batch: dict[str, Any]) -> None:
+        """Forget a batch that was refused before any of its lines was stored."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(batch_key(batch["id"]))
+        pipe.zrem(owner_index_key(batch["owner"]), batch["id"])
+        pipe.hdel(owner_input_key(batch["owner"]), batch["id"])
+        pipe.execute()
 
     def add_lines(self, batch_id: str, lines: Iterable[str]) -> int:
         """Append valid input lines (JSON text); returns how many chunks the batch has now."""
@@ -253,7 +298,7 @@ class BatchStore:
             return False
         args: list[Any] = []
         for line, ok, entry in entries:
-            args += [line, "completed" if ok else "failed", json.dumps(entry, separators=(",", ":"))]
+            args += [line, "completed" if ok else "failed", finite_json.dumps(entry, separators=(",", ":"))]
         keys = [batch_key(batch_id), ended_key(batch_id), output_key(batch_id), errors_key(batch_id)]
         return self._record(keys=keys, args=args) == 1
 

@@ -84,6 +84,9 @@ class Settings:
     # Batches.
     batch_max_lines: int = 50_000
     batch_max_bytes: int = 200 * 1024 * 1024
+    # Input lines of one key's unfinished batches held in Redis, as stored (JSON): bounds the
+    # memory one key's uploads can take.
+    batch_max_stored_bytes_per_key: int = 1024 * 1024 * 1024
     batch_chunk_size: int = 64
     batch_completion_window: int = 24 * 3600
     log_level: str = "INFO"
@@ -136,6 +139,7 @@ _RANGES = {
     "webhook_timeout": (0.1, 600),
     "batch_max_lines": (1, 10**7),
     "batch_max_bytes": (1, 2**40),
+    "batch_max_stored_bytes_per_key": (1, 2**42),
     "batch_chunk_size": (1, 10_000),
     "batch_completion_window": (60, 10**7),
 }

@@ -49,7 +49,15 @@ from standardwebhooks.webhooks import Webhook
 
 from client.retry import parse_retry_after as parse_header
 from engine.errors import MediaError
-from processors.fetch import FetchPolicy, GuardedFetcher, MediaBlockedError
+from processors.fetch import (
+    FetchPolicy,
+    GuardedFetcher,
+    MediaBlockedError,
+    MediaFetchError,
+    MediaRejectedError,
+    MediaTimeoutError,
+)
+from workers import finite_json
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -113,7 +121,7 @@ def build_payload(event_type: str, data: Mapping[str, Any], *, now: float | None
     stamp = datetime.fromtimestamp(time.time() if now is None else now, tz=UTC)
     body = {"type": event_type, "timestamp": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "data": data}
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=True)
+    return finite_json.dumps(body, separators=(",", ":"), ensure_ascii=True)
 
 
 class Signer:
@@ -165,12 +173,24 @@ def outcome_of_status(status: int, headers: Mapping[str, str], *, now: float) ->
     return Outcome(FAILED, status, "webhook_rejected")
 
 
+# The guarded fetcher's errors, as webhook attempt codes: a media code in a delivery record would
+# send its reader looking at media. Most specific first.
+_ATTEMPT_ERRORS: tuple[tuple[type[MediaError], str], ...] = (
+    (MediaBlockedError, "webhook_blocked"),
+    (MediaTimeoutError, "webhook_timeout"),
+    (MediaRejectedError, "webhook_unreachable"),  # TLS did not verify, or the host name does not exist
+    (MediaFetchError, "webhook_connection_failed"),
+    (MediaError, "webhook_failed"),
+)
+
+
 def outcome_of_error(exc: BaseException) -> Outcome:
+    code = next((code for kind, code in _ATTEMPT_ERRORS if isinstance(exc, kind)), None)
     if isinstance(exc, MediaBlockedError):
-        return Outcome(BLOCKED, None, exc.code)
+        return Outcome(BLOCKED, None, code)
     if isinstance(exc, MediaError):
         # Timeouts and connection errors are retryable; a TLS failure (MediaRejectedError) is not.
-        return Outcome(RETRYING if exc.retryable else FAILED, None, exc.code)
+        return Outcome(RETRYING if exc.retryable else FAILED, None, code)
     return Outcome(RETRYING, None, "internal_error")
 
 

@@ -89,3 +89,19 @@ def test_timings_and_wrapped_items(run, image_url, open_items):
     kwargs = build_mm_kwargs(open_items(result.items))
     assert kwargs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 6]]
     assert kwargs["pixel_values"].shape == (16 + 12, 1176)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral"])
+def test_an_image_past_the_aspect_ratio_limit_is_a_decode_error_naming_the_part(run, processors, image_url, arch):
+    # Qwen-VL's resize raises a bare ValueError past 200:1 (once an internal_error); CLIP-style
+    # shortest-edge resizers would blow a 20000x2 strip up to a billion pixels.
+    placeholder = processors[arch].native_image_placeholder
+    parts = [{"type": "image_url", "url": image_url(8, 8)}, {"type": "image_url", "url": image_url(20000, 2)}]
+    with pytest.raises(MediaDecodeError, match=r"^content_parts\[1\]: the image is 20000x2") as caught:
+        run({"prompt": placeholder * 2, "content_parts": parts}, arch=arch)
+    assert caught.value.errors == {"part": 1}
+
+
+def test_an_image_at_the_aspect_ratio_limit_is_processed(run, image_url):
+    job = run({"prompt": QWEN, "content_parts": [{"type": "image_url", "url": image_url(200, 1)}]})
+    assert len(job.items) == 1

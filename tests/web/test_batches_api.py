@@ -244,3 +244,32 @@ def test_openapi_describes_the_batch_endpoints(client):
     assert {"/v1/batches", "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel",
             "/v1/batches/{batch_id}/output", "/v1/batches/{batch_id}/errors"} <= set(paths)
     assert "multipart/form-data" in paths["/v1/batches"]["post"]["requestBody"]["content"]
+
+
+def test_only_a_valid_line_claims_its_custom_id(client):
+    data = jsonl(line("a", token_ids="not ids"), line("a"), line("a"), line("b", token_ids=[-1]), line("b"))
+    batch = upload(client, data).get_json()
+    errors = {entry["line"]: entry["error"]["code"] for entry in download(client, batch["id"], "errors")}
+    assert errors == {1: "invalid_request", 3: "duplicate_custom_id", 4: "invalid_request"}
+    store = batch_store(client.application.extensions["rollout"])
+    stored = [(entry["line"], entry["custom_id"]) for page in store.iter_lines(batch["id"]) for entry in page]
+    assert stored == [(2, "a"), (5, "b")]
+
+
+def test_stored_batch_input_is_capped_per_key(make_batch_app):
+    app = make_batch_app(batch_max_stored_bytes_per_key=25_000)
+    client = app.test_client()
+    svc = app.extensions["rollout"]
+    file = jsonl(*(line(f"r{n}") for n in range(60)))  # ~14 KB stored: one fits, two do not
+    first = upload(client, file)
+    assert first.status_code == 202, first.get_json()
+    second = upload(client, file)
+    assert second.status_code == 429 and second.get_json()["code"] == "batch_storage_full"
+    assert int(second.headers["Retry-After"]) > 0
+    assert [b["id"] for b in client.get("/v1/batches", headers=auth()).get_json()["data"]] == [first.get_json()["id"]]
+    assert upload(client, file, key=KEY_B).status_code == 202  # another key has its own allowance
+    too_big = upload(client, jsonl(*(line(f"r{n}") for n in range(150))))
+    assert too_big.status_code == 413 and too_big.get_json()["code"] == "batch_too_large"
+
+    batch_store(svc).release(first.get_json()["id"])  # the first batch ended: its input is gone
+    assert upload(client, file).status_code == 202

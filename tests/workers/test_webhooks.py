@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
 from datetime import UTC, datetime
@@ -107,10 +108,10 @@ def test_outcome_of_status(status, state):
 def test_outcome_of_errors():
     from processors.fetch import MediaBlockedError, MediaFetchError, MediaRejectedError, MediaTimeoutError
 
-    assert outcome_of_error(MediaBlockedError("no", reason="address")) == Outcome(BLOCKED, None, "media_blocked")
-    assert outcome_of_error(MediaTimeoutError("slow")).state == RETRYING
-    assert outcome_of_error(MediaFetchError("refused")).state == RETRYING
-    assert outcome_of_error(MediaRejectedError("tls")).state == FAILED
+    assert outcome_of_error(MediaBlockedError("no", reason="address")) == Outcome(BLOCKED, None, "webhook_blocked")
+    assert outcome_of_error(MediaTimeoutError("slow")) == Outcome(RETRYING, None, "webhook_timeout")
+    assert outcome_of_error(MediaFetchError("refused")) == Outcome(RETRYING, None, "webhook_connection_failed")
+    assert outcome_of_error(MediaRejectedError("tls")) == Outcome(FAILED, None, "webhook_unreachable")
     assert outcome_of_error(RuntimeError("bug")) == Outcome(RETRYING, None, "internal_error")
 
 
@@ -466,7 +467,7 @@ def test_guard_refuses_loopback_without_outbound_allow_networks(settings, webhoo
     state = run_attempt(blocked, event_id, 1, token="t", queue_next=lambda *a: queued.append(a))
     assert state == BLOCKED and queued == []
     [view] = store.deliveries("job", "job_blocked")
-    assert view["attempts"][0]["error"] == "media_blocked" and view["attempts"][0]["status_code"] is None
+    assert view["attempts"][0]["error"] == "webhook_blocked" and view["attempts"][0]["status_code"] is None
     assert receiver.hits_for("/blocked") == []
     # A final event is left alone by any later message.
     assert run_attempt(blocked, event_id, 2, token="t2", queue_next=lambda *a: queued.append(a)) == BLOCKED
@@ -530,3 +531,30 @@ def test_a_long_retry_wait_goes_in_hops_shorter_than_the_visibility_timeout(rt, 
     assert state == RETRYING and len(receiver.hits_for("/later")) == 1
     [(attempt, countdown)] = queued
     assert attempt == 2 and 3590 < countdown <= 3600  # deliver() caps each hop at half the visibility timeout
+
+
+def test_attempts_that_time_out_or_cannot_connect_have_webhook_codes(settings, webhook_redis_url, celery_app):
+    """Attempt errors never borrow media codes (media_timeout, media_fetch_failed)."""
+    with socket.socket() as hanging, socket.socket() as closed:
+        hanging.bind(("127.0.0.1", 0))
+        hanging.listen()  # the kernel accepts the connection; nobody ever answers
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        ports = {"timeout": hanging.getsockname()[1], "refused": closed.getsockname()[1]}
+        rt = WorkerRuntime(settings.replace(outbound_allowed_ports=tuple(ports.values()), webhook_timeout=0.5),
+                           webhook_redis_url, celery_app)
+        store = WebhookStore(rt.redis, 600)
+        for name, code in (("timeout", "webhook_timeout"), ("refused", "webhook_connection_failed")):
+            event_id, _ = store.create(object_kind="job", object_id=f"job_{name}", owner=OWNER,
+                                       event_type="job.succeeded", url=f"http://127.0.0.1:{ports[name]}/hook", data={})
+            state = run_attempt(rt, event_id, 1, token="t", queue_next=lambda *a: None)
+            [view] = store.deliveries("job", f"job_{name}")
+            assert (state, view["attempts"][0]["error"]) == (RETRYING, code)
+
+
+def test_payload_never_carries_nan_or_infinity():
+    payload = build_payload("job.succeeded", {"result": {"logprobs": [float("nan"), -1.5, float("-inf")]}}, now=0)
+
+    def refuse(name):
+        raise ValueError(name)
+
+    assert json.loads(payload, parse_constant=refuse)["data"]["result"]["logprobs"] == [None, -1.5, None]

@@ -1,0 +1,149 @@
+"""The API as deployed: ``rollout-queue api`` (gunicorn) on loopback, spoken to over real sockets.
+
+Flask's test client cannot send a chunked body or a malformed request line, and gunicorn answers
+some requests before the app sees them: both are checked here, where they happen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import empty_db_url
+from tests.web.conftest import KEY_A, auth
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_BODY = 4096
+BATCH_MAX = 8192
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def api_url(redis_url, demo_model_dir, tmp_path_factory):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update({
+        "ROLLOUT_REDIS_URL": empty_db_url(redis_url, 10),
+        "ROLLOUT_MODEL": str(demo_model_dir),
+        "ROLLOUT_STATE_DIR": str(tmp_path_factory.mktemp("api-state")),
+        "ROLLOUT_API_KEYS": KEY_A,
+        "ROLLOUT_PORT": str(port),
+        "ROLLOUT_API_WORKERS": "1",
+        "ROLLOUT_MAX_BODY_BYTES": str(MAX_BODY),
+        "ROLLOUT_BATCH_MAX_BYTES": str(BATCH_MAX),
+        "ROLLOUT_LOG_LEVEL": "WARNING",
+    })
+    log = tmp_path_factory.mktemp("api-log") / "api.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, env=env,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        try:
+            requests.get(f"{url}/openapi.json", timeout=10)
+            break
+        except requests.RequestException:  # not listening yet, or the first request still loading
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+    assert "Traceback" not in log.read_text()
+
+
+def chunked(data: bytes, size: int = 1000):
+    """A generator body: requests sends it with Transfer-Encoding: chunked and no Content-Length."""
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def batch_file(lines: int) -> bytes:
+    line = {"custom_id": "", "body": {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}}
+    return b"".join(json.dumps({**line, "custom_id": f"r{n}"}).encode() + b"\n" for n in range(lines))
+
+
+def test_a_chunked_batch_over_the_limit_is_413_not_cut(api_url):
+    data = batch_file(200)
+    assert len(data) > BATCH_MAX
+    response = requests.post(f"{api_url}/v1/batches", data=chunked(data),
+                             headers={**auth(), "Content-Type": "application/jsonl"}, timeout=30)
+    assert response.status_code == 413, response.text
+    assert response.json()["code"] == "batch_too_large"
+    assert requests.get(f"{api_url}/v1/batches", headers=auth(), timeout=10).json()["data"] == []
+
+
+def test_a_chunked_batch_within_the_limit_is_taken_whole(api_url):
+    data = batch_file(40)
+    assert len(data) < BATCH_MAX
+    response = requests.post(f"{api_url}/v1/batches", data=chunked(data),
+                             headers={**auth(), "Content-Type": "application/jsonl"}, timeout=30)
+    assert response.status_code == 202, response.text
+    assert response.json()["request_counts"] == {"total": 40, "completed": 0, "failed": 0}
+
+
+def test_a_chunked_multipart_batch_over_the_limit_is_413(api_url):
+    data = batch_file(400)  # past the file limit and the multipart allowance around it
+    body = (b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.jsonl\"\r\n\r\n"
+            + data + b"\r\n--b--\r\n")
+    response = requests.post(f"{api_url}/v1/batches", data=chunked(body),
+                             headers={**auth(), "Content-Type": "multipart/form-data; boundary=b"}, timeout=30)
+    assert response.status_code == 413, response.text
+    assert response.json()["code"] == "batch_too_large"
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/generate", "/v1/render"])
+def test_a_chunked_json_body_over_the_limit_is_413(api_url, path):
+    body = json.dumps({"prompt": "x" * (2 * MAX_BODY)}).encode()
+    response = requests.post(f"{api_url}{path}", data=chunked(body),
+                             headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 413, response.text
+    assert response.json()["code"] == "payload_too_large"
+
+
+def test_a_chunked_json_body_within_the_limit_is_taken(api_url):
+    body = json.dumps({"prompt": "x" * (MAX_BODY // 2), "sampling_params": {"max_tokens": 2}}).encode()
+    response = requests.post(f"{api_url}/v1/jobs", data=chunked(body, 100),
+                             headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 202, response.text
+
+
+def raw_request(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize("request_bytes, status, code", [
+    (b"GET /v1/jobs?cursor=" + b"1" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
+    (b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n", 400, "bad_request"),
+    (b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % n for n in range(200)) + b"\r\n",
+     431, "headers_too_large"),
+    (b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nX-Long: " + b"y" * 9000 + b"\r\n\r\n", 431, "headers_too_large"),
+])
+def test_requests_gunicorn_refuses_itself_are_answered_in_the_error_shape(api_url, request_bytes, status, code):
+    got_status, headers, body = raw_request(api_url, request_bytes)
+    assert got_status == status
+    assert headers["Content-Type"] == "application/json"
+    error = json.loads(body)
+    assert error["code"] == code and error["message"]
