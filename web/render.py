@@ -6,6 +6,7 @@ from flask.views import MethodView
 from flask_smorest import Blueprint
 from marshmallow import Schema, fields, validate
 
+from web.auth import current_owner
 from web.schemas import ContentPartSchema
 from web.services import services
 
@@ -37,4 +38,4 @@ class Render(MethodView):
         from processors.render import render
 
         svc = services()
-        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache)
+        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache, owner=current_owner())
