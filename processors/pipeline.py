@@ -46,6 +46,7 @@ from engine.errors import (
     MediaError,
     PayloadTooLargeError,
     PlaceholderMismatchError,
+    check_token_ids,
 )
 from engine.items import MultimodalItem
 from processors.base import Features, MultimodalProcessor
@@ -351,9 +352,7 @@ def _at_part(exc: MediaError, part: int) -> None:
 def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     if not isinstance(token_ids, list) or not token_ids:
         raise InvalidRequestError("token_ids must be a non-empty list of integers")
-    for i, token in enumerate(token_ids):
-        if type(token) is not int or not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"token_ids[{i}] is not a token id of this model (0..{vocab_size - 1})")
+    check_token_ids(token_ids, vocab_size, "token_ids")
     return token_ids
 
 

@@ -317,7 +317,7 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
                                               errors=exc.messages))
             continue
         except RolloutError as exc:
-            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message))
+            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors))
             continue
         parsed.valid.append(json.dumps({"line": number, "custom_id": line["custom_id"], "request": body},
                                        separators=(",", ":")))
