@@ -4,12 +4,17 @@ The multimodal cache: an entry found by a content part's ``uuid`` belongs to the
 Key B, knowing A's uuid, can neither read A's entry (sending a dead URL with it) nor plant its own
 image under it for A's later job, through ``/v1/jobs``, ``/generate``, ``/v1/render`` and batch
 lines. Media comes from the loopback host, so each test sees exactly which URLs were fetched.
+
+GPU batches: a bad row of one key (token ids outside the vocabulary, or anything else that makes
+the engine raise) fails its own job only; the other key's jobs in the batch complete (that their
+results equal those they get alone, in batches made exactly so: tests/workers/test_gpu_isolation.py).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +23,8 @@ import pytest
 from PIL import Image
 
 from tests.e2e.conftest import API_KEY, OTHER_KEY
+from tests.workers.bad_rows import plant_job, plant_mismatched_image_job
+from web.auth import key_id
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 PNG = {"Content-Type": "image/png"}
@@ -145,3 +152,41 @@ def test_another_key_cannot_plant_an_entry_under_a_uuid(stack, media, surface):
     mine = run(stack, media.a, planted_uuid, API_KEY)
     assert mine == reference  # A's own image, fetched from A's URL, never B's entry
     assert media.fetches(media.a) == 2
+
+
+# --- One key's bad rows in a GPU batch ------------------------------------------------------------
+
+def test_bad_rows_of_one_key_never_fail_another_keys_jobs_in_their_batch(stack, media):
+    """Key A's rows that pass no check but the engine's (ids outside the vocabulary) or none at all
+    (a prompt whose image does not fit) share GPU batches with key B's jobs: only A's jobs fail."""
+    svc = stack.services
+    vocab, owner = svc.model_facts.vocab_size, key_id(API_KEY)
+
+    def plant(**request):
+        return plant_job(svc.jobs, svc.celery, svc.model_facts, owner, **request)
+
+    good = [{"token_ids": [100 + n, 110, 120], "sampling_params": GREEDY} for n in range(3)] + [
+        {"kind": "score", "token_ids": [100 + n, 101, 102], "completion_token_ids": [110 + n, 111, 112]}
+        for n in range(3)]
+    gpu = stack.workers["gpu"]
+    gpu.send_signal(signal.SIGSTOP)  # everything waits in the queue, then shares batches
+    try:
+        mine = [stack.submit(body, key=OTHER_KEY)["id"] for body in good[:2]]
+        bad = {"score": [plant(kind="score", token_ids=[100, 101], completion_token_ids=[110, vocab + 7]),
+                         plant(kind="score", token_ids=[100, 101], completion_token_ids=[vocab])],
+               "prompt": [plant(token_ids=[100, vocab + 1000, 102])],
+               "untyped": [plant_mismatched_image_job(svc.jobs, svc.celery, owner, processor=svc.processor,
+                                                      fetcher=svc.fetcher, image_url=media.a)]}
+        mine += [stack.submit(body, key=OTHER_KEY)["id"] for body in good[2:]]
+    finally:
+        gpu.send_signal(signal.SIGCONT)
+    done = [stack.wait(job_id, key=OTHER_KEY) for job_id in mine]
+    assert [job["status"] for job in done] == ["succeeded"] * len(good), [job.get("error") for job in done]
+    for kind in ("score", "prompt"):
+        for job_id in bad[kind]:
+            failed = stack.wait(job_id)
+            assert failed["status"] == "failed" and failed["error"]["code"] == "token_id_out_of_range", failed
+    untyped = stack.wait(bad["untyped"][0])
+    assert untyped["status"] == "failed" and untyped["error"]["code"] == "internal_error", untyped
+    assert "mismatch" not in untyped["error"]["message"]  # the exception's text stays in the log
+
