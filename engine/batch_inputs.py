@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError
+from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError, check_token_ids
 from engine.items import MultimodalItem
 from engine.loading import LoadedModel
 from engine.model_inputs import build_mm_kwargs
@@ -41,9 +41,11 @@ def request_features(
 
 
 def check_prompt(loaded: LoadedModel, prompt_token_ids: Sequence[int], new_tokens: int) -> None:
-    """Reject an empty prompt, or one that with ``new_tokens`` more exceeds the context."""
+    """Reject an empty prompt, an id outside the vocabulary, or a prompt that with ``new_tokens``
+    more exceeds the context."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
+    check_vocabulary(loaded, prompt_token_ids, "prompt_token_ids")
     limit = loaded.max_context_length
     if limit is not None and len(prompt_token_ids) + new_tokens > limit:
         raise ContextLengthError(
@@ -51,6 +53,14 @@ def check_prompt(loaded: LoadedModel, prompt_token_ids: Sequence[int], new_token
             f"context of {limit} tokens",
             errors={"prompt_tokens": len(prompt_token_ids), "max_tokens": new_tokens, "max_context": limit},
         )
+
+
+def check_vocabulary(loaded: LoadedModel, token_ids: Sequence[int], field: str) -> None:
+    """:class:`~engine.errors.TokenIdOutOfRangeError` for an id the model has no embedding for,
+    before any tensor is built. The API checks too, but jobs reach the engine by other ways (the
+    store, batch lines, direct callers), and one bad id must fail its own request only: in the
+    embedding it would be an untyped IndexError, on CUDA an assert that breaks the process."""
+    check_token_ids(token_ids, loaded.vocab_size, field)
 
 
 def check_placeholders(

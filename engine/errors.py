@@ -9,6 +9,7 @@ that is the lowest layer: every other layer may import it.
     ├── InvalidRequestError (422)
     │   ├── PlaceholderMismatchError
     │   ├── ContextLengthError
+    │   ├── TokenIdOutOfRangeError
     │   ├── ModelLoadError
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
@@ -66,6 +67,33 @@ class PlaceholderMismatchError(InvalidRequestError):
 
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class TokenIdOutOfRangeError(InvalidRequestError):
+    """A token id the model does not have (or not an integer). Caught before the embedding: there
+    it would raise an untyped IndexError, or on CUDA a device-side assert that breaks the worker
+    process for every later request."""
+
+    code = "token_id_out_of_range"
+
+    def __init__(self, *, field: str, index: int, token_id: object, vocab_size: int):
+        super().__init__(
+            f"{field}[{index}] is not a token id of this model (an integer in 0..{vocab_size - 1})",
+            errors={"field": field, "index": index, "vocab_size": vocab_size},
+        )
+        self.field = field
+        self.index = index
+        self.token_id = token_id
+        self.vocab_size = vocab_size
+
+
+def check_token_ids(token_ids, vocab_size: int, field: str) -> None:
+    """Raise :class:`TokenIdOutOfRangeError` for the first id of ``token_ids`` that is not an
+    integer in ``0..vocab_size - 1``. Here, the lowest layer, so the API and the engine check
+    alike."""
+    for index, token in enumerate(token_ids):
+        if type(token) is not int or not 0 <= token < vocab_size:
+            raise TokenIdOutOfRangeError(field=field, index=index, token_id=token, vocab_size=vocab_size)
 
 
 class ModelLoadError(InvalidRequestError):

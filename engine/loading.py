@@ -54,6 +54,14 @@ class LoadedModel:
         return tuple(self.media_token_ids.values())
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model can take and score: rows of its input embedding (and of its output
+        head, when that has its own size)."""
+        size = self.model.get_input_embeddings().num_embeddings
+        head = self.model.get_output_embeddings()
+        return min(size, head.out_features) if head is not None and hasattr(head, "out_features") else size
+
+    @property
     def fill_token_id(self) -> int:
         """The id used for padding: any id works under an attention mask, so never None."""
         if self.pad_token_id is not None:

@@ -2,7 +2,10 @@
 
 Keyed by the content part's ``uuid`` when the client gave one (a hit then skips fetching
 entirely), else by the sha256 of the media bytes, together with the model id, the modality and
-the processor options. Values are the per-image features after the model hook, as safetensors
+the processor options. A uuid is only a name the client chose, so a uuid entry belongs to the
+API key (``owner``) that made it: its key holds the owner, and another key using the same uuid
+never reads it nor overwrites it. An entry found by the sha256 of the bytes may be shared: only
+someone who already holds the same bytes can hit it. Values are the per-image features after the model hook, as safetensors
 bytes in Redis, so a hit gives bit-identical tensors.
 
 Each worker process also keeps the entries it used last in memory (``local_max_bytes``, LRU;
@@ -84,13 +87,15 @@ class MultimodalCache:
     @staticmethod
     def key(
         *, model_id: str, modality: str, options: Mapping[str, Any], uuid: str | None = None,
-        media_sha256: str | None = None,
+        owner: str | None = None, media_sha256: str | None = None,
     ) -> str:
-        """The cache key of one media item: its uuid or its bytes' sha256, plus everything that
-        changes what the processor makes of it."""
+        """The cache key of one media item: its owner's uuid or its bytes' sha256, plus everything
+        that changes what the processor makes of it."""
         if (uuid is None) == (media_sha256 is None):
             raise ValueError("give exactly one of uuid and media_sha256")
-        source = {"uuid": uuid} if uuid is not None else {"sha256": media_sha256}
+        if (uuid is not None) != bool(owner):
+            raise ValueError("a uuid key needs its owner (and only a uuid key has one)")
+        source = {"uuid": uuid, "owner": owner} if uuid is not None else {"sha256": media_sha256}
         blob = json.dumps(
             {"model": model_id, "modality": modality, "options": dict(options), **source},
             sort_keys=True, separators=(",", ":"), default=str,

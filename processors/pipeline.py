@@ -1,7 +1,7 @@
 """Preprocess one validated job request into what the engine takes: expanded prompt token ids
 and finalized (wrapped) multimodal items.
 
-    content_parts ─ cache by uuid ─▶ fetch ─ cache by sha256 ─▶ decode ─▶ HF image processor
+    content_parts ─ cache by (owner, uuid) ─▶ fetch ─ cache by sha256 ─▶ decode ─▶ HF image processor
     features ──────── decode + validate (format below) ───────────────────┐      (one call)
                                                                           ▼
     token_ids / prompt ─▶ placeholders expanded per image ─▶ finalize (hook → hash → wrap)
@@ -46,6 +46,7 @@ from engine.errors import (
     MediaError,
     PayloadTooLargeError,
     PlaceholderMismatchError,
+    check_token_ids,
 )
 from engine.items import MultimodalItem
 from processors.base import Features, MultimodalProcessor
@@ -89,12 +90,15 @@ def preprocess(
     transport: Wrapper,
     limits: PreprocessLimits,
     options: Mapping[str, Any] | None = None,
+    owner: str | None = None,
 ) -> ProcessedPrompt:
     """Preprocess a validated request (``token_ids`` or ``prompt``; ``content_parts`` or
     ``features``). ``fetcher`` has ``fetch(url) -> FetchedMedia``; ``options`` are image
-    processor kwargs (part of the cache key). Fetch and decode errors keep their type and name
-    the part (``content_parts[i]``)."""
-    run = _Run(processor, fetcher, cache, limits, dict(options or {}))
+    processor kwargs (part of the cache key). ``owner`` is the API key id the request belongs to:
+    cache entries found by a part's ``uuid`` are its own (without an owner, uuids are not used for
+    the cache; the bytes' sha256 still is). Fetch and decode errors keep their type and name the
+    part (``content_parts[i]``)."""
+    run = _Run(processor, fetcher, cache, limits, dict(options or {}), owner)
     token_ids, bundles = run.layout(request, add_special_tokens=True)
 
     started = time.perf_counter()
@@ -127,8 +131,10 @@ class _Media:
 class _Run:
     """One request's way through the pipeline (state shared by the steps; not reused)."""
 
-    def __init__(self, processor, fetcher, cache, limits: PreprocessLimits, options: dict[str, Any]):
+    def __init__(self, processor, fetcher, cache, limits: PreprocessLimits, options: dict[str, Any],
+                 owner: str | None = None):
         self.processor: MultimodalProcessor = processor
+        self.owner = owner  # uuid cache entries are private to it (see processors.cache)
         self.fetcher = fetcher
         self.cache: MultimodalCache | None = cache
         self.limits = limits
@@ -210,8 +216,8 @@ class _Run:
                     f"not {modality}"
                 )
             item = _Media(part=i, modality=modality, url=part["url"])
-            if self.cache is not None and part.get("uuid") is not None:
-                item.cache_key = self._key(modality, uuid=str(part["uuid"]))
+            if self.cache is not None and part.get("uuid") is not None and self.owner:
+                item.cache_key = self._key(modality, uuid=str(part["uuid"]), owner=self.owner)
                 if self._lookup(item):
                     media.append(item)
                     continue  # a uuid hit skips fetching entirely
@@ -347,9 +353,7 @@ def _at_part(exc: MediaError, part: int) -> None:
 def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     if not isinstance(token_ids, list) or not token_ids:
         raise InvalidRequestError("token_ids must be a non-empty list of integers")
-    for i, token in enumerate(token_ids):
-        if type(token) is not int or not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"token_ids[{i}] is not a token id of this model (0..{vocab_size - 1})")
+    check_token_ids(token_ids, vocab_size, "token_ids")
     return token_ids
 
 

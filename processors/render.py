@@ -18,6 +18,8 @@ from processors.cache import MultimodalCache
 from processors.finalize import split_items
 from processors.pipeline import PreprocessLimits, _Run
 
+MAX_UUID_LENGTH = 256
+
 
 def render(
     messages: Sequence[Mapping[str, Any]],
@@ -27,13 +29,15 @@ def render(
     cache: MultimodalCache | None = None,
     limits: PreprocessLimits | None = None,
     options: Mapping[str, Any] | None = None,
+    owner: str | None = None,
 ) -> dict[str, list]:
     """``{"token_ids": [...], "content_parts": [...]}`` for OpenAI-style chat ``messages``:
     ``{"role": ..., "content": str | [{"type": "text", "text": ...},
-    {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}]}``."""
+    {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}]}``. ``owner``: the API key id,
+    whose uuid cache entries alone are used (as in :func:`processors.pipeline.preprocess`)."""
     template_messages, content_parts = _template_messages(messages)
     text = processor.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
-    run = _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}))
+    run = _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}), owner)
     # The template already wrote any special tokens the model wants: add none.
     token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
     if cache is not None:
@@ -63,6 +67,7 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
                 converted.append({"type": "text", "text": part["text"]})
             elif kind == "image_url" and isinstance(part.get("image_url"), Mapping) \
                     and isinstance(part["image_url"].get("url"), str):
+                _check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid")
                 converted.append({"type": "image"})
                 parts.append({"type": "image_url", "url": part["image_url"]["url"],
                               **({"uuid": part["uuid"]} if part.get("uuid") is not None else {})})
@@ -72,3 +77,10 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
                 )
         out.append({"role": message["role"], "content": converted})
     return out, parts
+
+
+def _check_uuid(value: Any, path: str) -> None:
+    # As a job's content part takes it (web.schemas.ContentPartSchema): a string of 1..256.
+    if value is not None and not (isinstance(value, str) and 1 <= len(value) <= MAX_UUID_LENGTH):
+        raise InvalidRequestError(f"{path} must be a string of 1 to {MAX_UUID_LENGTH} characters",
+                                  errors={path: ["Not a valid string."]})

@@ -325,7 +325,7 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
                                               errors=exc.messages))
             continue
         except RolloutError as exc:
-            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message))
+            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors))
             continue
         # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
         if custom_id in seen:

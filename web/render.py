@@ -5,6 +5,7 @@ from __future__ import annotations
 from flask.views import MethodView
 from marshmallow import Schema, fields, validate
 
+from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schemas import ContentPartSchema
 from web.services import services
@@ -37,4 +38,4 @@ class Render(MethodView):
         from processors.render import render
 
         svc = services()
-        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache)
+        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache, owner=current_owner())

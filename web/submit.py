@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.errors import ContextLengthError, InvalidRequestError
+from engine.errors import ContextLengthError, InvalidRequestError, check_token_ids
 from web.auth import current_owner
 from web.services import services
 from workers.submission import submit_job
@@ -29,6 +29,7 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError("metadata is too large",
                                   errors={"metadata": [f"at most {settings.max_metadata_bytes} bytes as JSON"]})
     params = request["sampling_params"]
+    check_vocabulary(request, svc.model_facts.vocab_size)
     params.setdefault("max_tokens", settings.default_max_tokens)
     if params.get("min_tokens", 0) > params["max_tokens"]:
         raise InvalidRequestError("min_tokens exceeds max_tokens",
@@ -42,6 +43,19 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
             f"context of {max_len} tokens"
         )
     return request
+
+
+def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
+    """Every token id the user sent must be one the model has (TokenIdOutOfRangeError, 422, names
+    the field and index), so a bad id never reaches a GPU batch shared with other keys' jobs. The
+    engine checks again (engine.batch_inputs), for jobs that come by other ways."""
+    if vocab_size is None:  # a config without vocab_size: the engine's check alone holds
+        return
+    for field, token_ids in (("token_ids", request.get("token_ids")),
+                             ("completion_token_ids", request.get("completion_token_ids")),
+                             ("sampling_params.stop_token_ids", request["sampling_params"].get("stop_token_ids"))):
+        if token_ids:
+            check_token_ids(token_ids, vocab_size, field)
 
 
 def submit(request: dict[str, Any]) -> dict[str, Any]:

@@ -155,8 +155,9 @@ def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):
     stray = stack.wait(stack.submit({"token_ids": [100, media_id, 101], "sampling_params": GREEDY})["id"])
     assert stray["status"] == "failed" and stray["error"]["code"] == "placeholder_mismatch", stray
     vocab = stack.services.model_facts.vocab_size
-    outside = stack.wait(stack.submit({"token_ids": [100, vocab + 5], "sampling_params": GREEDY})["id"])
-    assert outside["status"] == "failed" and outside["error"]["code"] == "invalid_request", outside
+    outside = stack.client.post("/v1/jobs", json={"token_ids": [100, vocab + 5], "sampling_params": GREEDY},
+                                headers=stack.headers())
+    assert outside.status_code == 422 and outside.get_json()["code"] == "token_id_out_of_range", outside.get_json()
 
 
 def test_jobs_waiting_together_run_as_one_batch_and_a_lone_job_is_not_held(stack):

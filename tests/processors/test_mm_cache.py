@@ -1,5 +1,6 @@
 """The multimodal cache: exact round trips, keys, LRU eviction under a byte cap, and its use by
-the pipeline (a uuid hit skips fetching; cached and uncached results agree)."""
+the pipeline (a uuid hit skips fetching; cached and uncached results agree; uuid entries are
+private to their owner)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import redis
 import torch
 from safetensors.torch import save
 
+from engine.errors import MediaError
 from processors.cache import MultimodalCache
 from processors.pipeline import preprocess
 
@@ -54,17 +56,22 @@ def test_local_tier_serves_repeats_and_is_byte_capped(cache, redis_url):
 def test_keys_separate_sources_models_and_options():
     key = MultimodalCache.key
     base = {"model_id": "m", "modality": "image", "options": {}}
-    assert key(**base, uuid="a") == key(**base, uuid="a")
+    assert key(**base, uuid="a", owner="A") == key(**base, uuid="a", owner="A")
     distinct = {
-        key(**base, uuid="a"), key(**base, uuid="b"), key(**base, media_sha256="a"),
-        key(**{**base, "model_id": "n"}, uuid="a"), key(**{**base, "options": {"size": 1}}, uuid="a"),
-        key(**{**base, "modality": "video"}, uuid="a"),
+        key(**base, uuid="a", owner="A"), key(**base, uuid="b", owner="A"), key(**base, uuid="a", owner="B"),
+        key(**base, media_sha256="a"), key(**{**base, "model_id": "n"}, uuid="a", owner="A"),
+        key(**{**base, "options": {"size": 1}}, uuid="a", owner="A"),
+        key(**{**base, "modality": "video"}, uuid="a", owner="A"),
     }
-    assert len(distinct) == 6
+    assert len(distinct) == 7
     with pytest.raises(ValueError):
         key(**base)
     with pytest.raises(ValueError):
-        key(**base, uuid="a", media_sha256="b")
+        key(**base, uuid="a", owner="A", media_sha256="b")
+    with pytest.raises(ValueError):  # a uuid names nothing without the key that chose it
+        key(**base, uuid="a")
+    with pytest.raises(ValueError):
+        key(**base, media_sha256="a", owner="A")
 
 
 def test_lru_eviction_keeps_the_total_under_the_cap(redis_client):
@@ -91,10 +98,10 @@ def test_lru_eviction_keeps_the_total_under_the_cap(redis_client):
 
 @pytest.fixture
 def run(processors, fetcher, transport, limits, cache):
-    def run_(parts, *, options=None, use_cache=True):
+    def run_(parts, *, options=None, use_cache=True, owner="key_a"):
         return preprocess({"prompt": QWEN * len(parts), "content_parts": parts}, processor=processors["qwen2_vl"],
                           fetcher=fetcher, cache=cache if use_cache else None, transport=transport, limits=limits,
-                          options=options)
+                          options=options, owner=owner)
 
     return run_
 
@@ -107,6 +114,31 @@ def test_uuid_hit_skips_fetching(run, image_url, open_items):
     assert again.timings["fetch"] == again.timings["decode"] == again.timings["process"] == 0
     assert again.prompt_token_ids == first.prompt_token_ids
     assert [i.content_hash for i in again.items] == [i.content_hash for i in first.items]
+
+
+def test_uuid_entries_are_private_to_their_owner(run, image_url):
+    """Key B knows key A's uuid: it can neither read A's entry (a dead URL must not be served from
+    it) nor plant one that A's later job would use instead of A's own image."""
+    dead = "http://127.0.0.1/refused.png"
+    a_image = run([{"type": "image_url", "url": image_url(64, 48, 11), "uuid": "sample-000123"}], owner="key_a")
+    with pytest.raises(MediaError):
+        run([{"type": "image_url", "url": dead, "uuid": "sample-000123"}], owner="key_b")
+    assert run([{"type": "image_url", "url": dead, "uuid": "sample-000123"}], owner="key_a").cache_hits == 1
+
+    planted = run([{"type": "image_url", "url": image_url(90, 40, 12), "uuid": "sample-000124"}], owner="key_b")
+    mine = run([{"type": "image_url", "url": image_url(64, 48, 13), "uuid": "sample-000124"}], owner="key_a")
+    assert mine.cache_hits == 0 and mine.timings["fetch"] > 0
+    assert mine.placeholder_ranges[0]["length"] == a_image.placeholder_ranges[0]["length"] == 4
+    assert mine.items[0].content_hash != planted.items[0].content_hash
+    # Without an owner a uuid names nothing: the bytes' sha256 is the key.
+    with pytest.raises(MediaError):
+        run([{"type": "image_url", "url": dead, "uuid": "sample-000123"}], owner=None)
+
+
+def test_content_addressed_entries_are_shared_between_owners(run, image_url):
+    url = image_url(64, 48, 14)
+    assert run([{"type": "image_url", "url": url}], owner="key_a").cache_hits == 0
+    assert run([{"type": "image_url", "url": url}], owner="key_b").cache_hits == 1
 
 
 def test_sha256_hit_skips_decode_and_processing(run, image_url, open_items):

@@ -78,7 +78,7 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()
     try:
-        processed = run_processor(rt, job["request"])
+        processed = run_processor(rt, job["request"], owner=job["owner"])
     except SoftTimeLimitExceeded:
         fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"))
         return
@@ -102,10 +102,11 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
     app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
 
 
-def run_processor(rt, request: dict):
+def run_processor(rt, request: dict, *, owner: str):
+    """``owner``: the job's API key id; the multimodal cache's uuid entries are private to it."""
     from processors.pipeline import preprocess as preprocess_request
 
     return preprocess_request(
         request, processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
-        limits=rt.processing_limits,
+        limits=rt.processing_limits, owner=owner,
     )

@@ -117,16 +117,22 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
 
 
 def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
+    """Run ``group`` as one engine batch and end its jobs. Raises only for a group of one."""
     started = time.perf_counter()
     timed_out: set[int] = set()
     try:
         outputs = _run_engine(rt, engine, kind, group, deadline, timed_out)
-    except RolloutError:
+    except REDIS_DOWN:
+        raise  # an outage, not a request's fault: the batch is requeued
+    except Exception:
         if len(group) == 1:
             raise
-        # One bad request must not fail its batch mates: run each alone to find it.
-        for member in group:
-            _run_one(rt, engine, kind, member, deadline)
+        # One bad request must not fail its batch mates, whatever it raised (a typed error, or an
+        # IndexError, a shape mismatch, out of memory...): split the batch in halves and run each.
+        # A lone bad row then costs about 2·log2(n) runs, where one run per row would cost n.
+        half = len(group) // 2
+        for part in (group[:half], group[half:]):
+            _run_part(rt, engine, kind, part, deadline)
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, kind, elapsed)
@@ -140,11 +146,20 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     end_jobs(rt, endings)
 
 
-def _run_one(rt, engine, kind: str, member, deadline: float) -> None:
+def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
+    """``_run_group`` on part of a failed batch; a lone request that fails alone fails its job."""
+    if len(part) > 1:
+        _run_group(rt, engine, kind, part, deadline)
+        return
+    job_id = part[0][0]["id"]
     try:
-        _run_group(rt, engine, kind, [member], deadline)
+        _run_group(rt, engine, kind, part, deadline)
+    except REDIS_DOWN:
+        raise
     except RolloutError as error:
-        fail_job(rt, member[0]["id"], error)
+        fail_job(rt, job_id, error)
+    except Exception:
+        fail_unexpected(rt, job_id, "generating")
 
 
 def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[int]):

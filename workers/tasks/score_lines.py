@@ -61,11 +61,15 @@ def _score(engine, lines: list[dict]) -> list[tuple[int, bool, dict]]:
     started = time.perf_counter()
     try:
         results = engine.score(requests)
-    except RolloutError as error:
-        if len(lines) == 1:
+    except Exception as error:
+        if len(lines) > 1:
+            # One bad row must not fail its batch mates, whatever it raised: score each half.
+            half = len(lines) // 2
+            return [entry for part in (lines[:half], lines[half:]) for entry in _score(engine, part)]
+        if isinstance(error, RolloutError):
             return [line_error(lines[0], error.code, error.message)]
-        # One bad row must not fail its batch mates: score each alone to find it.
-        return [entry for line in lines for entry in _score(engine, [line])]
+        log.exception("batch line %s: unexpected error while scoring", lines[0]["line"])
+        return [line_error(lines[0], "internal_error", "internal error while scoring")]
     elapsed = time.perf_counter() - started
     entries = []
     for line, result in zip(lines, results, strict=True):

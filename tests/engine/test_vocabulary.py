@@ -1,0 +1,54 @@
+"""Token ids outside the model's vocabulary are refused per request, before any tensor is built."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from engine.errors import TokenIdOutOfRangeError
+from engine.generation import GenerationRequest
+from engine.sampling import SamplingParams
+from engine.scoring import ScoreRequest
+
+GREEDY = SamplingParams(max_tokens=2, temperature=0)
+
+
+@contextmanager
+def embedding_calls(loaded):
+    """The calls the model's input embedding got meanwhile (it is where a bad id would land)."""
+    calls = []
+    handle = loaded.model.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_vocab_size_is_the_embeddings(loaded):
+    assert loaded.vocab_size == loaded.model.get_input_embeddings().num_embeddings == 640
+
+
+@pytest.mark.parametrize("bad", ["vocab", "negative", "huge", "float", "bool"])
+def test_score_refuses_a_completion_id_outside_the_vocabulary(engine, loaded, prompts, bad):
+    token = {"vocab": loaded.vocab_size, "negative": -1, "huge": 2**40, "float": 7.0, "bool": True}[bad]
+    good = ScoreRequest(prompts.text("Hi there"), prompts.text(" friend"))
+    with embedding_calls(loaded) as calls, pytest.raises(TokenIdOutOfRangeError) as info:
+        engine.score([good, ScoreRequest(prompts.text("Hi"), [9, 10, token])])
+    assert calls == []  # nothing ran: the check comes before the batch is built
+    error = info.value
+    assert (error.code, error.http_status) == ("token_id_out_of_range", 422)
+    assert error.errors == {"field": "completion_token_ids", "index": 2, "vocab_size": loaded.vocab_size}
+
+
+def test_generate_and_score_refuse_a_prompt_id_outside_the_vocabulary(engine, loaded, prompts):
+    bad_prompt = [*prompts.text("Hi"), loaded.vocab_size + 3]
+    with embedding_calls(loaded) as calls:
+        with pytest.raises(TokenIdOutOfRangeError) as info:
+            engine.generate([GenerationRequest(prompts.text("fine"), GREEDY), GenerationRequest(bad_prompt, GREEDY)])
+        assert info.value.errors["field"] == "prompt_token_ids" and info.value.errors["index"] == len(bad_prompt) - 1
+        with pytest.raises(TokenIdOutOfRangeError):
+            engine.score([ScoreRequest(bad_prompt, [9])])
+    assert calls == []
+    # The last id of the vocabulary is fine.
+    assert engine.score([ScoreRequest([*prompts.text("Hi"), loaded.vocab_size - 1], [loaded.vocab_size - 1])])

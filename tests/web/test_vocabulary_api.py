@@ -1,0 +1,62 @@
+"""Every token id a user sends is checked against the model's vocabulary before a job is queued:
+a 422 ``token_id_out_of_range`` naming the field and the index, on every route that takes ids. No
+worker runs here: a job the API let through would just stay queued."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.web.conftest import auth
+
+VOCAB = 640  # the demo model's
+
+
+def error_of(response) -> dict:
+    assert response.status_code == 422, response.get_json()
+    body = response.get_json()
+    assert body["code"] == "token_id_out_of_range", body
+    return body
+
+
+@pytest.mark.parametrize(("body", "field", "index"), [
+    ({"token_ids": [1, 2, VOCAB]}, "token_ids", 2),
+    ({"token_ids": [10**9, 1]}, "token_ids", 0),
+    ({"kind": "score", "token_ids": [1, 2], "completion_token_ids": [5, 9, 1, VOCAB + 12]}, "completion_token_ids", 3),
+    ({"prompt": "hi", "sampling_params": {"stop_token_ids": [7, VOCAB]}}, "sampling_params.stop_token_ids", 1),
+])
+@pytest.mark.parametrize("route", ["/v1/jobs", "/generate"])
+def test_ids_outside_the_vocabulary_are_422_naming_field_and_index(client, route, body, field, index):
+    # timeout 0: without the check, /generate would queue the job and answer 202 at once.
+    error = error_of(client.post(route, json={**body, **({"timeout": 0} if route == "/generate" else {})},
+                                 headers=auth()))
+    assert error["errors"] == {"field": field, "index": index, "vocab_size": VOCAB}
+    assert f"{field}[{index}]" in error["message"]
+    assert client.get("/v1/jobs", headers=auth()).get_json()["data"] == []  # nothing was queued
+
+
+def test_sglang_input_ids_are_checked_too(client):
+    error = error_of(client.post("/generate", json={"input_ids": [3, VOCAB], "max_new_tokens": 2, "timeout": 0},
+                                 headers=auth()))
+    assert error["errors"]["index"] == 1
+
+
+def test_the_last_id_of_the_vocabulary_is_accepted(client):
+    body = {"kind": "score", "token_ids": [VOCAB - 1], "completion_token_ids": [VOCAB - 1],
+            "sampling_params": {"stop_token_ids": [VOCAB - 1]}}
+    assert client.post("/v1/jobs", json=body, headers=auth()).status_code == 202
+
+
+def test_batch_lines_with_ids_outside_the_vocabulary_are_line_errors(client):
+    lines = [{"custom_id": "ok", "kind": "score", "body": {"token_ids": [1, 2], "completion_token_ids": [3]}},
+             {"custom_id": "bad", "kind": "score", "body": {"token_ids": [1, 2], "completion_token_ids": [3, VOCAB]}},
+             {"custom_id": "bad-stop", "body": {"token_ids": [1], "sampling_params": {"stop_token_ids": [VOCAB]}}}]
+    response = client.post("/v1/batches", data="\n".join(map(json.dumps, lines)), content_type="application/jsonl",
+                           headers=auth())
+    assert response.status_code == 202, response.get_json()
+    errors = {entry["custom_id"]: entry for entry in response.get_json()["errors"]["data"]}
+    assert sorted(errors) == ["bad", "bad-stop"]
+    assert errors["bad"]["line"] == 2 and errors["bad"]["error"]["code"] == "token_id_out_of_range"
+    assert errors["bad"]["error"]["errors"] == {"field": "completion_token_ids", "index": 1, "vocab_size": VOCAB}
+    assert errors["bad-stop"]["error"]["errors"]["field"] == "sampling_params.stop_token_ids"
