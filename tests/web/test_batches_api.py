@@ -257,10 +257,10 @@ def test_only_a_valid_line_claims_its_custom_id(client):
 
 
 def test_stored_batch_input_is_capped_per_key(make_batch_app):
-    app = make_batch_app(batch_max_stored_bytes_per_key=25_000)
+    app = make_batch_app(batch_max_stored_bytes_per_key=45_000)
     client = app.test_client()
     svc = app.extensions["rollout"]
-    file = jsonl(*(line(f"r{n}") for n in range(60)))  # ~14 KB stored: one fits, two do not
+    file = jsonl(*(line(f"r{n}") for n in range(60)))  # ~30 KB stored (every line keeps its sampling defaults): one fits, two do not
     first = upload(client, file)
     assert first.status_code == 202, first.get_json()
     second = upload(client, file)
