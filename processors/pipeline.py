@@ -50,8 +50,8 @@ from engine.errors import (
 from engine.items import MultimodalItem
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
+from processors.decode import VideoSampling, decode_image
 from processors.errors import InvalidFeaturesError, PlaceholderCountError, UnsupportedModalityError
-from processors.fetch import decode_image
 from processors.finalize import Wrapper, bundle_item, finalize
 from processors.placeholders import expand_tokens
 
@@ -68,6 +68,8 @@ class PreprocessLimits:
     max_prompt_tokens: int = 32768  # after placeholder expansion
     max_items: int = 32
     max_image_pixels: int = 4096 * 4096  # decoded size, before the processor resizes
+    video: VideoSampling = VideoSampling()  # video caps and frame sampling
+    max_audio_seconds: float = 30.0
     max_feature_bytes: int = 256 * MIB  # all precomputed features of a request together
 
 

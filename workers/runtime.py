@@ -95,11 +95,15 @@ class WorkerRuntime:
 
     @cached_property
     def processing_limits(self):
+        from processors.decode import VideoSampling
         from processors.pipeline import PreprocessLimits
 
         s = self.settings
+        video = VideoSampling(max_seconds=s.max_video_seconds, max_frames=s.max_video_frames, fps=s.video_fps,
+                              max_pixels=s.max_video_pixels)
         return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                                max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens)
+                                max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens,
+                                video=video, max_audio_seconds=s.max_audio_seconds)
 
     @cached_property
     def transport(self):

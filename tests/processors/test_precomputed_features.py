@@ -10,8 +10,8 @@ import torch
 
 from engine.demo_model import ARCHS
 from engine.errors import PayloadTooLargeError, PlaceholderMismatchError
+from processors.decode import decode_image
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
-from processors.fetch import decode_image
 from processors.pipeline import PreprocessLimits, encode_features, preprocess
 
 

@@ -39,7 +39,7 @@ def test_rendered_ids_come_back_unchanged(arch, processors, fetcher, transport, 
 
 
 def _decode(fetcher, *urls):
-    from processors.fetch import decode_image
+    from processors.decode import decode_image
 
     return [decode_image(fetcher.fetch(url).data, max_pixels=10**8) for url in urls]
 
