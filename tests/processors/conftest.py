@@ -97,3 +97,52 @@ def open_items():
         return [replace(item, features={k: open_feature(v) for k, v in item.features.items()}) for item in items]
 
     return open_
+
+
+def mp4_bytes(frames: int = 4, width: int = 64, height: int = 48, seed: int = 0, rate: int = 2) -> bytes:
+    """A noise video (seeded): ``frames`` frames at ``rate`` fps, mpeg4 in mp4."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def wav_bytes(seconds: float = 1.0, rate: int = 16_000, seed: int = 0) -> bytes:
+    """A mono tone with a little seeded noise."""
+    import soundfile as sf
+
+    t = np.arange(int(seconds * rate)) / rate
+    samples = 0.4 * np.sin(2 * np.pi * 330 * t) + 0.05 * np.random.default_rng(seed).standard_normal(len(t))
+    buffer = io.BytesIO()
+    sf.write(buffer, samples.astype(np.float32), rate, format="WAV")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def video_url():
+    """``video_url(frames, width, height, seed)``: a data: URL of a noise mp4 at 2 fps."""
+
+    def make(frames: int = 4, width: int = 64, height: int = 48, seed: int = 0) -> str:
+        return "data:video/mp4;base64," + base64.b64encode(mp4_bytes(frames, width, height, seed)).decode()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def audio_url():
+    """``audio_url(seconds, rate, seed)``: a data: URL of a mono WAV."""
+
+    def make(seconds: float = 1.0, rate: int = 16_000, seed: int = 0) -> str:
+        return "data:audio/wav;base64," + base64.b64encode(wav_bytes(seconds, rate, seed)).decode()
+
+    return make

@@ -77,3 +77,17 @@ def test_text_only_and_malformed_messages(processors, fetcher):
                 [{"role": "user", "content": [{"type": "image_url", "image_url": "not-an-object"}]}]):
         with pytest.raises(InvalidRequestError):
             render(bad, processor, fetcher=fetcher)
+
+
+def test_video_parts_render_to_expanded_runs_a_job_keeps(processors, fetcher, transport, limits, video_url):
+    processor = processors["qwen2_vl"]
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": video_url(frames=4)}, "uuid": "clip"},
+        {"type": "text", "text": "What happens?"}]}]
+    rendered = render(messages, processor, fetcher=fetcher, limits=limits)
+    assert rendered["content_parts"] == [{"type": "video_url", "url": messages[0]["content"][0]["video_url"]["url"],
+                                          "uuid": "clip"}]
+    assert rendered["token_ids"].count(processor.token_id("video")) == 8
+    job = preprocess({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"]},
+                     processor=processor, fetcher=fetcher, cache=None, transport=transport, limits=limits)
+    assert job.prompt_token_ids == rendered["token_ids"]
