@@ -5,13 +5,10 @@ travel as data: URLs), the real inline transport and a multimodal cache on the s
 from __future__ import annotations
 
 import base64
-import io
 import uuid
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine.demo_model import ARCHS, build_demo_model
 from engine.transport import InlineTransport, open_feature
@@ -19,6 +16,7 @@ from processors.cache import MultimodalCache
 from processors.fetch import FetchPolicy, GuardedFetcher
 from processors.pipeline import PreprocessLimits
 from processors.registry import load_processor
+from tests.media_files import mp4_bytes, png_bytes, wav_bytes
 
 torch.set_num_threads(1)
 
@@ -70,13 +68,6 @@ def cache(redis_client):
     cache.clear()
 
 
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="session")
 def image_url():
     """``image_url(width, height, seed)``: a data: URL of a noise PNG (seeded, so repeatable)."""
@@ -97,35 +88,6 @@ def open_items():
         return [replace(item, features={k: open_feature(v) for k, v in item.features.items()}) for item in items]
 
     return open_
-
-
-def mp4_bytes(frames: int = 4, width: int = 64, height: int = 48, seed: int = 0, rate: int = 2) -> bytes:
-    """A noise video (seeded): ``frames`` frames at ``rate`` fps, mpeg4 in mp4."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(frames):
-            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buffer.getvalue()
-
-
-def wav_bytes(seconds: float = 1.0, rate: int = 16_000, seed: int = 0) -> bytes:
-    """A mono tone with a little seeded noise."""
-    import soundfile as sf
-
-    t = np.arange(int(seconds * rate)) / rate
-    samples = 0.4 * np.sin(2 * np.pi * 330 * t) + 0.05 * np.random.default_rng(seed).standard_normal(len(t))
-    buffer = io.BytesIO()
-    sf.write(buffer, samples.astype(np.float32), rate, format="WAV")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="session")
