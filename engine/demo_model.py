@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
 BUILD_FORMAT = 2
 MARKER = "rollout_demo_build.json"
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio")
+IMAGE_ARCHS = tuple(arch for arch in ARCHS if arch != "qwen2_audio")
 # The one `rollout-queue up` serves: it takes image, video and audio.
 SERVED_ARCH = "qwen2_5_omni"
 
@@ -319,6 +320,30 @@ def _write_qwen2_5_omni(out: Path, tokenizer, ids: dict[str, int]) -> None:
         "image_processor": image.to_dict(), "feature_extractor": WhisperFeatureExtractor(feature_size=128).to_dict()})
 
 
+# --- Qwen2-Audio: audio only ----------------------------------------------------------------
+
+_QWEN_AUDIO_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+_QWEN_AUDIO_NAMED = {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def _write_qwen2_audio(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+    from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
+
+    config = Qwen2AudioConfig(
+        audio_config={"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "num_mel_bins": 128},
+        text_config={**_qwen_text(tokenizer, ids), "model_type": "qwen2"},
+        audio_token_index=ids["<|AUDIO|>"],
+        architectures=["Qwen2AudioForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen2AudioForConditionalGeneration, config)
+    # Its stock processor needs no torchvision; save_pretrained writes tokenizer files again (same bytes).
+    Qwen2AudioProcessor(WhisperFeatureExtractor(feature_size=128), tokenizer,
+                        chat_template=tokenizer.chat_template).save_pretrained(out)
+
+
 # --- LLaVA and Pixtral ------------------------------------------------------------------------
 
 _LLAVA_SPECIALS = ("<unk>", "<s>", "</s>", "<image>")
@@ -416,5 +441,7 @@ _SPECS = {
     "llava": _Spec(_LLAVA_SPECIALS, "<s>", "</s>", "<unk>", _LLAVA_CHAT_TEMPLATE, _write_llava),
     "qwen2_5_omni": _Spec(_OMNI_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _OMNI_CHAT_TEMPLATE,
                           _write_qwen2_5_omni, _OMNI_NAMED),
+    "qwen2_audio": _Spec(_QWEN_AUDIO_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _OMNI_CHAT_TEMPLATE,
+                         _write_qwen2_audio, _QWEN_AUDIO_NAMED),
     "pixtral": _Spec(_PIXTRAL_SPECIALS, "<s>", "</s>", "<unk>", _PIXTRAL_CHAT_TEMPLATE, _write_pixtral),
 }

@@ -150,13 +150,14 @@ class MultimodalProcessor:
     def media_placeholder_ids(self) -> frozenset[int]:
         """Token ids the expanded runs of every modality are made of."""
         others = {self.token_id(m) for m in self.modalities if m != "image"}
-        return self.placeholder_token_ids | others
+        return (self.placeholder_token_ids if "image" in self.modalities else frozenset()) | others
 
     @cached_property
     def token_modality(self) -> dict[int, str]:
         """The modality of every placeholder token id."""
         others = {self.token_id(m): m for m in self.modalities if m != "image"}
-        return {**dict.fromkeys(self.placeholder_token_ids, "image"), **others}
+        images = self.placeholder_token_ids if "image" in self.modalities else ()
+        return {**dict.fromkeys(images, "image"), **others}
 
     @cached_property
     def _forms(self) -> dict[str, str]:

@@ -34,13 +34,13 @@ def processors(model_dirs):
 @pytest.fixture(scope="session")
 def models(model_dirs):
     """Models loaded on first use (not every test needs one)."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForMultimodalLM
 
     loaded = {}
 
     def get(arch):
         if arch not in loaded:
-            loaded[arch] = AutoModelForImageTextToText.from_pretrained(model_dirs[arch]).eval()
+            loaded[arch] = AutoModelForMultimodalLM.from_pretrained(model_dirs[arch]).eval()
         return loaded[arch]
 
     return get

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.demo_model import ARCHS
+from engine.demo_model import IMAGE_ARCHS
 from engine.errors import InvalidRequestError
 from processors.pipeline import preprocess
 from processors.render import render
@@ -22,7 +22,7 @@ def messages_with_images(url_a, url_b):
     ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", IMAGE_ARCHS)
 def test_rendered_ids_come_back_unchanged(arch, processors, fetcher, transport, limits, image_url):
     processor = processors[arch]
     url_a, url_b = image_url(64, 48, 1), image_url(40, 90, 2)
