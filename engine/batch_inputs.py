@@ -129,7 +129,7 @@ def collate(loaded: LoadedModel, rows: Sequence[Row]) -> dict[str, torch.Tensor]
     if features and loaded.uses_mm_token_type_ids:
         batch["mm_token_type_ids"] = _mm_token_type_ids(loaded, input_ids, attention_mask)
     batch.update(features)
-    return {k: _to_device(v, loaded) for k, v in batch.items()}
+    return {k: _to_device(v, loaded, k) for k, v in batch.items()}
 
 
 def _mm_token_type_ids(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -142,8 +142,12 @@ def _mm_token_type_ids(loaded: LoadedModel, input_ids: torch.Tensor, attention_m
     return types * attention_mask
 
 
-def _to_device(value: torch.Tensor, loaded: LoadedModel) -> torch.Tensor:
-    if value.is_floating_point():
+# Seconds per temporal patch feed the M-RoPE time index, floored after scaling: bf16 would shift it.
+_KEEP_DTYPE = frozenset({"second_per_grid_ts", "video_second_per_grid"})
+
+
+def _to_device(value: torch.Tensor, loaded: LoadedModel, name: str = "") -> torch.Tensor:
+    if value.is_floating_point() and name not in _KEEP_DTYPE:
         # Pixel values follow the model's dtype (bf16 weights take bf16 pixels).
         return value.to(device=loaded.device, dtype=loaded.dtype)
     return value.to(loaded.device)

@@ -24,7 +24,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
 BUILD_FORMAT = 2
 MARKER = "rollout_demo_build.json"
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio")
+IMAGE_ARCHS = tuple(arch for arch in ARCHS if arch != "qwen2_audio")
+# The one `rollout-queue up` serves: it takes image, video and audio.
+SERVED_ARCH = "qwen2_5_omni"
 
 # Small enough to train in milliseconds, varied enough to give a vocabulary of several hundred.
 _CORPUS = """\
@@ -54,6 +57,8 @@ class _Spec:
     pad: str
     chat_template: str
     write: Callable[[Path, object, dict[str, int]], None]
+    # Named special tokens (tokenizer.image_token etc.), which some HF processors read.
+    named: dict[str, str] | None = None
 
 
 def build_demo_model(directory: Path, *, arch: str = "qwen2_vl") -> Path:
@@ -121,6 +126,7 @@ def _train_tokenizer(spec: _Spec):
         chat_template=spec.chat_template,
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
+        **({"extra_special_tokens": spec.named} if spec.named else {}),
     )
 
 
@@ -259,6 +265,85 @@ def _write_qwen3_vl(out: Path, tokenizer, ids: dict[str, int]) -> None:
     _save_qwen_image_processor(out, 16)
 
 
+# --- Qwen2.5-Omni thinker: image, video and audio ----------------------------------------------
+
+_OMNI_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>",
+    "<|IMAGE|>", "<|VIDEO|>", "<|vision_bos|>", "<|vision_eos|>",
+)
+_OMNI_NAMED = {
+    "image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>",
+}
+_OMNI_CHAT_TEMPLATE = (
+    _QWEN_CHAT_TEMPLATE
+    .replace("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_bos|><|IMAGE|><|vision_eos|>")
+    .replace("<|vision_start|><|video_pad|><|vision_end|>", "<|vision_bos|><|VIDEO|><|vision_eos|>")
+    .replace("{% elif 'text' in content %}",
+             "{% elif content['type'] == 'audio' or 'audio' in content %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+             "{% elif 'text' in content %}")
+)
+
+
+def _write_qwen2_5_omni(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import (
+        Qwen2_5OmniThinkerConfig,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2_5OmniThinkerConfig(
+        text_config=_qwen_text(tokenizer, ids, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]},
+        audio_config={"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
+                      "encoder_ffn_dim": 64, "d_model": 32, "output_dim": 64, "n_window": 100},
+        audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"], video_token_index=ids["<|VIDEO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
+        user_token_id=ids["<|im_start|>"],
+        # Read by the M-RoPE position code although the config class does not declare them.
+        vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"],
+        architectures=["Qwen2_5OmniThinkerForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen2_5OmniThinkerForConditionalGeneration, config)
+    factor = 28  # patch 14, merge 2; sizes as for the Qwen-VL demos
+    image = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                     min_pixels=factor * factor, max_pixels=factor * factor * 256)
+    # Written by hand: the HF processor class needs a torchvision video processor, and engine/ may
+    # not import the video-less subclass in processors/. This is the file its save_pretrained writes.
+    _write_processor_config(out, "Qwen2_5OmniProcessor", {
+        "image_processor": image.to_dict(), "feature_extractor": WhisperFeatureExtractor(feature_size=128).to_dict()})
+
+
+# --- Qwen2-Audio: audio only ----------------------------------------------------------------
+
+_QWEN_AUDIO_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+_QWEN_AUDIO_NAMED = {"audio_token": "<|AUDIO|>", "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+
+
+def _write_qwen2_audio(out: Path, tokenizer, ids: dict[str, int]) -> None:
+    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, WhisperFeatureExtractor
+    from transformers.models.qwen2_audio.processing_qwen2_audio import Qwen2AudioProcessor
+
+    config = Qwen2AudioConfig(
+        audio_config={"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                      "num_mel_bins": 128},
+        text_config={**_qwen_text(tokenizer, ids), "model_type": "qwen2"},
+        audio_token_index=ids["<|AUDIO|>"],
+        architectures=["Qwen2AudioForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    _save_model(out, Qwen2AudioForConditionalGeneration, config)
+    # Its stock processor needs no torchvision; save_pretrained writes tokenizer files again (same bytes).
+    Qwen2AudioProcessor(WhisperFeatureExtractor(feature_size=128), tokenizer,
+                        chat_template=tokenizer.chat_template).save_pretrained(out)
+
+
 # --- LLaVA and Pixtral ------------------------------------------------------------------------
 
 _LLAVA_SPECIALS = ("<unk>", "<s>", "</s>", "<image>")
@@ -354,5 +439,9 @@ _SPECS = {
                         _write_qwen2_5_vl),
     "qwen3_vl": _Spec(_QWEN_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _QWEN_CHAT_TEMPLATE, _write_qwen3_vl),
     "llava": _Spec(_LLAVA_SPECIALS, "<s>", "</s>", "<unk>", _LLAVA_CHAT_TEMPLATE, _write_llava),
+    "qwen2_5_omni": _Spec(_OMNI_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _OMNI_CHAT_TEMPLATE,
+                          _write_qwen2_5_omni, _OMNI_NAMED),
+    "qwen2_audio": _Spec(_QWEN_AUDIO_SPECIALS, None, "<|im_end|>", "<|endoftext|>", _OMNI_CHAT_TEMPLATE,
+                         _write_qwen2_audio, _QWEN_AUDIO_NAMED),
     "pixtral": _Spec(_PIXTRAL_SPECIALS, "<s>", "</s>", "<unk>", _PIXTRAL_CHAT_TEMPLATE, _write_pixtral),
 }

@@ -179,13 +179,13 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: Any) 
 
 
 def _auto_class(config: Any):
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
 
-    if type(config) in AutoModelForImageTextToText._model_mapping:
-        return AutoModelForImageTextToText
-    if type(config) in AutoModelForCausalLM._model_mapping:
-        return AutoModelForCausalLM
-    raise ModelLoadError(f"model type {config.model_type!r} is neither image-text-to-text nor causal LM")
+    # Multimodal LM last: it also holds models that take audio but no images (Qwen2-Audio).
+    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM, AutoModelForMultimodalLM):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise ModelLoadError(f"model type {config.model_type!r} is neither a multimodal nor a causal LM")
 
 
 def _media_token_ids(config: Any) -> dict[str, int]:

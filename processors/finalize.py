@@ -81,7 +81,7 @@ def split_items(items: Sequence[MultimodalItem], processor: MultimodalProcessor)
 def _split(item: MultimodalItem, processor: MultimodalProcessor) -> list[MultimodalItem]:
     offsets = item.metadata.get("offsets", [item.offset])
     per_image = item.metadata.get("per_image", [{}] * len(offsets))
-    pieces = processor.split_features(item.tensors())
+    pieces = processor.split(item.modality, item.tensors())
     if not len(pieces) == len(offsets) == len(per_image):
         raise ItemLayoutError(
             f"a {item.modality} bundle split into {len(pieces)} feature sets for {len(offsets)} "
@@ -89,7 +89,7 @@ def _split(item: MultimodalItem, processor: MultimodalProcessor) -> list[Multimo
         )
     out = []
     for features, (start, end), metadata in zip(pieces, offsets, per_image, strict=True):
-        expected = len(processor.replacement_ids(features, 0))
+        expected = len(processor.replacement(item.modality, features, 0))
         if end - start != expected:
             raise ItemLayoutError(f"a placeholder range of {end - start} tokens for features that need {expected}")
         metadata = dict(metadata)

@@ -7,12 +7,15 @@ works everywhere. The Qwen subclasses are registered with ``AutoProcessor`` on i
 ``AutoProcessor.from_pretrained`` also loads them; Pixtral checkpoints use the LLaVA config class,
 which LLaVA's own (working) processor owns in that mapping, so Pixtral's is loaded by class.
 
-Video for the Qwen models is left out here: their video processors need torchvision.
+Video for the Qwen models is left out here: their video processors need torchvision
+(``processors.qwen_video`` builds video features from the image processor instead).
+``Qwen2_5OmniProcessorNoVideo`` does the same for the Qwen2.5-Omni thinker (image, audio, text).
 """
 
 from __future__ import annotations
 
 from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -39,6 +42,25 @@ class Qwen3VLImageProcessorOnly(Qwen3VLProcessor):
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2_5OmniProcessorNoVideo(Qwen2_5OmniProcessor):
+    """``Qwen2_5OmniProcessor`` without the video processor (``video_processor=None`` fails in its
+    constructor, so ProcessorMixin's is called directly and the token attributes copied)."""
+
+    def __init__(self, image_processor=None, feature_extractor=None, tokenizer=None, chat_template=None, **kwargs):
+        ProcessorMixin.__init__(self, image_processor, feature_extractor, tokenizer, chat_template=chat_template)
+        for name in ("image", "audio", "video"):
+            setattr(self, f"{name}_token", getattr(tokenizer, f"{name}_token"))
+            setattr(self, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id"))
+        for name in ("vision_bos_token", "vision_eos_token", "audio_bos_token", "audio_eos_token"):
+            setattr(self, name, getattr(tokenizer, name))
+
+    @property
+    def model_input_names(self):
+        names = [*self.tokenizer.model_input_names, *self.feature_extractor.model_input_names,
+                 *self.image_processor.model_input_names, "feature_attention_mask"]
+        return list(dict.fromkeys(names))
 
 
 class PixtralImageOnlyProcessor(ProcessorMixin):

@@ -1,13 +1,14 @@
 """Preprocess one validated job request into what the engine takes: expanded prompt token ids
 and finalized (wrapped) multimodal items.
 
-    content_parts ─ cache by (owner, uuid) ─▶ fetch ─ cache by sha256 ─▶ decode ─▶ HF image processor
-    features ──────── decode + validate (format below) ───────────────────┐      (one call)
+    content_parts ─ cache by (owner, uuid) ─▶ fetch ─ cache by sha256 ─▶ decode ─▶ model processor
+    features ──────── decode + validate (format below) ───────────────────┐  (one call per modality)
                                                                           ▼
-    token_ids / prompt ─▶ placeholders expanded per image ─▶ finalize (hook → hash → wrap)
+    token_ids / prompt ─▶ placeholders expanded per item ─▶ finalize (hook → hash → wrap)
 
-Placeholders: ``token_ids`` carry one collapsed placeholder per image or its already expanded
-run; ``prompt`` text may use ``<image>`` sentinels or the model's native form. When a text
+Placeholders: ``token_ids`` carry one collapsed placeholder per media item or its already expanded
+run; ``prompt`` text may use ``<image>``/``<video>``/``<audio>`` sentinels or the model's native
+forms. Items pair with placeholders in order, whatever their modality. When a text
 prompt's placeholders do not pair up with the media, the full HF processor over the raw prompt
 decides (the authoritative path); if that fails too, or for token prompts,
 :class:`~engine.errors.PlaceholderMismatchError` (422) states both counts.
@@ -38,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from PIL import Image
 
 from engine.errors import (
     ContextLengthError,
@@ -51,8 +51,8 @@ from engine.errors import (
 from engine.items import MultimodalItem
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
+from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
 from processors.errors import InvalidFeaturesError, PlaceholderCountError, UnsupportedModalityError
-from processors.fetch import decode_image
 from processors.finalize import Wrapper, bundle_item, finalize
 from processors.placeholders import expand_tokens
 
@@ -69,6 +69,8 @@ class PreprocessLimits:
     max_prompt_tokens: int = 32768  # after placeholder expansion
     max_items: int = 32
     max_image_pixels: int = 4096 * 4096  # decoded size, before the processor resizes
+    video: VideoSampling = VideoSampling()  # video caps and frame sampling
+    max_audio_seconds: float = 30.0
     max_feature_bytes: int = 256 * MIB  # all precomputed features of a request together
 
 
@@ -122,9 +124,9 @@ class _Media:
     modality: str
     url: str | None = None
     cache_key: str | None = None
-    features: Features | None = None  # one image: from the cache or precomputed
+    features: Features | None = None  # one item: from the cache or precomputed
     content_hash: str = ""  # known when the features came from the cache
-    image: Image.Image | None = None  # decoded, still to process
+    decoded: Any = None  # decoded (image, video or audio), still to process
     cached: bool = False
 
 
@@ -160,12 +162,12 @@ class _Run:
         else:
             media = self._collect(request.get("content_parts") or [])
 
-        bundle = self._process([m.image for m in media if m.image is not None])
-        replacements = self._replacements(media, bundle)
+        bundles = self._process(media)
+        replacements = self._replacements(media, bundles)
         if has_tokens:
             token_ids = _checked_token_ids(request["token_ids"], len(self.processor.tokenizer))
             try:
-                ids, offsets = self._expand(token_ids, replacements)
+                ids, offsets = self._expand(token_ids, replacements, media)
             except PlaceholderCountError as exc:
                 raise _mismatch(exc.placeholders, exc.items, "token_ids", exc.detail) from None
         else:
@@ -175,13 +177,13 @@ class _Run:
                 if count != len(media):
                     raise PlaceholderCountError(placeholders=count, items=len(media))
                 encoded = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-                ids, offsets = self._expand(encoded, replacements)
+                ids, offsets = self._expand(encoded, replacements, media)
             except PlaceholderCountError:
                 if has_features:  # no raw media for the HF processor to look at
                     raise _mismatch(count, len(media), "prompt") from None
                 return self._authoritative(prompt, media, count, add_special_tokens)
         self._check_length(ids)
-        return ids, self._bundles(media, bundle, offsets)
+        return ids, self._bundles(media, bundles, offsets)
 
     def _check_length(self, ids: list[int]) -> None:
         if len(ids) > self.limits.max_prompt_tokens:
@@ -247,16 +249,30 @@ class _Run:
     def _decode(self, item: _Media, data: bytes) -> None:
         started = time.perf_counter()
         try:
-            item.image = decode_image(data, max_pixels=self.limits.max_image_pixels)
-            self.processor.check_image(item.image)
+            item.decoded = self._decoder(item.modality)(data)
+            if item.modality == "image":
+                self.processor.check_image(item.decoded)
         except MediaError as exc:
             _at_part(exc, item.part)
             raise
         finally:
             self.timings["decode"] += time.perf_counter() - started
 
+    def _decoder(self, modality: str):
+        limits = self.limits
+        if modality == "video":
+            return lambda data: decode_video(data, limits.video)
+        if modality == "audio":
+            rate = self.processor.audio_sample_rate
+            return lambda data: decode_audio(data, max_seconds=limits.max_audio_seconds, sample_rate=rate)
+        return lambda data: decode_image(data, max_pixels=limits.max_image_pixels)
+
     def _key(self, modality: str, **source: str) -> str:
-        return MultimodalCache.key(model_id=self.processor.model_id, modality=modality, options=self.options, **source)
+        options = self.options
+        if modality == "video":  # the frames sampled depend on these too
+            video = self.limits.video
+            options = {**options, "_video": [video.fps, video.max_frames]}
+        return MultimodalCache.key(model_id=self.processor.model_id, modality=modality, options=options, **source)
 
     def _lookup(self, item: _Media) -> bool:
         started = time.perf_counter()
@@ -268,68 +284,79 @@ class _Run:
         self.cache_hits += item.cached
         return item.cached
 
-    def _process(self, images: list[Image.Image]) -> Features | None:
-        if not images:
-            return None
+    def _process(self, media: list[_Media]) -> dict[str, Features]:
+        """One bundle per modality of the freshly decoded items, in their order."""
+        fresh: dict[str, list[Any]] = {}
+        for item in media:
+            if item.decoded is not None:
+                fresh.setdefault(item.modality, []).append(item.decoded)
+        if not fresh:
+            return {}
         started = time.perf_counter()
-        bundle = self.processor.process_images(images, self.options)
+        bundles = {modality: self.processor.process(modality, decoded, self.options)
+                   for modality, decoded in fresh.items()}
         self.timings["process"] += time.perf_counter() - started
-        return bundle
+        return bundles
 
     # --- placeholders ------------------------------------------------------------------------
 
-    def _replacements(self, media: list[_Media], bundle: Features | None) -> list[list[int]]:
-        replacements, index = [], 0
+    def _replacements(self, media: list[_Media], bundles: dict[str, Features]) -> list[list[int]]:
+        replacements, index = [], dict.fromkeys(bundles, 0)
         for item in media:
             if item.features is not None:
-                replacements.append(self.processor.replacement_ids(item.features, 0))
+                replacements.append(self.processor.replacement(item.modality, item.features, 0))
             else:
-                replacements.append(self.processor.replacement_ids(bundle, index))
-                index += 1
+                replacements.append(self.processor.replacement(item.modality, bundles[item.modality],
+                                                               index[item.modality]))
+                index[item.modality] += 1
         return replacements
 
-    def _expand(self, token_ids: Sequence[int], replacements: list[list[int]]):
+    def _expand(self, token_ids: Sequence[int], replacements: list[list[int]], media: list[_Media]):
         return expand_tokens(
-            token_ids, replacements,
-            placeholder_ids=self.processor.placeholder_token_ids, collapsed_id=self.processor.image_token_id,
+            token_ids, replacements, placeholder_ids=self.processor.media_placeholder_ids,
+            collapsed_id=[self.processor.token_id(item.modality) for item in media],
+            modalities=[item.modality for item in media], token_modality=self.processor.token_modality,
         )
 
-    def _bundles(self, media: list[_Media], bundle: Features | None, offsets) -> list[MultimodalItem]:
+    def _bundles(self, media: list[_Media], bundles: dict[str, Features], offsets) -> list[MultimodalItem]:
         def meta(item: _Media) -> dict[str, Any]:
             known = {"content_hash": item.content_hash} if item.features is not None and item.content_hash else {}
             return {"part": item.part, "cache_key": item.cache_key, "cached": item.cached, **known}
 
-        fresh = [(item, offset) for item, offset in zip(media, offsets, strict=True) if item.features is None]
-        bundles = [
+        items = [
             bundle_item(item.modality, item.features, [offset], [meta(item)])
             for item, offset in zip(media, offsets, strict=True) if item.features is not None
         ]
-        if fresh:
-            bundles.append(bundle_item("image", bundle, [o for _, o in fresh], [meta(item) for item, _ in fresh]))
-        return bundles
+        for modality, bundle in bundles.items():
+            fresh = [(item, offset) for item, offset in zip(media, offsets, strict=True)
+                     if item.features is None and item.modality == modality]
+            items.append(bundle_item(modality, bundle, [o for _, o in fresh], [meta(item) for item, _ in fresh]))
+        return items
 
     def _authoritative(
         self, prompt: str, media: list[_Media], counted: int, add_special_tokens: bool
     ) -> tuple[list[int], list[MultimodalItem]]:
         """The full HF processor over the raw prompt: the last word on where images go."""
         hf = self.processor.hf
-        if prompt.count(hf.image_token) != len(media):
+        # Only images: the HF processors of other modalities need what this deployment lacks
+        # (torchvision for video) or pair items differently; their prompts must line up.
+        if any(item.modality != "image" for item in media) or prompt.count(hf.image_token) != len(media):
             raise _mismatch(counted, len(media), "prompt")
         for item in media:
-            if item.image is None:  # served from the cache so far: the HF processor needs pixels
+            if item.decoded is None:  # served from the cache so far: the HF processor needs pixels
                 self._decode(item, self._fetch(item))
                 item.features, item.content_hash = None, ""  # now from the HF processor's bundle
         started = time.perf_counter()
-        out = hf(text=[prompt], images=[m.image for m in media] or None, return_tensors="pt",
+        out = hf(text=[prompt], images=[m.decoded for m in media] or None, return_tensors="pt",
                  add_special_tokens=add_special_tokens, **self.options)
         self.timings["process"] += time.perf_counter() - started
-        bundle = {name: out[name] for name in self.processor.feature_names} if media else None
+        bundles = {"image": {name: out[name] for name in self.processor.feature_names}} if media else {}
         try:
-            ids, offsets = self._expand(out["input_ids"][0].tolist(), self._replacements(media, bundle))
+            ids, offsets = self._expand(out["input_ids"][0].tolist(), self._replacements(media, bundles), media)
         except PlaceholderCountError as exc:
             raise _mismatch(counted, exc.items, "prompt", exc.detail) from None
         self._check_length(ids)
-        return ids, self._bundles(media, bundle, offsets)
+        return ids, self._bundles(media, bundles, offsets)
 
 
 def _mismatch(placeholders: int, items: int, where: str, detail: str = "") -> PlaceholderMismatchError:
@@ -390,6 +417,11 @@ def decode_features(
         path = f"features[{i}]"
         _require(isinstance(entry, dict) and set(entry) == {"modality", "tensors"}, path,
                  "must be an object with exactly the keys modality and tensors")
+        if entry["modality"] != "image":
+            raise UnsupportedModalityError(
+                f"{path}.modality: precomputed features are taken for images only; send videos and "
+                "audio as content_parts", errors={"path": f"{path}.modality"},
+            )
         if entry["modality"] not in processor.modalities:
             raise UnsupportedModalityError(
                 f"{path}.modality: this model takes {', '.join(sorted(processor.modalities))}",

@@ -2,13 +2,19 @@
 
 The image processor concatenates every image's patches into one ``pixel_values`` and lists the
 grids in ``image_grid_thw``; an image takes ``t*h*w / merge**2`` ``<|image_pad|>`` tokens inside
-``<|vision_start|> ... <|vision_end|>``. Video is left out: the Qwen video processors need
-torchvision, which this deployment does not have.
+``<|vision_start|> ... <|vision_end|>``. Qwen2-VL and Qwen2.5-VL also take video, built from the
+image processor (``processors.qwen_video``: the stock video processors need torchvision): a video
+takes ``t*h*w / merge**2`` ``<|video_pad|>`` tokens in the same frame, with
+``pixel_values_videos``, ``video_grid_thw`` and, for Qwen2.5-VL, ``second_per_grid_ts``. Qwen3-VL
+video is left out: its prompt interleaves per-frame timestamps as text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers.processing_utils import ProcessorMixin
@@ -20,6 +26,7 @@ from processors.hf_processors import (
     Qwen2VLImageProcessorOnly,
     Qwen3VLImageProcessorOnly,
 )
+from processors.qwen_video import qwen_video_features, seconds_per_grid, split_by_grid, video_size
 from processors.registry import register_processor
 
 
@@ -67,14 +74,59 @@ class _QwenVLProcessor(MultimodalProcessor):
             raise InvalidFeaturesError(f"pixel_values must be floating point of shape [{t * h * w}, {width}]")
 
 
+class _QwenVideoMixin:
+    """Video for Qwen-VL processors (``hf.image_processor`` a Qwen2-VL one): frames paired into
+    temporal patches, ``<|video_pad|>`` runs. ``seconds_name`` is the model's name for the
+    seconds one temporal patch spans (None: the model does not take it)."""
+
+    native_placeholders = {"video": "<|vision_start|><|video_pad|><|vision_end|>"}
+    video_pad = "<|video_pad|>"
+    seconds_name: str | None = None
+
+    @cached_property
+    def _video_size(self) -> dict[str, int] | None:
+        return video_size(self.model_dir)
+
+    @cached_property
+    def video_token_id(self) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(self.video_pad))
+
+    def process(self, modality: str, media: Sequence[Any], options: Mapping[str, Any]) -> Features:
+        if modality != "video":
+            return super().process(modality, media, options)
+        image = self.hf.image_processor
+        features = qwen_video_features(image, media, options, self._video_size)
+        if self.seconds_name:
+            features[self.seconds_name] = seconds_per_grid(image, media)
+        return features
+
+    def split(self, modality: str, features: Features) -> list[Features]:
+        if modality != "video":
+            return super().split(modality, features)
+        per_item = [self.seconds_name] if self.seconds_name else []
+        return split_by_grid(features, "pixel_values_videos", "video_grid_thw", per_item)
+
+    def replacement(self, modality: str, features: Features, index: int) -> list[int]:
+        if modality != "video":
+            return super().replacement(modality, features, index)
+        count = int(features["video_grid_thw"][index].prod()) // self.hf.image_processor.merge_size**2
+        return [self.video_token_id] * count
+
+    def token_id(self, modality: str) -> int:
+        return self.video_token_id if modality == "video" else super().token_id(modality)
+
+
 @register_processor("Qwen2VLForConditionalGeneration")
-class Qwen2VLProcessor(_QwenVLProcessor):
+class Qwen2VLProcessor(_QwenVideoMixin, _QwenVLProcessor):
+    modalities = frozenset({"image", "video"})
     hf_class = Qwen2VLImageProcessorOnly
 
 
 @register_processor("Qwen2_5_VLForConditionalGeneration")
-class Qwen2_5_VLProcessor(_QwenVLProcessor):
+class Qwen2_5_VLProcessor(_QwenVideoMixin, _QwenVLProcessor):
+    modalities = frozenset({"image", "video"})
     hf_class = Qwen2_5_VLImageProcessorOnly
+    seconds_name = "second_per_grid_ts"
 
 
 @register_processor("Qwen3VLForConditionalGeneration")

@@ -86,4 +86,4 @@ def load_processor(model_dir: str | Path, *, model_id: str | None = None) -> Mul
 
 
 # Last, because these modules use register_processor above. Explicit on purpose (see docstring).
-from processors import llava, pixtral, qwen_vl  # noqa: E402, F401
+from processors import llava, pixtral, qwen_audio, qwen_omni, qwen_vl  # noqa: E402, F401

@@ -33,8 +33,10 @@ def render(
 ) -> dict[str, list]:
     """``{"token_ids": [...], "content_parts": [...]}`` for OpenAI-style chat ``messages``:
     ``{"role": ..., "content": str | [{"type": "text", "text": ...},
-    {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}]}``. ``owner``: the API key id,
-    whose uuid cache entries alone are used (as in :func:`processors.pipeline.preprocess`)."""
+    {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}, the same for ``video_url`` and
+    ``audio_url``, or ``{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}``]}``.
+    ``owner``: the API key id, whose uuid cache entries alone are used (as in
+    :func:`processors.pipeline.preprocess`)."""
     template_messages, content_parts = _template_messages(messages)
     text = processor.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
     run = _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}), owner)
@@ -45,9 +47,30 @@ def render(
     return {"token_ids": token_ids, "content_parts": content_parts}
 
 
+# Chat part type -> the modality (and the HF template's part type).
+_MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio", "input_audio": "audio"}
+_AUDIO_FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg"}
+
+
+def _media_url(part: Mapping[str, Any]) -> str | None:
+    """The part's URL: ``{kind: {"url": ...}}``, or OpenAI's ``input_audio`` (base64 ``data`` and
+    a ``format``) as a data: URL; None when the part is malformed."""
+    kind = part["type"]
+    body = part.get(kind)
+    if not isinstance(body, Mapping):
+        return None
+    if kind == "input_audio":
+        data, fmt = body.get("data"), body.get("format")
+        if not isinstance(data, str) or fmt not in _AUDIO_FORMATS:
+            return None
+        return f"data:{_AUDIO_FORMATS[fmt]};base64,{data}"
+    return body["url"] if isinstance(body.get("url"), str) else None
+
+
 def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
-    """Messages the way HF chat templates read them (an image is ``{"type": "image"}``), and
-    the images as job ``content_parts``, in order."""
+    """Messages the way HF chat templates read them (an image is ``{"type": "image"}``, a video
+    ``{"type": "video"}``, audio ``{"type": "audio"}``), and the media as job ``content_parts``,
+    in order."""
     if not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list")
     out, parts = [], []
@@ -63,17 +86,18 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
         converted = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
+            url = _media_url(part) if kind in _MEDIA_PARTS else None
             if kind == "text" and isinstance(part.get("text"), str):
                 converted.append({"type": "text", "text": part["text"]})
-            elif kind == "image_url" and isinstance(part.get("image_url"), Mapping) \
-                    and isinstance(part["image_url"].get("url"), str):
+            elif url is not None:
                 _check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid")
-                converted.append({"type": "image"})
-                parts.append({"type": "image_url", "url": part["image_url"]["url"],
+                converted.append({"type": _MEDIA_PARTS[kind]})
+                parts.append({"type": f"{_MEDIA_PARTS[kind]}_url", "url": url,
                               **({"uuid": part["uuid"]} if part.get("uuid") is not None else {})})
             else:
                 raise InvalidRequestError(
-                    f"messages[{i}].content[{j}] must be a text part or an image_url part with a url"
+                    f"messages[{i}].content[{j}] must be a text part, an image_url, video_url or audio_url "
+                    "part with a url, or an input_audio part with base64 data and its format"
                 )
         out.append({"role": message["role"], "content": converted})
     return out, parts

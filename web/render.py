@@ -16,12 +16,13 @@ blp = Blueprint("render", __name__, description="Chat template rendering (CPU on
 class RenderRequestSchema(Schema):
     messages = fields.List(
         fields.Dict(), required=True, validate=validate.Length(min=1, max=1024),
-        metadata={"description": "OpenAI-style chat messages; image parts as {type: image_url, image_url: {url}}"},
+        metadata={"description": "OpenAI-style chat messages; media parts as {type: image_url | video_url | "
+                             "audio_url, <type>: {url}} or {type: input_audio, input_audio: {data, format}}"},
     )
 
 
 class RenderResponseSchema(Schema):
-    token_ids = fields.List(fields.Integer(), metadata={"description": "Image placeholders already expanded"})
+    token_ids = fields.List(fields.Integer(), metadata={"description": "Media placeholders already expanded"})
     content_parts = fields.List(fields.Nested(ContentPartSchema))
 
 
@@ -38,4 +39,5 @@ class Render(MethodView):
         from processors.render import render
 
         svc = services()
-        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache, owner=current_owner())
+        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache,
+                      limits=svc.processing_limits, owner=current_owner())

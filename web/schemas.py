@@ -19,11 +19,11 @@ JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
 CONTENT_TYPES = ("image_url", "video_url", "audio_url")
 MAX_TOKEN_ID = 2**31 - 1
 
-# SGLang name -> our name. `image_data` takes a URL or a list of URLs.
+# SGLang name -> our name. `image_data` takes a URL or a list of URLs (so do `video_data` and
+# `audio_data`, see SGLANG_MEDIA: together they make the content parts).
 SGLANG_ALIASES = {
     "input_ids": "token_ids",
     "text": "prompt",
-    "image_data": "content_parts",
     "max_new_tokens": "sampling_params.max_tokens",
     "return_logprob": "sampling_params.logprobs",
     "rid": "request_id",
@@ -46,6 +46,8 @@ class StrictBoolean(fields.Boolean):
             raise self.make_error("invalid")
         return value
 
+
+SGLANG_MEDIA = {"image_data": "image_url", "video_data": "video_url", "audio_data": "audio_url"}
 
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
@@ -192,10 +194,18 @@ class JobRequestSchema(Schema):
                 continue
             if target in data:
                 raise ValidationError(f"give {target} or {alias}, not both", alias)
-            if alias == "image_data":
-                urls = value if isinstance(value, list) else [value]
-                value = [{"type": "image_url", "url": url} for url in urls]
             data[target] = value
+        media = [alias for alias in SGLANG_MEDIA if alias in data]
+        if media:
+            if "content_parts" in data:
+                raise ValidationError(f"give content_parts or {media[0]}, not both", media[0])
+            # Items pair with placeholders per modality, so listing the modalities one after the
+            # other keeps each one's order, which is all SGLang's lists carry.
+            parts = []
+            for alias in media:
+                value = data.pop(alias)
+                parts += [{"type": SGLANG_MEDIA[alias], "url": url} for url in (value if isinstance(value, list) else [value])]
+            data["content_parts"] = parts
         return data
 
     @validates_schema

@@ -14,7 +14,7 @@ from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
 from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
 from workers.redis_client import connect
-from workers.runtime import fetch_policy, multimodal_cache
+from workers.runtime import fetch_policy, multimodal_cache, processing_limits
 from workers.settings import Settings
 
 
@@ -58,6 +58,10 @@ class Services:
     @cached_property
     def mm_cache(self):
         return multimodal_cache(self.settings, self.redis)
+
+    @cached_property
+    def processing_limits(self):
+        return processing_limits(self.settings)
 
 
 def services() -> Services:

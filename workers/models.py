@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.demo_model import build_demo_model
+from engine.demo_model import SERVED_ARCH, build_demo_model
 from engine.errors import ModelLoadError
 from workers.settings import Settings
 
-DEMO_MODEL_NAME = "demo-qwen2-vl"
+# A tiny Qwen2.5-Omni thinker: it takes image, video and audio, so every content part can be tried.
+DEMO_MODEL_NAME = "demo-qwen2.5-omni"
 
 
 def resolve_model_path(settings: Settings) -> str:
@@ -19,7 +20,7 @@ def resolve_model_path(settings: Settings) -> str:
         if not local.is_dir() and (local.is_absolute() or settings.model.startswith(".") or local.exists()):
             raise ModelLoadError(f"ROLLOUT_MODEL={settings.model!r} is not a model directory")
         return settings.model
-    return str(build_demo_model(Path(settings.state_dir) / "models" / DEMO_MODEL_NAME))
+    return str(build_demo_model(Path(settings.state_dir) / "models" / DEMO_MODEL_NAME, arch=SERVED_ARCH))
 
 
 def model_id(settings: Settings) -> str:
@@ -44,7 +45,8 @@ class ModelFacts:
 
 
 _MEDIA_TOKEN_ATTRS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-                      "image_token_index", "audio_token_id", "image_break_token_id", "image_end_token_id")
+                      "image_token_index", "audio_token_id", "image_break_token_id", "image_end_token_id",
+                      "video_token_index", "audio_token_index", "audio_start_token_id", "audio_end_token_id")
 
 
 def model_facts(model_path: str) -> ModelFacts:

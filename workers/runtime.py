@@ -47,6 +47,19 @@ def multimodal_cache(settings: Settings, client: redis.Redis):
     return MultimodalCache(client, max_bytes=settings.mm_cache_bytes, local_max_bytes=settings.mm_cache_process_bytes)
 
 
+def processing_limits(settings: Settings):
+    """The preprocessing caps; /v1/render uses the same, so its video runs match the job's."""
+    from processors.decode import VideoSampling
+    from processors.pipeline import PreprocessLimits
+
+    s = settings
+    video = VideoSampling(max_seconds=s.max_video_seconds, max_frames=s.max_video_frames, fps=s.video_fps,
+                          max_pixels=s.max_video_pixels)
+    return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
+                            max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens,
+                            video=video, max_audio_seconds=s.max_audio_seconds)
+
+
 class WorkerRuntime:
     def __init__(self, settings: Settings, redis_url: str, celery):
         self.settings = settings
@@ -95,11 +108,7 @@ class WorkerRuntime:
 
     @cached_property
     def processing_limits(self):
-        from processors.pipeline import PreprocessLimits
-
-        s = self.settings
-        return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                                max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens)
+        return processing_limits(self.settings)
 
     @cached_property
     def transport(self):

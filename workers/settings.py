@@ -70,6 +70,12 @@ class Settings:
     fetch_timeout: float = 30.0
     fetch_retries: int = 2
     max_image_pixels: int = 40_000_000
+    # Video and audio decoding (processors.decode).
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 32
+    video_fps: float = 2.0
+    max_video_pixels: int = 1920 * 1088
+    max_audio_seconds: float = 30.0
     # Multimodal cache and feature transport.
     mm_cache_bytes: int = 512 * 1024 * 1024
     mm_cache_process_bytes: int = 256 * 1024 * 1024
@@ -130,8 +136,11 @@ _RANGES = {
     "fetch_timeout": (0.01, 3600),
     "fetch_retries": (0, 10),
     "max_image_pixels": (1, 2**34),
+    "max_video_seconds": (0.01, 86_400),
     "max_video_frames": (1, 100_000),
-    "max_media_seconds": (0.01, 86_400),
+    "video_fps": (0.01, 240),
+    "max_video_pixels": (1, 2**34),
+    "max_audio_seconds": (0.01, 86_400),
     "mm_cache_bytes": (0, 2**40),
     "mm_cache_process_bytes": (0, 2**40),
     "shm_pool_bytes": (1024, 2**40),

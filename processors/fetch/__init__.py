@@ -3,8 +3,7 @@
 ``GuardedFetcher(policy).fetch(url)`` gets the bytes behind an http(s), data: or file: URL only
 where the :class:`FetchPolicy` allows (scheme, domain, port, every resolved address, media
 root, size and time caps), following redirects itself so every hop is checked; ``post()`` sends
-webhooks under the same address rules. ``decode_image``/``decode_video``/``decode_audio`` turn
-the bytes into pixels, frames or samples under their own caps.
+webhooks under the same address rules. Decoding the bytes is ``processors.decode``'s job.
 
 Errors (all :class:`engine.errors.MediaError`; see ``processors.fetch.errors``):
 
@@ -12,7 +11,6 @@ Errors (all :class:`engine.errors.MediaError`; see ``processors.fetch.errors``):
     MediaFetchError └ MediaRejectedError · MediaDecodeError
 """
 
-from .audio import decode_audio
 from .errors import (
     MediaBlockedError,
     MediaDecodeError,
@@ -22,15 +20,11 @@ from .errors import (
     MediaTooLargeError,
 )
 from .fetcher import GuardedFetcher
-from .images import IMAGE_FORMATS, decode_image
 from .media import FetchedMedia, OutboundResponse
 from .policy import FetchPolicy, log_policy_warnings
 from .resolver import Resolver, system_resolver
-from .video import VIDEO_FORMATS, decode_video
 
 __all__ = [
-    "IMAGE_FORMATS",
-    "VIDEO_FORMATS",
     "FetchPolicy",
     "FetchedMedia",
     "GuardedFetcher",
@@ -42,9 +36,6 @@ __all__ = [
     "MediaTooLargeError",
     "OutboundResponse",
     "Resolver",
-    "decode_audio",
-    "decode_image",
-    "decode_video",
     "log_policy_warnings",
     "system_resolver",
 ]

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from engine.demo_model import ARCHS, MARKER, build_demo_model
+from engine.demo_model import ARCHS, IMAGE_ARCHS, MARKER, build_demo_model
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -55,7 +55,7 @@ def test_complete_build_is_reused_and_incomplete_one_rebuilt(tmp_path):
         build_demo_model(tmp_path / "x", arch="nope")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", IMAGE_ARCHS)
 def test_loads_through_from_pretrained_and_runs(tmp_path, arch):
     directory = build_demo_model(tmp_path / arch, arch=arch)
     model = AutoModelForImageTextToText.from_pretrained(directory).eval()
@@ -69,7 +69,7 @@ def test_loads_through_from_pretrained_and_runs(tmp_path, arch):
         assert features["pixel_values"].shape == (16, 1176)
         assert features["image_grid_thw"].tolist() == [[1, 4, 4]]
     input_ids = torch.tensor([_image_prompt(arch, model.config, tokenizer, features)])
-    if arch.startswith("qwen"):
+    if arch.startswith("qwen") and arch != "qwen2_5_omni":  # Omni's positions come from the ids alone
         features["mm_token_type_ids"] = (input_ids == model.config.image_token_id).long()
     with torch.no_grad():
         logits = model(input_ids=input_ids, **features).logits
@@ -91,3 +91,22 @@ def test_qwen_tokenizer_has_chat_template_and_specials(tmp_path):
     assert text.endswith("<|im_start|>assistant\n")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids.count(tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 1
+
+
+def test_the_served_demo_takes_image_video_and_audio(tmp_path):
+    from transformers import AutoConfig
+
+    from engine.demo_model import SERVED_ARCH
+
+    directory = build_demo_model(tmp_path / "served", arch=SERVED_ARCH)
+    config = AutoConfig.from_pretrained(directory)
+    assert config.architectures == ["Qwen2_5OmniThinkerForConditionalGeneration"]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert (tokenizer.image_token, tokenizer.video_token, tokenizer.audio_token) == ("<|IMAGE|>", "<|VIDEO|>", "<|AUDIO|>")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "audio"},
+                                      {"type": "text", "text": "hi"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    assert ("<|vision_bos|><|IMAGE|><|vision_eos|><|vision_bos|><|VIDEO|><|vision_eos|>"
+            "<|audio_bos|><|AUDIO|><|audio_eos|>hi<|im_end|>") in text

@@ -96,3 +96,26 @@ def test_text_only_model_falls_back_to_causal_lm(tmp_path):
 def test_auto_device_is_cuda_when_available(demo_model_dir):
     loaded = load_model(str(demo_model_dir))
     assert loaded.device.type == "cuda"
+
+
+def test_an_audio_only_model_loads_and_generates_from_audio_features(tmp_path):
+    # Qwen2-Audio is in no image-text-to-text or causal-LM mapping: the multimodal-LM one serves it.
+    import numpy as np
+    from transformers import WhisperFeatureExtractor
+
+    from engine.demo_model import build_demo_model
+
+    loaded = load_model(str(build_demo_model(tmp_path / "audio", arch="qwen2_audio")), device="cpu")
+    assert loaded.architecture == "Qwen2AudioForConditionalGeneration"
+    assert set(loaded.media_token_ids) == {"audio"} and not loaded.uses_mm_token_type_ids
+    tone = np.sin(np.arange(16_000) / 16_000 * 2 * np.pi * 440).astype(np.float32)
+    features = WhisperFeatureExtractor(feature_size=128)([tone], sampling_rate=16_000, return_attention_mask=True,
+                                                         padding="max_length", return_tensors="pt")
+    mm_kwargs = {"input_features": features["input_features"], "feature_attention_mask": features["attention_mask"]}
+    prompt = [1, 4, *[loaded.media_token_ids["audio"]] * 25, 5, 20, 21]  # 1 s: 25 audio tokens
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    alone, batched = (Engine(loaded).generate(requests) for requests in (
+        [GenerationRequest(prompt, greedy, mm_kwargs=mm_kwargs)],
+        [GenerationRequest([1, 20], greedy), GenerationRequest(prompt, greedy, mm_kwargs=mm_kwargs)]))
+    assert alone[0].choices[0].token_ids == batched[1].choices[0].token_ids
+    assert len(alone[0].choices[0].logprobs) == 4

@@ -5,13 +5,10 @@ travel as data: URLs), the real inline transport and a multimodal cache on the s
 from __future__ import annotations
 
 import base64
-import io
 import uuid
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from engine.demo_model import ARCHS, build_demo_model
 from engine.transport import InlineTransport, open_feature
@@ -19,6 +16,7 @@ from processors.cache import MultimodalCache
 from processors.fetch import FetchPolicy, GuardedFetcher
 from processors.pipeline import PreprocessLimits
 from processors.registry import load_processor
+from tests.media_files import mp4_bytes, png_bytes, wav_bytes
 
 torch.set_num_threads(1)
 
@@ -36,13 +34,13 @@ def processors(model_dirs):
 @pytest.fixture(scope="session")
 def models(model_dirs):
     """Models loaded on first use (not every test needs one)."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForMultimodalLM
 
     loaded = {}
 
     def get(arch):
         if arch not in loaded:
-            loaded[arch] = AutoModelForImageTextToText.from_pretrained(model_dirs[arch]).eval()
+            loaded[arch] = AutoModelForMultimodalLM.from_pretrained(model_dirs[arch]).eval()
         return loaded[arch]
 
     return get
@@ -70,13 +68,6 @@ def cache(redis_client):
     cache.clear()
 
 
-def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="session")
 def image_url():
     """``image_url(width, height, seed)``: a data: URL of a noise PNG (seeded, so repeatable)."""
@@ -97,3 +88,23 @@ def open_items():
         return [replace(item, features={k: open_feature(v) for k, v in item.features.items()}) for item in items]
 
     return open_
+
+
+@pytest.fixture(scope="session")
+def video_url():
+    """``video_url(frames, width, height, seed)``: a data: URL of a noise mp4 at 2 fps."""
+
+    def make(frames: int = 4, width: int = 64, height: int = 48, seed: int = 0) -> str:
+        return "data:video/mp4;base64," + base64.b64encode(mp4_bytes(frames, width, height, seed)).decode()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def audio_url():
+    """``audio_url(seconds, rate, seed)``: a data: URL of a mono WAV."""
+
+    def make(seconds: float = 1.0, rate: int = 16_000, seed: int = 0) -> str:
+        return "data:audio/wav;base64," + base64.b64encode(wav_bytes(seconds, rate, seed)).decode()
+
+    return make

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from engine.demo_model import ARCHS
+from engine.demo_model import IMAGE_ARCHS
 from engine.errors import PayloadTooLargeError, PlaceholderMismatchError
+from processors.decode import decode_image
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
-from processors.fetch import decode_image
 from processors.pipeline import PreprocessLimits, encode_features, preprocess
 
 
@@ -20,7 +20,7 @@ def per_image_features(processor, fetcher, urls):
     return [processor.process_images([image], {}) for image in images]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", IMAGE_ARCHS)
 def test_features_give_what_media_gives(arch, processors, fetcher, transport, limits, image_url, open_items):
     processor = processors[arch]
     urls = [image_url(64, 48, 1), image_url(40, 90, 2)]

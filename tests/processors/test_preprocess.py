@@ -39,9 +39,11 @@ def test_fetch_errors_keep_their_type_and_name_the_part(run, image_url):
         run({"prompt": QWEN, "content_parts": [{"type": "image_url", "url": junk}]})
 
 
-def test_video_and_unknown_parts_are_refused(run, image_url):
+def test_modalities_a_model_does_not_take_and_unknown_parts_are_refused(run, image_url):
     with pytest.raises(UnsupportedModalityError, match=r"content_parts\[0\].*not video"):
-        run({"prompt": "x", "content_parts": [{"type": "video_url", "url": image_url()}]})
+        run({"prompt": "x", "content_parts": [{"type": "video_url", "url": image_url()}]}, arch="llava")
+    with pytest.raises(UnsupportedModalityError, match=r"content_parts\[0\].*not audio"):
+        run({"prompt": "x", "content_parts": [{"type": "audio_url", "url": image_url()}]})
     with pytest.raises(InvalidRequestError, match="unknown type"):
         run({"prompt": "x", "content_parts": [{"type": "file", "url": image_url()}]})
 

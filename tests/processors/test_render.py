@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.demo_model import ARCHS
+from engine.demo_model import IMAGE_ARCHS
 from engine.errors import InvalidRequestError
 from processors.pipeline import preprocess
 from processors.render import render
@@ -22,7 +22,7 @@ def messages_with_images(url_a, url_b):
     ]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", IMAGE_ARCHS)
 def test_rendered_ids_come_back_unchanged(arch, processors, fetcher, transport, limits, image_url):
     processor = processors[arch]
     url_a, url_b = image_url(64, 48, 1), image_url(40, 90, 2)
@@ -39,7 +39,7 @@ def test_rendered_ids_come_back_unchanged(arch, processors, fetcher, transport, 
 
 
 def _decode(fetcher, *urls):
-    from processors.fetch import decode_image
+    from processors.decode import decode_image
 
     return [decode_image(fetcher.fetch(url).data, max_pixels=10**8) for url in urls]
 
@@ -77,3 +77,17 @@ def test_text_only_and_malformed_messages(processors, fetcher):
                 [{"role": "user", "content": [{"type": "image_url", "image_url": "not-an-object"}]}]):
         with pytest.raises(InvalidRequestError):
             render(bad, processor, fetcher=fetcher)
+
+
+def test_video_parts_render_to_expanded_runs_a_job_keeps(processors, fetcher, transport, limits, video_url):
+    processor = processors["qwen2_vl"]
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": video_url(frames=4)}, "uuid": "clip"},
+        {"type": "text", "text": "What happens?"}]}]
+    rendered = render(messages, processor, fetcher=fetcher, limits=limits)
+    assert rendered["content_parts"] == [{"type": "video_url", "url": messages[0]["content"][0]["video_url"]["url"],
+                                          "uuid": "clip"}]
+    assert rendered["token_ids"].count(processor.token_id("video")) == 8
+    job = preprocess({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"]},
+                     processor=processor, fetcher=fetcher, cache=None, transport=transport, limits=limits)
+    assert job.prompt_token_ids == rendered["token_ids"]

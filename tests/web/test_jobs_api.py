@@ -96,6 +96,20 @@ def test_sglang_aliases_are_accepted(client):
     assert stored["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAAA"}]
 
 
+def test_sglang_video_and_audio_data_become_content_parts(client):
+    body = {"text": "<video><image><audio>", "image_data": ["https://e.com/a.png"],
+            "video_data": "https://e.com/v.mp4", "audio_data": ["https://e.com/1.wav", "https://e.com/2.wav"]}
+    job_id = submit(client, body).get_json()["id"]
+    stored = client.application.extensions["rollout"].jobs.get(job_id)["request"]
+    assert stored["content_parts"] == [
+        {"type": "image_url", "url": "https://e.com/a.png"}, {"type": "video_url", "url": "https://e.com/v.mp4"},
+        {"type": "audio_url", "url": "https://e.com/1.wav"}, {"type": "audio_url", "url": "https://e.com/2.wav"}]
+    both = {"text": "<video>", "video_data": "https://e.com/v.mp4",
+            "content_parts": [{"type": "video_url", "url": "https://e.com/v.mp4"}]}
+    response = submit(client, both)
+    assert response.status_code == 422 and "video_data" in response.get_json()["errors"]
+
+
 def test_default_max_tokens_comes_from_settings(make_app):
     client = make_app(default_max_tokens=7).test_client()
     job_id = submit(client, {"prompt": "hello"}).get_json()["id"]

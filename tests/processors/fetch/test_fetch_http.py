@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from processors.decode import decode_image
 from processors.fetch import (
     FetchPolicy,
     GuardedFetcher,
@@ -19,7 +20,6 @@ from processors.fetch import (
     MediaRejectedError,
     MediaTimeoutError,
     MediaTooLargeError,
-    decode_image,
     log_policy_warnings,
 )
 

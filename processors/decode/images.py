@@ -8,8 +8,7 @@ import warnings
 from PIL import Image, ImageFile
 
 from engine.errors import InternalError
-
-from .errors import MediaDecodeError, MediaTooLargeError
+from processors.fetch.errors import MediaDecodeError, MediaTooLargeError
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
