@@ -22,7 +22,7 @@ AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 def run(processors, fetcher, transport, limits):
     def run_(request, *, limits=limits, cache=None):
         return preprocess(request, processor=processors["qwen2_5_omni"], fetcher=fetcher, cache=cache,
-                          transport=transport, limits=limits)
+                          transport=transport, limits=limits, owner="key_a")
 
     return run_
 

@@ -77,7 +77,7 @@ def test_processor_contract(
     def run(request, with_cache=False):
         return preprocess(
             request, processor=processor, fetcher=fetcher, cache=cache if with_cache else None,
-            transport=transport, limits=limits,
+            transport=transport, limits=limits, owner="key_a",
         )
 
     text = run({"prompt": prompt, "content_parts": parts})
@@ -160,7 +160,7 @@ def test_media_contract(arch, modality, processors, models, fetcher, transport, 
 
     def run(request, with_cache=False):
         return preprocess(request, processor=processor, fetcher=fetcher, cache=cache if with_cache else None,
-                          transport=transport, limits=limits)
+                          transport=transport, limits=limits, owner="key_a")
 
     text = run({"prompt": prompt, "content_parts": parts})
     assert [r["modality"] for r in text.placeholder_ranges] == [modality, modality]

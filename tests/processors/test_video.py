@@ -55,7 +55,7 @@ def test_an_odd_frame_count_repeats_the_last_frame(processors):
 def run(processors, fetcher, transport, limits):
     def run_(request, *, arch="qwen2_vl", cache=None, limits=limits):
         return preprocess(request, processor=processors[arch], fetcher=fetcher, cache=cache,
-                          transport=transport, limits=limits)
+                          transport=transport, limits=limits, owner="key_a")
 
     return run_
 
