@@ -14,9 +14,10 @@ from tests.conftest import db_url
 from web.batches import ParsedBatch, create_batch
 from workers.batch_progress import batch_store, cancel_lines, expire, record_job_end
 from workers.batch_store import lines_key, output_key
-from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, create_celery
+from workers.celery_app import create_celery
 from workers.job_store import QueueFullError
 from workers.lifecycle import end_job, end_jobs, fail_job
+from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk

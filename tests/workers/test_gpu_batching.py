@@ -11,8 +11,9 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from tests.conftest import empty_db_url
-from workers.celery_app import SHARED_GENERATE_QUEUE, create_celery
+from workers.celery_app import create_celery
 from workers.gpu_batching import REQUEUE, GenerateBatches
+from workers.names import SHARED_GENERATE_QUEUE
 from workers.settings import Settings
 
 TASK = "tests.gpu_batching.record"

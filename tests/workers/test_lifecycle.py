@@ -12,8 +12,9 @@ import pytest
 from engine.errors import InvalidRequestError, NotFoundError
 from tests.conftest import empty_db_url
 from workers.batch_store import BatchStore
-from workers.celery_app import WEBHOOKS_QUEUE, create_celery
-from workers.lifecycle import JOB_ENDED_WEBHOOK_TASK, cancel_job, end_job, end_jobs, fail_job, fail_unexpected
+from workers.celery_app import create_celery
+from workers.lifecycle import cancel_job, end_job, end_jobs, fail_job, fail_unexpected
+from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.settings import Settings
 
@@ -38,7 +39,7 @@ def webhook_messages(rt) -> list[str]:
     job_ids = []
     for raw in reversed(rt.redis.lrange(WEBHOOKS_QUEUE, 0, -1)):  # kombu LPUSHes
         message = json.loads(raw)
-        assert message["headers"]["task"] == JOB_ENDED_WEBHOOK_TASK
+        assert message["headers"]["task"] == JOB_ENDED_TASK
         job_ids.append(json.loads(base64.b64decode(message["body"]))[0][0])
     return job_ids
 

@@ -18,18 +18,12 @@ import redis
 from celery.contrib.testing.worker import start_worker
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from workers.celery_app import WEBHOOKS_QUEUE, create_celery
+from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
+from workers.names import BATCH_ENDED_TASK, DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
-from workers.tasks.webhooks import (
-    BATCH_ENDED_TASK,
-    DELIVER_TASK,
-    JOB_ENDED_TASK,
-    emit_batch_event,
-    emit_job_event,
-    run_attempt,
-)
+from workers.tasks.webhooks import emit_batch_event, emit_job_event, run_attempt
 from workers.webhooks import (
     BLOCKED,
     FAILED,

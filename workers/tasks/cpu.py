@@ -19,18 +19,16 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
-from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
+from workers.names import GENERATE_TASK, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import encode_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.submission import GENERATE_TASK
 
 log = logging.getLogger(__name__)
-
 
 
 class PreprocessRequest(Request):
@@ -49,7 +47,7 @@ class PreprocessTask(Task):
     Request = PreprocessRequest
 
 
-@shared_task(name="rollout.preprocess", bind=True, base=PreprocessTask)
+@shared_task(name=PREPROCESS_TASK, bind=True, base=PreprocessTask)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
         try:

@@ -28,10 +28,10 @@ from celery import current_app, shared_task
 from engine.errors import NotFoundError
 from workers.batch_store import TERMINAL as BATCH_TERMINAL
 from workers.batch_store import BatchStore, public_batch
-from workers.celery_app import WEBHOOKS_QUEUE
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.metrics import count
+from workers.names import BATCH_ENDED_TASK, DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.webhooks import (
     BATCH_EVENTS,
@@ -49,10 +49,6 @@ from workers.webhooks import (
 )
 
 log = logging.getLogger(__name__)
-
-JOB_ENDED_TASK = "rollout.webhooks.job_ended"
-BATCH_ENDED_TASK = "rollout.webhooks.batch_ended"
-DELIVER_TASK = "rollout.webhooks.deliver"
 
 
 @shared_task(name=JOB_ENDED_TASK, bind=True)
