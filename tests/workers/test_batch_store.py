@@ -245,3 +245,12 @@ def test_lines_the_service_cannot_run_end_the_batch_failed(rt, redis_client, cap
     assert (ended["status"], ended["completed"], ended["failed"]) == ("failed", 1, 1)
     assert ended["failed_at"] >= ended["finalizing_at"]
     assert [line["error"]["code"] for line in results(rt, batch["id"], "errors")] == ["internal_error"]
+
+
+def test_owner_and_webhook_read_without_the_whole_record(rt):
+    hook = {"url": "https://hooks.example.com/batches", "events": ["batch.completed"]}
+    with_hook, without = new_batch(rt, 1, webhook=hook), new_batch(rt, 1)
+    store = batch_store(rt)
+    assert store.owner_and_webhook(with_hook["id"]) == (OWNER, hook)
+    assert store.owner_and_webhook(without["id"]) == (OWNER, None)
+    assert store.owner_and_webhook("batch_gone") == (None, None)

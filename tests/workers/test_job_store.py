@@ -90,6 +90,17 @@ def test_fail_stores_the_typed_error(store):
     assert ended["error_http_status"] == "500"
 
 
+def test_the_prompt_lives_until_the_job_ends(store):
+    plain = create(store, prompt='{"token_ids": [1, 2, 3]}')
+    later = create(store)
+    assert store.prompts([plain["id"], later["id"]]) == [b'{"token_ids": [1, 2, 3]}', None]
+    store.save_prompt(later["id"], '{"token_ids": [4]}')
+    assert store.prompts([later["id"]]) == [b'{"token_ids": [4]}']
+    assert 0 < store.redis.ttl(store.prompt_key(later["id"])) <= 600
+    store.advance(plain["id"], "cancelled", owner=OWNER)
+    assert store.prompts([plain["id"], later["id"]]) == [None, b'{"token_ids": [4]}']
+
+
 def test_cancel_flags_are_per_job_and_cleared_at_the_end(store):
     first, second = create(store), create(store)
     assert store.cancel_requested([first["id"], second["id"]]) == set()

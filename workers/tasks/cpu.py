@@ -94,7 +94,7 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         count(rt.redis, "mm_cache_hit", processed.cache_hits)
         count(rt.redis, "mm_cache_miss", len(processed.items) - processed.cache_hits)
     payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
-    rt.redis.set(rt.jobs.prompt_key(job_id), json.dumps(payload), ex=rt.settings.result_ttl)
+    rt.jobs.save_prompt(job_id, json.dumps(payload))
     # Handles name memory on this node: only this node's GPU workers may open them.
     queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
     app.send_task(GENERATE_TASK, args=[job_id], queue=queue)

@@ -76,7 +76,7 @@ def _generate(rt, job_ids: list[str]) -> None:
 def run_batch(rt, engine, job_ids: list[str]) -> None:
     deadline = time.monotonic() + rt.settings.task_soft_time_limit
     jobs = rt.jobs.get_many(job_ids)
-    prompts = rt.redis.mget([rt.jobs.prompt_key(job_id) for job_id in job_ids])
+    prompts = rt.jobs.prompts(job_ids)
     ready, ended = [], []
     for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
         if job is None:

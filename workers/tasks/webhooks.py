@@ -16,7 +16,6 @@ survives redelivery), so a duplicated follow-up message cannot start a second re
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -91,17 +90,17 @@ def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) ->
     """Make (once) and queue a batch's terminal event; its event id, or None when none is wanted.
 
     ``batch`` is the public batch object (sent as the payload's ``data``). Its owner and webhook
-    are read from the object, else from the batch record (``rq:batch:<id>`` fields ``owner`` and
-    ``webhook``, the latter JSON). Safe to call more than once per end.
+    are read from the object, else from the batch record. Safe to call more than once per end.
     """
     if event_type not in BATCH_EVENTS:
         raise ValueError(f"{event_type!r} is not a batch event")
     owner, webhook = batch.get("owner"), batch.get("webhook")
     if owner is None or webhook is None:
-        stored_owner, stored_webhook = rt.redis.hmget(f"rq:batch:{batch['id']}", "owner", "webhook")
-        owner = owner if owner is not None else (stored_owner or b"").decode()
-        if webhook is None and stored_webhook:
-            webhook = json.loads(stored_webhook) or None
+        stored_owner, stored_webhook = BatchStore(rt.redis, result_ttl=rt.settings.result_ttl).owner_and_webhook(
+            batch["id"])
+        owner = owner if owner is not None else stored_owner or ""
+        if webhook is None:
+            webhook = stored_webhook or None
     return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch)
 
 
