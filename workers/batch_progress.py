@@ -62,11 +62,6 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
         record_lines(rt, batch_id, [job_entry(job, cancelled_as) for job in ended])
 
 
-def record_job_end(rt, job: dict[str, Any]) -> None:
-    """``record_job_lines`` for one job."""
-    record_job_lines(rt, [job])
-
-
 def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:
     """Count lines as ended (see ``BatchStore.record``); ends the batch when they were the last."""
     if batch_store(rt).record(batch_id, entries):

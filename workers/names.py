@@ -25,7 +25,6 @@ PREPROCESS_TASK = "rollout.preprocess"
 GENERATE_TASK = "rollout.generate"
 
 JOB_ENDED_TASK = "rollout.webhooks.job_ended"
-BATCH_ENDED_TASK = "rollout.webhooks.batch_ended"
 DELIVER_TASK = "rollout.webhooks.deliver"
 
 ENQUEUE_CHUNK_TASK = "rollout.batches.enqueue_chunk"

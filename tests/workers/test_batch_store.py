@@ -12,7 +12,7 @@ import redis
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
 from web.batches import ParsedBatch, create_batch
-from workers.batch_progress import batch_store, cancel_lines, expire, record_job_end
+from workers.batch_progress import batch_store, cancel_lines, expire, record_job_lines
 from workers.batch_store import lines_key, output_key
 from workers.celery_app import create_celery
 from workers.job_store import QueueFullError
@@ -130,7 +130,7 @@ def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client)
         assert end_job(rt, job["id"], "succeeded", result=RESULT)
     assert fail_job(rt, jobs[3]["id"], ContextLengthError("too long"))
     # A second report of an ended job (a redelivered task) changes nothing.
-    record_job_end(rt, rt.jobs.get(jobs[0]["id"]))
+    record_job_lines(rt, [rt.jobs.get(jobs[0]["id"])])
     assert counts(rt, batch["id"]) == ("in_progress", 7, 3, 3)
     assert end_job(rt, jobs[4]["id"], "succeeded", result=RESULT)
     ended = batch_store(rt).get(batch["id"])
@@ -215,7 +215,7 @@ def test_the_end_of_a_batch_makes_one_webhook_event(rt):
     batch = new_batch(rt, 2, webhook={"url": "https://hooks.example.com/rq", "events": ["batch.completed"]})
     for job in submit_all(rt, batch["id"]):
         end_job(rt, job["id"], "succeeded", result=RESULT)
-    record_job_end(rt, rt.jobs.get(job["id"]))
+    record_job_lines(rt, [rt.jobs.get(job["id"])])
     events = store_for(rt).deliveries("batch", batch["id"])
     assert [(event["type"], event["url"]) for event in events] == [("batch.completed", "https://hooks.example.com/rq")]
     payload = json.loads(store_for(rt).get(events[0]["id"])["payload"])

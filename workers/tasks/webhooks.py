@@ -3,8 +3,6 @@
 - ``rollout.webhooks.job_ended(job_id)``: sent by ``workers.lifecycle`` when a job ends. Makes the
   job's event (at most one per job and event type: a second call finds it and only makes sure its
   first attempt is queued) and queues its delivery.
-- ``rollout.webhooks.batch_ended(batch_id, event_type=None)``: the same for a batch, for callers
-  that prefer a task to calling :func:`emit_batch_event` in process.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
   next attempt with a countdown. A delivery never touches its job.
 
@@ -25,12 +23,11 @@ from typing import Any
 from celery import current_app, shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_store import TERMINAL as BATCH_TERMINAL
-from workers.batch_store import BatchStore, public_batch
+from workers.batch_store import BatchStore
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.metrics import count
-from workers.names import BATCH_ENDED_TASK, DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
+from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.webhooks import (
     BATCH_EVENTS,
@@ -58,22 +55,6 @@ def job_ended(self, job_id: str) -> str | None:
     except NotFoundError:
         return None  # expired: nothing to report
     return emit_job_event(rt, job, app=self.app)
-
-
-@shared_task(name=BATCH_ENDED_TASK, bind=True)
-def batch_ended(self, batch_id: str, event_type: str | None = None) -> str | None:
-    """The batch's terminal event (``event_type``, default ``batch.<its status>``)."""
-    rt = runtime(self.app)
-    try:
-        batch = BatchStore(rt.redis, result_ttl=rt.settings.result_ttl).get(batch_id)
-    except NotFoundError:
-        return None
-    if event_type is None:
-        if batch["status"] not in BATCH_TERMINAL:
-            log.warning("batch %s: no webhook for non-terminal status %s", batch_id, batch["status"])
-            return None
-        event_type = f"batch.{batch['status']}"
-    return emit_batch_event(rt, public_batch(batch), event_type, app=self.app)
 
 
 def emit_job_event(rt, job: dict[str, Any], *, app=None) -> str | None:
