@@ -20,7 +20,7 @@ from processors.hf_processors import (
     Qwen2VLImageProcessorOnly,
     Qwen3VLImageProcessorOnly,
 )
-from processors.registry import register_processor
+from processors.registration import register_processor
 
 
 class _QwenVLProcessor(MultimodalProcessor):

@@ -11,7 +11,9 @@ import logging
 from typing import Any
 
 from engine.errors import InternalError, RolloutError
+from workers.batch_progress import record_job_lines
 from workers.job_store import TERMINAL
+from workers.metrics import record_job_ends
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 
 log = logging.getLogger(__name__)
@@ -77,9 +79,6 @@ def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
 
 
 def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
-    from workers.batch_progress import record_job_lines
-    from workers.metrics import record_job_ends
-
     if not jobs:
         return
     if count:

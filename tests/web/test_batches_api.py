@@ -10,7 +10,8 @@ import pytest
 
 from tests.web.conftest import KEY_B, auth
 from web import batches
-from workers.batch_progress import batch_store, cancel_lines, record_lines
+from workers.batch_progress import batch_store, record_lines
+from workers.batch_sweeps import cancel_lines
 from workers.lifecycle import end_job
 from workers.names import BATCHES_QUEUE
 from workers.tasks.batches import submit_chunk

@@ -12,8 +12,9 @@ import redis
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
 from web.batches import ParsedBatch, create_batch
-from workers.batch_progress import batch_store, cancel_lines, expire, record_job_lines
+from workers.batch_progress import batch_store, record_job_lines
 from workers.batch_store import lines_key, output_key
+from workers.batch_sweeps import cancel_lines, expire
 from workers.celery_app import create_celery
 from workers.job_store import QueueFullError
 from workers.lifecycle import end_job, end_jobs, fail_job

@@ -23,7 +23,8 @@ from workers.job_store import JobStore, Limits
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
-from workers.tasks.webhooks import emit_batch_event, emit_job_event, run_attempt
+from workers.tasks.webhooks import run_attempt
+from workers.webhook_events import emit_batch_event, emit_job_event
 from workers.webhooks import (
     BLOCKED,
     FAILED,

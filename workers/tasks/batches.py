@@ -25,17 +25,9 @@ import redis
 from celery import Celery, shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_progress import (
-    CANCELLED,
-    EXPIRED,
-    batch_store,
-    cancel_lines,
-    expire,
-    job_entry,
-    line_error,
-    record_lines,
-)
+from workers.batch_progress import CANCELLED, EXPIRED, batch_store, job_entry, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
+from workers.batch_sweeps import cancel_lines, expire
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
 from workers.lifecycle import cancel_job
