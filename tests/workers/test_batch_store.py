@@ -11,7 +11,7 @@ import redis
 
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
-from web.batches import ParsedBatch, create_batch
+from workers.batch_creation import ParsedBatch, create_batch
 from workers.batch_progress import batch_store, record_job_lines
 from workers.batch_store import lines_key, output_key
 from workers.batch_sweeps import cancel_lines, expire
