@@ -92,14 +92,6 @@ def check_placeholders(
         )
 
 
-def concat_features(per_source: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Concatenate feature dicts along dim 0, keeping source order, per key."""
-    keys: list[str] = []
-    for features in per_source:
-        keys.extend(k for k in features if k not in keys and k not in _PER_TOKEN_KEYS)
-    return {key: torch.cat([f[key] for f in per_source if key in f], dim=0) for key in keys}
-
-
 def concat_rows(per_row: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The batch's features: each row's features, in row order, concatenated along dim 0.
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -109,9 +109,6 @@ class GenerationResult:
     # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list] | None] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def generate(

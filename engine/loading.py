@@ -50,10 +50,6 @@ class LoadedModel:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
-    def image_token_ids(self) -> tuple[int, ...]:
-        return tuple(self.media_token_ids.values())
-
-    @property
     def vocab_size(self) -> int:
         """Token ids the model can take and score: rows of its input embedding (and of its output
         head, when that has its own size)."""

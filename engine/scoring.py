@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -53,9 +52,6 @@ class ScoreResult:
     usage: dict[str, int]
     timings: dict[str, float]
     weight_version: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:

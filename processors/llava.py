@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from processors.base import Features, MultimodalProcessor
 from processors.errors import InvalidFeaturesError
-from processors.registry import register_processor
+from processors.registration import register_processor
 
 
 @register_processor("LlavaForConditionalGeneration")

@@ -17,7 +17,7 @@ from transformers.processing_utils import ProcessorMixin
 from processors.base import Features, MultimodalProcessor
 from processors.errors import InvalidFeaturesError, ItemLayoutError
 from processors.hf_processors import PixtralImageOnlyProcessor
-from processors.registry import register_processor
+from processors.registration import register_processor
 
 
 @register_processor("LlavaForConditionalGeneration", vision_model_type="pixtral")

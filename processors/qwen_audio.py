@@ -7,7 +7,7 @@ Audio as ``processors.whisper_audio`` describes: ``<|AUDIO|>`` runs inside
 from __future__ import annotations
 
 from processors.base import MultimodalProcessor
-from processors.registry import register_processor
+from processors.registration import register_processor
 from processors.whisper_audio import WhisperAudioMixin
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from processors.hf_processors import Qwen2_5OmniProcessorNoVideo
 from processors.qwen_vl import _QwenVideoMixin, _QwenVLProcessor
-from processors.registry import register_processor
+from processors.registration import register_processor
 from processors.whisper_audio import WhisperAudioMixin
 
 

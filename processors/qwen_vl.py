@@ -27,7 +27,7 @@ from processors.hf_processors import (
     Qwen3VLImageProcessorOnly,
 )
 from processors.qwen_video import qwen_video_features, seconds_per_grid, split_by_grid, video_size
-from processors.registry import register_processor
+from processors.registration import register_processor
 
 
 class _QwenVLProcessor(MultimodalProcessor):

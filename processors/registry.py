@@ -1,89 +1,23 @@
-"""Which processor serves which model: a registry keyed by HF architecture name.
+"""Which processor serves which model: ``load_processor`` picks it by HF architecture name.
 
-A processor class registers the names in ``config.architectures`` it serves::
-
-    @register_processor("Qwen2VLForConditionalGeneration")
-    class Qwen2VLProcessor(MultimodalProcessor): ...
-
-Architectures shared by several vision towers (LLaVA checkpoints with a Pixtral tower) register
-with ``vision_model_type=`` and win over the plain entry for that tower. Registering a name twice
-raises. The processor modules are imported at the end of this module, explicitly: an ImportError
-there is a broken install and propagates, it is never logged and skipped.
+The registry (``processors.registration``) is filled by the processor modules imported here,
+explicitly: an ImportError there is a broken install and propagates, it is never logged and
+skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from transformers import AutoConfig
-
+from processors import llava, pixtral, qwen_audio, qwen_omni, qwen_vl  # noqa: F401  (each registers its classes)
 from processors.base import MultimodalProcessor
-from processors.errors import UnsupportedModelError
+from processors.registration import REGISTRY, ProcessorRegistry, register_processor
 
-_Key = tuple[str, str | None]
+__all__ = ["REGISTRY", "ProcessorRegistry", "load_processor", "register_processor", "supported_architectures"]
 
-
-class ProcessorRegistry:
-    def __init__(self) -> None:
-        self._classes: dict[_Key, type[MultimodalProcessor]] = {}
-
-    def register(
-        self, *architectures: str, vision_model_type: str | None = None
-    ) -> Callable[[type[MultimodalProcessor]], type[MultimodalProcessor]]:
-        """Class decorator: serve ``architectures`` (optionally only with that vision tower)."""
-        if not architectures:
-            raise ValueError("register at least one architecture name")
-
-        def decorator(cls: type[MultimodalProcessor]) -> type[MultimodalProcessor]:
-            for architecture in architectures:
-                key = (architecture, vision_model_type)
-                if key in self._classes:
-                    raise ValueError(
-                        f"{_describe(key)} is already registered to {self._classes[key].__qualname__}"
-                    )
-                self._classes[key] = cls
-            return cls
-
-        return decorator
-
-    def supported(self) -> list[str]:
-        return sorted(_describe(key) for key in self._classes)
-
-    def processor_class(self, architecture: str | None, vision_model_type: str | None = None):
-        for key in ((architecture, vision_model_type), (architecture, None)):
-            if architecture is not None and key in self._classes:
-                return self._classes[key]
-        raise UnsupportedModelError(
-            f"no multimodal processor for architecture {architecture!r}"
-            f"{f' with a {vision_model_type!r} vision tower' if vision_model_type else ''}; "
-            f"supported: {', '.join(self.supported())}",
-            architecture=architecture,
-            supported=self.supported(),
-        )
-
-    def load(self, model_dir: str | Path, *, model_id: str | None = None) -> MultimodalProcessor:
-        config = AutoConfig.from_pretrained(model_dir)
-        architecture = (config.architectures or [None])[0]
-        vision = getattr(getattr(config, "vision_config", None), "model_type", None)
-        cls = self.processor_class(architecture, vision)
-        return cls(model_dir, config=config, model_id=model_id)
-
-
-def _describe(key: _Key) -> str:
-    architecture, vision = key
-    return f"{architecture} (vision: {vision})" if vision else architecture
-
-
-REGISTRY = ProcessorRegistry()
-register_processor = REGISTRY.register
 supported_architectures = REGISTRY.supported
 
 
 def load_processor(model_dir: str | Path, *, model_id: str | None = None) -> MultimodalProcessor:
     """The processor for the model in ``model_dir``, chosen by ``config.architectures[0]``."""
     return REGISTRY.load(model_dir, model_id=model_id)
-
-
-# Last, because these modules use register_processor above. Explicit on purpose (see docstring).
-from processors import llava, pixtral, qwen_audio, qwen_omni, qwen_vl  # noqa: E402, F401

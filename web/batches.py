@@ -4,8 +4,9 @@ Each line of the file is ``{"custom_id": ..., "kind": "generate" | "score", "bod
 The body is checked by the same schema and limits as ``POST /v1/jobs`` (the line's ``kind`` wins
 over ``body.kind``). An invalid line does not fail the batch: it goes to the batch's errors with
 its line number, and the batch runs the other lines; only a file without one valid line is refused
-(422). The file is validated here, in the API process; its valid lines are stored in Redis and
-the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per chunk of lines.
+(422). The file is validated here, in the API process; ``workers.batch_creation`` stores its valid
+lines in Redis, and the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per
+chunk of lines.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from flask import Response, request
@@ -21,16 +21,17 @@ from flask.views import MethodView
 from marshmallow import Schema, ValidationError, fields, pre_load, validate
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
-from engine.errors import InvalidRequestError, PayloadTooLargeError, RateLimitedError, RolloutError
+from engine.errors import InvalidRequestError, RolloutError
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
 from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
 from web.services import services
 from web.submit import check_limits
+from workers.batch_creation import BatchTooLargeError, ParsedBatch, create_batch
 from workers.batch_progress import batch_store
 from workers.batch_store import STATUSES, public_batch
-from workers.tasks.batches import request_cancel, start_batch
+from workers.tasks.batches import request_cancel
 from workers.webhooks import BATCH_EVENTS
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
@@ -39,14 +40,10 @@ JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
 # Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
 MAX_COMPLETION_WINDOW = 7 * 24 * 3600
 MIN_COMPLETION_WINDOW = 60
-# Line errors shown in the batch object (all of them are in the errors download) and in a 422.
-REPORTED_LINE_ERRORS = 10
+# Line errors shown in a 422 (the batch object shows workers.batch_creation.REPORTED_LINE_ERRORS).
 REFUSED_LINE_ERRORS = 5
 # Room for the multipart boundaries and the form fields around the file.
 MULTIPART_OVERHEAD = 64 * 1024
-RECORD_PAGE = 1000
-# A hint only: batches end when their lines do, minutes to hours.
-STORAGE_RETRY_AFTER_S = 60
 # At most 9 digits: past that the window is out of range anyway, and int() of thousands of digits raises.
 _WINDOW = re.compile(r"^\s*(\d{1,9})\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -56,16 +53,6 @@ class InvalidBatchError(InvalidRequestError):
     """The file has no valid line (or none at all); ``errors`` lists the first line errors."""
 
     code = "invalid_batch"
-
-
-class BatchTooLargeError(PayloadTooLargeError):
-    code = "batch_too_large"
-
-
-class BatchStorageFullError(RateLimitedError):
-    """The key's unfinished batches hold as much input in Redis as it may store."""
-
-    code = "batch_storage_full"
 
 
 # --- Schemas --------------------------------------------------------------------------------------
@@ -286,13 +273,6 @@ def _stream_results(batch_id: str, which: str) -> Response:
 
 # --- Reading and checking the file ----------------------------------------------------------------
 
-@dataclass
-class ParsedBatch:
-    valid: list[str] = field(default_factory=list)  # JSON {line, custom_id, request}, ready to store
-    invalid: list[dict[str, Any]] = field(default_factory=list)  # error entries
-    total: int = 0
-
-
 def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
     """Check every line (within a request context: limits come from the app's settings)."""
     if data.startswith(codecs.BOM_UTF8):
@@ -336,33 +316,6 @@ def validate_lines(data: bytes, *, max_lines: int) -> ParsedBatch:
         parsed.valid.append(json.dumps({"line": number, "custom_id": line["custom_id"], "request": body},
                                        separators=(",", ":")))
     return parsed
-
-
-def create_batch(svc, owner: str, parsed: ParsedBatch, *, completion_window: int,
-                 metadata: dict | None, webhook: dict | None) -> dict[str, Any]:
-    """Store the batch and its lines, then queue its chunks; the public batch object."""
-    store = batch_store(svc)
-    cap = svc.settings.batch_max_stored_bytes_per_key
-    size = sum(len(line) for line in parsed.valid)  # ASCII JSON: characters are bytes
-    if size > cap:
-        raise BatchTooLargeError(f"the valid lines take {size} bytes as stored; a key may store at most {cap}")
-    batch = store.create(owner=owner, total=parsed.total, chunk_size=svc.settings.batch_chunk_size,
-                         completion_window=completion_window, metadata=metadata, webhook=webhook,
-                         validation_errors=parsed.invalid[:REPORTED_LINE_ERRORS],
-                         invalid_lines=len(parsed.invalid))
-    batch_id = batch["id"]
-    held = store.reserve_input(batch, size, cap=cap)
-    if held is not None:
-        store.discard(batch)
-        raise BatchStorageFullError(
-            f"this key's unfinished batches hold {held} bytes of input; this one needs {size} more "
-            f"and a key may store {cap}: retry when one ends", headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)})
-    for start in range(0, len(parsed.invalid), RECORD_PAGE):
-        store.record(batch_id, [(entry["line"], False, entry) for entry in parsed.invalid[start:start + RECORD_PAGE]])
-    chunks = store.add_lines(batch_id, parsed.valid)
-    store.move(batch_id, "in_progress", from_=("validating",))
-    start_batch(svc.celery, svc.settings, batch_id, chunks, completion_window)
-    return public_batch(store.get(batch_id))
 
 
 def _read_upload(limit: int) -> tuple[bytes, dict[str, str]]:

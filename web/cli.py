@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run one kind of Celery worker (needs ROLLOUT_REDIS_URL)")
     worker.add_argument("kind", choices=KINDS)
     try:
-        from web.cli_batch import add_batch_commands
+        from client.batch_cli import add_batch_commands
     except ImportError:  # only when the client package is not installed
         add_batch_commands = None
     if add_batch_commands:

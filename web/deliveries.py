@@ -7,10 +7,10 @@ from __future__ import annotations
 from flask.views import MethodView
 from marshmallow import Schema, fields
 
-from engine.errors import NotFoundError
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.services import services
+from workers.batch_progress import batch_store
 from workers.webhooks import store_for_redis
 
 blp = Blueprint("deliveries", __name__, url_prefix="/v1", description="Webhook deliveries")
@@ -65,11 +65,5 @@ class BatchDeliveries(MethodView):
     def get(self, batch_id):
         """The batch's webhook events and their delivery attempts."""
         svc = services()
-        owner = svc.redis.hget(f"rq:batch:{batch_id}", "owner") if _plausible_id(batch_id) else None
-        if owner is None or owner.decode() != current_owner():
-            raise NotFoundError(f"no batch {batch_id!r}")
+        batch_store(svc).get(batch_id, owner=current_owner())
         return {"data": store_for_redis(svc.redis, svc.settings).deliveries("batch", batch_id)}
-
-
-def _plausible_id(object_id: str) -> bool:
-    return 0 < len(object_id) <= 64 and all(c.isalnum() or c in "-_" for c in object_id)

@@ -7,8 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from web.services import services
-from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
-from workers.metrics import STAGE_BUCKETS, STAGES
+from workers.metrics import snapshot
+from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 
 blp = Blueprint("metrics", __name__)
 
@@ -20,14 +20,11 @@ class RedisCollector:
         self.svc = svc
 
     def collect(self):
-        r = self.svc.redis
         queues = [PREPROCESS_QUEUE, self.svc.settings.generate_queue, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE,
                   BATCHES_QUEUE]
+        numbers = snapshot(self.svc.redis, queues)
         depth = GaugeMetricFamily("rollout_queue_depth", "Messages waiting in each Celery queue", labels=["queue"])
-        pipe = r.pipeline(transaction=False)
-        for queue in queues:
-            pipe.llen(queue)
-        for queue, length in zip(queues, pipe.execute(), strict=True):
+        for queue, length in numbers.queue_depths.items():
             depth.add_metric([queue], length)
         yield depth
 
@@ -36,24 +33,18 @@ class RedisCollector:
         yield active
 
         ended = CounterMetricFamily("rollout_jobs_ended", "Jobs that ended, by status", labels=["status"])
-        for status, value in sorted(r.hgetall("rq:metrics:jobs_ended").items()):
-            ended.add_metric([status.decode()], int(value))
+        for status, value in numbers.jobs_ended.items():
+            ended.add_metric([status], value)
         yield ended
 
         counters = CounterMetricFamily("rollout_events", "Cache hits and misses, transport kinds", labels=["event"])
-        for name, value in sorted(r.hgetall("rq:metrics:counters").items()):
-            counters.add_metric([name.decode()], int(value))
+        for name, value in numbers.counters.items():
+            counters.add_metric([name], value)
         yield counters
 
         latency = HistogramMetricFamily("rollout_stage_seconds", "Time spent in each stage", labels=["stage"])
-        for stage in STAGES:
-            raw = {k.decode(): float(v) for k, v in r.hgetall(f"rq:metrics:stage:{stage}").items()}
-            cumulative, buckets = 0.0, []
-            for bound in STAGE_BUCKETS:
-                cumulative += raw.get(repr(bound), 0)
-                buckets.append((repr(bound), cumulative))
-            buckets.append(("+Inf", cumulative + raw.get("+Inf", 0)))
-            latency.add_metric([stage], buckets, raw.get("sum", 0.0))
+        for stage, histogram in numbers.stages.items():
+            latency.add_metric([stage], histogram.buckets, histogram.total_seconds)
         yield latency
 
 

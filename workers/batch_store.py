@@ -40,6 +40,7 @@ import redis
 from engine.errors import NotFoundError
 from workers import finite_json
 from workers.job_store import new_id
+from workers.redis_records import decode_record, encode_field, iter_list, page_newest_first, plausible_id
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
             "cancelled", "expired")
@@ -47,7 +48,8 @@ TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 # The timestamp field each status sets when a batch moves there.
 STATUS_TIMESTAMPS = {status: f"{status}_at" for status in STATUSES if status != "validating"}
 _JSON_FIELDS = ("metadata", "webhook", "validation_errors")
-_INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completion_window", "invalid_lines")
+_INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completion_window", "invalid_lines",
+               "keys_expire_at")
 PAGE = 1000
 
 # KEYS: batch hash, and the keys to re-expire when the batch ends. ARGV: new status, allowed
@@ -215,7 +217,7 @@ class BatchStore:
 
     def get(self, batch_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """The batch, or NotFoundError — also when it belongs to another owner."""
-        raw = self.redis.hgetall(batch_key(batch_id)) if _plausible_id(batch_id) else {}
+        raw = self.redis.hgetall(batch_key(batch_id)) if plausible_id(batch_id) else {}
         if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
             raise NotFoundError(f"no batch {batch_id!r}")
         return _decode(raw)
@@ -223,26 +225,19 @@ class BatchStore:
     def list(self, *, owner: str, status: str | None, limit: int,
              cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The owner's batches, newest first. The cursor is the creation time of the last one seen."""
-        index = owner_index_key(owner)
-        upper = f"({cursor}" if cursor else "+inf"
-        found: list[dict[str, Any]] = []
-        while True:
-            ids = self.redis.zrevrangebyscore(index, upper, "-inf", start=0, num=max(limit * 2, 50), withscores=True)
-            if not ids:
-                return found, None
-            pipe = self.redis.pipeline(transaction=False)
-            for batch_id, _ in ids:
-                pipe.hgetall(batch_key(batch_id.decode()))
-            for (batch_id, score), raw in zip(ids, pipe.execute(), strict=True):
-                upper = f"({score!r}"
-                if not raw:  # expired: drop it from the index as we pass
-                    self.redis.zrem(index, batch_id)
-                    continue
-                batch = _decode(raw)
-                if status is None or batch["status"] == status:
-                    found.append(batch)
-                    if len(found) == limit:
-                        return found, repr(score)
+        return page_newest_first(self.redis, owner_index_key(owner), limit=limit, cursor=cursor, load=self._get_many,
+                                 keep=lambda batch: status is None or batch["status"] == status)
+
+    def _get_many(self, batch_ids: list[str]) -> list[dict[str, Any] | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hgetall(batch_key(batch_id))
+        return [_decode(raw) if raw else None for raw in pipe.execute()]
+
+    def owner_and_webhook(self, batch_id: str) -> tuple[str | None, dict | None]:
+        """The batch's owner and webhook (None for either when the batch or the field is gone)."""
+        owner, webhook = self.redis.hmget(batch_key(batch_id), "owner", "webhook")
+        return (owner.decode() if owner is not None else None), (json.loads(webhook) if webhook else None)
 
     def chunk(self, batch_id: str, index: int, chunk_size: int) -> list[dict[str, Any]]:
         start = index * chunk_size
@@ -250,10 +245,8 @@ class BatchStore:
 
     def iter_lines(self, batch_id: str) -> Iterator[list[dict[str, Any]]]:
         """The valid input lines, a page at a time (for cancel and expiry sweeps)."""
-        start = 0
-        while page := self.redis.lrange(lines_key(batch_id), start, start + PAGE - 1):
+        for page in iter_list(self.redis, lines_key(batch_id), PAGE):
             yield [json.loads(item) for item in page]
-            start += len(page)
 
     def line_jobs(self, batch_id: str, lines: list[int]) -> dict[int, str]:
         """Line number -> job id, for those of ``lines`` that have a job."""
@@ -283,11 +276,7 @@ class BatchStore:
 
         The lists only grow while the batch runs, so paging by index never skips or repeats a line.
         """
-        key = output_key(batch_id) if which == "output" else errors_key(batch_id)
-        start = 0
-        while items := self.redis.lrange(key, start, start + page - 1):
-            yield items
-            start += len(items)
+        return iter_list(self.redis, output_key(batch_id) if which == "output" else errors_key(batch_id), page)
 
     # --- Changing -------------------------------------------------------------------------------
 
@@ -348,25 +337,8 @@ def public_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def _encode(name: str, value: Any) -> str:
-    if name in _JSON_FIELDS:
-        return json.dumps(value, separators=(",", ":"))
-    return "" if value is None else str(value)
+    return encode_field(name, value, _JSON_FIELDS)
 
 
 def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
-    batch: dict[str, Any] = {}
-    for key, value in raw.items():
-        name, text = key.decode(), value.decode()
-        if name in _JSON_FIELDS:
-            batch[name] = json.loads(text) if text else None
-        elif name in _INT_FIELDS or name == "keys_expire_at":
-            batch[name] = int(text)
-        elif name.endswith("_at"):
-            batch[name] = float(text) if text else None
-        else:
-            batch[name] = text
-    return batch
-
-
-def _plausible_id(batch_id: str) -> bool:
-    return 0 < len(batch_id) <= 64 and all(c.isalnum() or c in "-_" for c in batch_id)
+    return decode_record(raw, json_fields=_JSON_FIELDS, int_fields=_INT_FIELDS)

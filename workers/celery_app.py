@@ -1,8 +1,6 @@
 """The Celery app factory.
 
-Queues: ``preprocess`` (CPU workers), ``generate.<node_id>`` (the GPU workers of one node; items
-that carry feature handles must stay on the node that made them), ``generate.shared`` (inline
-work any GPU worker may take), ``webhooks`` and ``batches``.
+Queues and task names: ``workers.names``.
 
 Reliability settings, and why:
 - JSON only: tasks carry ids and small JSON, never pickled objects.
@@ -24,12 +22,8 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Exchange, Queue
 
+from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 from workers.settings import Settings
-
-PREPROCESS_QUEUE = "preprocess"
-SHARED_GENERATE_QUEUE = "generate.shared"
-WEBHOOKS_QUEUE = "webhooks"
-BATCHES_QUEUE = "batches"
 
 TASK_MODULES = [
     "workers.tasks.cpu",

@@ -41,7 +41,7 @@ import time
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
-from workers.celery_app import SHARED_GENERATE_QUEUE
+from workers.names import SHARED_GENERATE_QUEUE
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
 

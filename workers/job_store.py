@@ -12,7 +12,6 @@ per owner and in total (for backpressure), kept exact by the same scripts.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
+from workers.redis_records import decode_record, encode_field, page_newest_first, plausible_id
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -97,7 +97,7 @@ class JobStore:
 
     @staticmethod
     def prompt_key(job_id: str) -> str:
-        """Where the CPU worker leaves the finalized prompt for the GPU worker."""
+        """Where the finalized prompt waits for the GPU worker (``save_prompt``, ``prompts``)."""
         return f"rq:job:{job_id}:prompt"
 
     @staticmethod
@@ -135,7 +135,7 @@ class JobStore:
 
     def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
         """The job, or NotFoundError — also when it belongs to another owner."""
-        raw = self.redis.hgetall(self.key(job_id)) if _plausible_id(job_id) else {}
+        raw = self.redis.hgetall(self.key(job_id)) if plausible_id(job_id) else {}
         if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
             raise NotFoundError(f"no job {job_id!r}")
         return self._decode(raw)
@@ -192,6 +192,15 @@ class JobStore:
                 return self.get(job_id)
         return None
 
+    def save_prompt(self, job_id: str, prompt: str) -> None:
+        """Leave the job's finalized prompt (JSON, see ``workers.prompt_codec``) for the GPU worker.
+        It is deleted when the job ends."""
+        self.redis.set(self.prompt_key(job_id), prompt, ex=self.limits.result_ttl)
+
+    def prompts(self, job_ids: list[str]) -> list[bytes | None]:
+        """The jobs' finalized prompts as stored (JSON); None where a job has none (yet, or any more)."""
+        return self.redis.mget([self.prompt_key(job_id) for job_id in job_ids]) if job_ids else []
+
     def request_abort(self, job_id: str) -> None:
         """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""
         self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
@@ -202,48 +211,16 @@ class JobStore:
 
     def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
         """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
-        index = f"rq:jobs:{owner}"
-        upper = f"({cursor}" if cursor else "+inf"
-        jobs: list[dict] = []
-        while len(jobs) < limit:
-            ids = self.redis.zrevrangebyscore(index, upper, "-inf", start=0, num=max(limit * 2, 50), withscores=True)
-            if not ids:
-                return jobs, None
-            records = self.get_many([job_id.decode() for job_id, _ in ids])
-            for (job_id, score), job in zip(ids, records, strict=True):
-                upper = f"({score!r}"
-                if job is None:  # expired: drop it from the index as we pass
-                    self.redis.zrem(index, job_id)
-                    continue
-                if status is None or job["status"] == status:
-                    jobs.append(job)
-                    if len(jobs) == limit:
-                        return jobs, repr(score)
-        return jobs, None
+        return page_newest_first(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+                                 keep=lambda job: status is None or job["status"] == status)
 
     def active_counts(self) -> int:
         return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
 
     @staticmethod
     def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
-        job: dict[str, Any] = {}
-        for key, value in raw.items():
-            name = key.decode() if isinstance(key, bytes) else key
-            text = value.decode() if isinstance(value, bytes) else value
-            if name in _JSON_FIELDS:
-                job[name] = json.loads(text) if text else None
-            elif name.endswith("_at"):
-                job[name] = float(text) if text else None
-            else:
-                job[name] = text
-        return job
+        return decode_record(raw, json_fields=_JSON_FIELDS)
 
 
 def _encode(name: str, value: Any) -> str:
-    if name in _JSON_FIELDS:
-        return json.dumps(value, separators=(",", ":"))
-    return "" if value is None else str(value)
-
-
-def _plausible_id(job_id: str) -> bool:
-    return 0 < len(job_id) <= 64 and all(c.isalnum() or c in "-_" for c in job_id)
+    return encode_field(name, value, _JSON_FIELDS)

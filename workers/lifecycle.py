@@ -11,12 +11,12 @@ import logging
 from typing import Any
 
 from engine.errors import InternalError, RolloutError
-from workers.celery_app import WEBHOOKS_QUEUE
+from workers.batch_progress import record_job_lines
 from workers.job_store import TERMINAL
+from workers.metrics import record_job_ends
+from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 
 log = logging.getLogger(__name__)
-
-JOB_ENDED_WEBHOOK_TASK = "rollout.webhooks.job_ended"
 
 
 def end_job(rt, job_id: str, status: str, *, job: dict[str, Any] | None = None, **fields: Any) -> bool:
@@ -79,9 +79,6 @@ def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
 
 
 def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
-    from workers.batch_progress import record_job_lines
-    from workers.metrics import record_job_ends
-
     if not jobs:
         return
     if count:
@@ -89,4 +86,4 @@ def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
     record_job_lines(rt, [job for job in jobs if job.get("batch_id")])
     for job in jobs:
         if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
-            rt.celery.send_task(JOB_ENDED_WEBHOOK_TASK, args=[job["id"]], queue=WEBHOOKS_QUEUE)
+            rt.celery.send_task(JOB_ENDED_TASK, args=[job["id"]], queue=WEBHOOKS_QUEUE)

@@ -10,6 +10,7 @@ Layout: ``rq:metrics:jobs_ended`` hash (status -> count), ``rq:metrics:stage:<st
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import redis
 
@@ -45,6 +46,53 @@ def record_job_ends(client: redis.Redis, jobs: list[dict]) -> None:
         if transport:
             pipe.hincrby("rq:metrics:counters", f"transport_{transport}", 1)
     _best_effort(pipe)
+
+
+@dataclass(frozen=True)
+class StageHistogram:
+    buckets: list[tuple[str, float]]  # (upper bound, cumulative count), "+Inf" last
+    total_seconds: float
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Every number at one moment, for ``GET /metrics``."""
+
+    queue_depths: dict[str, int]
+    jobs_ended: dict[str, int]
+    counters: dict[str, int]
+    stages: dict[str, StageHistogram]
+
+
+def snapshot(client: redis.Redis, queues: list[str]) -> MetricsSnapshot:
+    """Read every number in one round trip. ``queues``: the Celery queues to report the depth of
+    (kombu keeps each queue's waiting messages in a Redis list named after it)."""
+    pipe = client.pipeline(transaction=False)
+    for queue in queues:
+        pipe.llen(queue)
+    pipe.hgetall("rq:metrics:jobs_ended")
+    pipe.hgetall("rq:metrics:counters")
+    for stage in STAGES:
+        pipe.hgetall(f"rq:metrics:stage:{stage}")
+    replies = pipe.execute()
+    depths = replies[:len(queues)]
+    ended, counters, *stages = replies[len(queues):]
+    return MetricsSnapshot(
+        queue_depths=dict(zip(queues, depths, strict=True)),
+        jobs_ended={name.decode(): int(value) for name, value in sorted(ended.items())},
+        counters={name.decode(): int(value) for name, value in sorted(counters.items())},
+        stages={stage: _histogram(raw) for stage, raw in zip(STAGES, stages, strict=True)},
+    )
+
+
+def _histogram(raw: dict[bytes, bytes]) -> StageHistogram:
+    values = {key.decode(): float(value) for key, value in raw.items()}
+    cumulative, buckets = 0.0, []
+    for bound in STAGE_BUCKETS:
+        cumulative += values.get(repr(bound), 0)
+        buckets.append((repr(bound), cumulative))
+    buckets.append(("+Inf", cumulative + values.get("+Inf", 0)))
+    return StageHistogram(buckets, values.get("sum", 0.0))
 
 
 def _best_effort(pipe) -> None:

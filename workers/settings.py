@@ -18,6 +18,7 @@ from typing import Any
 from environs import Env, EnvError
 
 from engine.errors import InvalidRequestError
+from workers.names import node_generate_queue
 
 
 class SettingsError(InvalidRequestError):
@@ -102,7 +103,7 @@ class Settings:
 
     @property
     def generate_queue(self) -> str:
-        return f"generate.{self.node_id}"
+        return node_generate_queue(self.node_id)
 
 
 # Checks beyond the type, by field. Every field of Settings is read from ROLLOUT_<FIELD NAME>.

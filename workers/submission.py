@@ -9,13 +9,10 @@ import redis
 from celery import Celery
 
 from engine.errors import ServiceUnavailableError
-from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.job_store import JobStore
 from workers.models import ModelFacts
+from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import text_prompt
-
-PREPROCESS_TASK = "rollout.preprocess"
-GENERATE_TASK = "rollout.generate"
 
 
 def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str, Any],

@@ -58,6 +58,7 @@ from processors.fetch import (
     MediaTimeoutError,
 )
 from workers import finite_json
+from workers.redis_records import decode_record
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -388,18 +389,8 @@ class WebhookStore:
 
 
 def _decode_event(raw: dict[bytes, bytes]) -> dict[str, Any]:
-    event: dict[str, Any] = {name: None for name in EVENT_FIELDS}
-    for key, value in raw.items():
-        name, text = key.decode(), value.decode()
-        if name.startswith("claim:"):
-            continue
-        if name == "attempts":
-            event[name] = int(text)
-        elif name.endswith("_at"):
-            event[name] = float(text) if text else None
-        else:
-            event[name] = text
-    return event
+    fields = {key: value for key, value in raw.items() if not key.startswith(b"claim:")}
+    return {**dict.fromkeys(EVENT_FIELDS), **decode_record(fields, int_fields=("attempts",))}
 
 
 def store_for_redis(client: redis.Redis, settings: Settings) -> WebhookStore:

@@ -8,15 +8,16 @@ from dataclasses import dataclass
 
 from celery import signals
 
-from workers.celery_app import (
+from workers.celery_app import create_celery
+from workers.heartbeats import start_heartbeat
+from workers.logs import configure_logging
+from workers.names import (
     BATCHES_QUEUE,
+    GENERATE_TASK,
     PREPROCESS_QUEUE,
     SHARED_GENERATE_QUEUE,
     WEBHOOKS_QUEUE,
-    create_celery,
 )
-from workers.heartbeats import start_heartbeat
-from workers.logs import configure_logging
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
     app.conf.worker_prefetch_multiplier = spec.prefetch
     app.loader.import_default_modules()
     if kind == "gpu":
-        generate = app.tasks["rollout.generate"]
+        generate = app.tasks[GENERATE_TASK]
         generate.flush_every = settings.gpu_batch_size
         generate.max_wait = settings.gpu_batch_wait_ms / 1000
         generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/gpu_batching.py)

@@ -17,15 +17,13 @@ KINDS = ("inline", "shm", "cuda_ipc")
 
 
 class FeatureTransport(Protocol):
-    """What the finalize step wraps with (producer) and what opens handles (consumer)."""
+    """What the finalize step wraps with (the producer side). Consumers open handles of any kind
+    with ``engine.transport.open_feature``."""
 
     kind: str
 
     def wrap(self, tensor: torch.Tensor) -> WrappedFeature:
         """Copy the tensor into transport memory; never raises for lack of room (goes inline)."""
-
-    def open(self, handle: dict[str, Any], *, device: Any = None) -> torch.Tensor:
-        """Consumer side: the tensor behind a handle of any kind (see ``open_feature``)."""
 
     def reap(self) -> int:
         """Free acknowledged and timed-out memory now; returns how many features were freed."""

@@ -22,9 +22,6 @@ class InlineTransport:
             raise TypeError(f"wrap takes a tensor, not {type(tensor).__name__}")
         return WrappedFeature(encode_inline(tensor))
 
-    def open(self, handle: dict[str, Any], *, device: Any = None) -> torch.Tensor:
-        return open_inline(handle, device=device)
-
     def reap(self) -> int:
         return 0
 

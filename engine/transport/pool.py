@@ -152,12 +152,6 @@ class RegionPool(ABC):
         )
         return WrappedFeature(handle)
 
-    def open(self, handle: dict[str, Any], *, device: Any = None) -> torch.Tensor:
-        # Imported here: the consumer dispatch imports every transport module, this one included.
-        from .consumer import open_feature
-
-        return open_feature(handle, device=device)
-
     def reap(self) -> int:
         """Free acknowledged and timed-out regions now; returns how many were freed."""
         freed = 0 if self._closed else self._drain_acks(force=True)

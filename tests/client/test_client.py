@@ -8,11 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -24,52 +21,6 @@ PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
 RESULT = {"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "token_ids": [9], "finish_reason": "length"}],
           "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
 FAST = RetryPolicy(backoff=0.01, jitter=0.0)
-
-
-# --- A scripted server ----------------------------------------------------------------------------
-
-class Scripted:
-    """Answers each request with the next scripted (status, headers, body); records what came."""
-
-    def __init__(self):
-        self.script: deque = deque()
-        self.seen: list[tuple[float, str, str, bytes]] = []
-        scripted = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                scripted.seen.append((time.monotonic(), self.command, self.path, body))
-                status, headers, payload = scripted.script.popleft() if len(scripted.script) > 1 else scripted.script[0]
-                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-                self.send_response(status)
-                for name, value in {"Content-Type": "application/json", **headers}.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = _answer
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def gaps(self) -> list[float]:
-        times = [seen[0] for seen in self.seen]
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
-
-
-@pytest.fixture
-def scripted():
-    server = Scripted()
-    yield server
-    server.server.shutdown()
-    server.server.server_close()
 
 
 def test_429_and_503_are_retried_honouring_retry_after(scripted):

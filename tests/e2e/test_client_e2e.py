@@ -10,9 +10,9 @@ import pytest
 from werkzeug.serving import make_server
 
 from client import ClientError, RolloutClient, WaitTimeoutError
+from client.batch_cli import run as run_cli
 from tests.e2e.conftest import API_KEY
 from web.app import create_app
-from web.cli_batch import run as run_cli
 
 GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
 

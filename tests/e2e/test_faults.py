@@ -32,7 +32,8 @@ from PIL import Image
 
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, settings_from_env
 from web.app import create_app
-from workers.celery_app import SHARED_GENERATE_QUEUE, create_celery
+from workers.celery_app import create_celery
+from workers.names import SHARED_GENERATE_QUEUE
 from workers.redis_server import EmbeddedRedis, free_port
 
 VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 10, 8, 6

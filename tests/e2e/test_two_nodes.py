@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
-from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
+from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.redis_server import EmbeddedRedis
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -46,9 +46,8 @@ def test_greedy_is_deterministic_and_reports_the_contract(engine, prompts):
     assert result.usage == {"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": 8}
     assert result.weight_version == engine.weight_version
     assert set(result.timings) >= {"prefill_s", "decode_s"}
-    body = result.to_dict()
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert body["choices"][0]["index"] == 0
+    assert result.choices[0].finish_reason == "length"
+    assert result.choices[0].index == 0
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])

@@ -10,9 +10,10 @@ import pytest
 
 from tests.web.conftest import KEY_B, auth
 from web import batches
-from workers.batch_progress import batch_store, cancel_lines, record_lines
-from workers.celery_app import BATCHES_QUEUE
+from workers.batch_progress import batch_store, record_lines
+from workers.batch_sweeps import cancel_lines
 from workers.lifecycle import end_job
+from workers.names import BATCHES_QUEUE
 from workers.tasks.batches import submit_chunk
 
 RESULT = {"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}

@@ -15,6 +15,7 @@ from PIL import Image
 from tests.web.conftest import auth
 from workers.batch_progress import batch_store, record_job_lines
 from workers.lifecycle import end_job
+from workers.names import PREPROCESS_QUEUE
 
 BIG_INT = "1" + "0" * 5000
 DEEP = "[" * 1000 + "]" * 1000
@@ -54,7 +55,7 @@ def assert_refused(response, status, code):
 
 
 def queued(client) -> int:
-    return client.application.extensions["rollout"].redis.llen("preprocess")
+    return client.application.extensions["rollout"].redis.llen(PREPROCESS_QUEUE)
 
 
 @pytest.mark.parametrize("path, text", [

@@ -7,8 +7,8 @@ import dataclasses
 import json
 
 from web.schemas import SamplingParamsSchema
-from workers.celery_app import SHARED_GENERATE_QUEUE
-from workers.submission import GENERATE_TASK, submit_job
+from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
+from workers.submission import submit_job
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 DEFAULT_SAMPLING = SamplingParamsSchema().load({})  # as the API stores a request's sampling_params

@@ -11,12 +11,14 @@ import redis
 
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
-from web.batches import ParsedBatch, create_batch
-from workers.batch_progress import batch_store, cancel_lines, expire, record_job_end
+from workers.batch_creation import ParsedBatch, create_batch
+from workers.batch_progress import batch_store, record_job_lines
 from workers.batch_store import lines_key, output_key
-from workers.celery_app import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, create_celery
+from workers.batch_sweeps import cancel_lines, expire
+from workers.celery_app import create_celery
 from workers.job_store import QueueFullError
 from workers.lifecycle import end_job, end_jobs, fail_job
+from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk
@@ -129,7 +131,7 @@ def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client)
         assert end_job(rt, job["id"], "succeeded", result=RESULT)
     assert fail_job(rt, jobs[3]["id"], ContextLengthError("too long"))
     # A second report of an ended job (a redelivered task) changes nothing.
-    record_job_end(rt, rt.jobs.get(jobs[0]["id"]))
+    record_job_lines(rt, [rt.jobs.get(jobs[0]["id"])])
     assert counts(rt, batch["id"]) == ("in_progress", 7, 3, 3)
     assert end_job(rt, jobs[4]["id"], "succeeded", result=RESULT)
     ended = batch_store(rt).get(batch["id"])
@@ -214,7 +216,7 @@ def test_the_end_of_a_batch_makes_one_webhook_event(rt):
     batch = new_batch(rt, 2, webhook={"url": "https://hooks.example.com/rq", "events": ["batch.completed"]})
     for job in submit_all(rt, batch["id"]):
         end_job(rt, job["id"], "succeeded", result=RESULT)
-    record_job_end(rt, rt.jobs.get(job["id"]))
+    record_job_lines(rt, [rt.jobs.get(job["id"])])
     events = store_for(rt).deliveries("batch", batch["id"])
     assert [(event["type"], event["url"]) for event in events] == [("batch.completed", "https://hooks.example.com/rq")]
     payload = json.loads(store_for(rt).get(events[0]["id"])["payload"])
@@ -244,3 +246,12 @@ def test_lines_the_service_cannot_run_end_the_batch_failed(rt, redis_client, cap
     assert (ended["status"], ended["completed"], ended["failed"]) == ("failed", 1, 1)
     assert ended["failed_at"] >= ended["finalizing_at"]
     assert [line["error"]["code"] for line in results(rt, batch["id"], "errors")] == ["internal_error"]
+
+
+def test_owner_and_webhook_read_without_the_whole_record(rt):
+    hook = {"url": "https://hooks.example.com/batches", "events": ["batch.completed"]}
+    with_hook, without = new_batch(rt, 1, webhook=hook), new_batch(rt, 1)
+    store = batch_store(rt)
+    assert store.owner_and_webhook(with_hook["id"]) == (OWNER, hook)
+    assert store.owner_and_webhook(without["id"]) == (OWNER, None)
+    assert store.owner_and_webhook("batch_gone") == (None, None)

@@ -10,8 +10,9 @@ import json
 import pytest
 
 from tests.conftest import empty_db_url
-from workers.celery_app import WEBHOOKS_QUEUE, create_celery
-from workers.lifecycle import JOB_ENDED_WEBHOOK_TASK, resume_followups
+from workers.celery_app import create_celery
+from workers.lifecycle import resume_followups
+from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
@@ -41,7 +42,7 @@ def queued_webhook_jobs(rt) -> list[str]:
     job_ids = []
     for raw in rt.redis.lrange(WEBHOOKS_QUEUE, 0, -1):
         message = json.loads(raw)
-        assert message["headers"]["task"] == JOB_ENDED_WEBHOOK_TASK
+        assert message["headers"]["task"] == JOB_ENDED_TASK
         args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
         job_ids.append(args[0])
     return job_ids

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import empty_db_url
-from workers.celery_app import PREPROCESS_QUEUE, create_celery
+from workers.celery_app import create_celery
+from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
 from workers.settings import Settings
-from workers.submission import PREPROCESS_TASK, submit_job
+from workers.submission import submit_job
 from workers.tasks.cpu import PreprocessRequest
 
 OWNER = "key_owner"

@@ -25,31 +25,27 @@ import redis
 from celery import Celery, shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_progress import (
-    CANCELLED,
-    EXPIRED,
-    batch_store,
-    cancel_lines,
-    expire,
-    job_entry,
-    line_error,
-    record_lines,
-)
+from workers.batch_progress import CANCELLED, EXPIRED, batch_store, job_entry, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
-from workers.celery_app import BATCHES_QUEUE, SHARED_GENERATE_QUEUE
+from workers.batch_sweeps import cancel_lines, expire
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
 from workers.lifecycle import cancel_job
+from workers.names import (
+    BATCHES_QUEUE,
+    CANCEL_BATCH_TASK,
+    ENQUEUE_CHUNK_TASK,
+    EXPIRE_BATCH_TASK,
+    SCORE_LINES_TASK,
+    SHARED_GENERATE_QUEUE,
+)
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
-from workers.tasks.score_lines import SCORE_LINES_TASK, scorable_directly
+from workers.tasks.score_lines import scorable_directly
 
 log = logging.getLogger(__name__)
 
-ENQUEUE_CHUNK_TASK = "rollout.batches.enqueue_chunk"
-CANCEL_TASK = "rollout.batches.cancel"
-EXPIRE_TASK = "rollout.batches.expire"
 DEFAULT_RETRY_AFTER = 5.0
 _REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
@@ -68,11 +64,11 @@ def schedule_expiry(celery: Celery, settings: Settings, batch_id: str, seconds: 
     # The check re-arms itself in steps shorter than the broker's visibility timeout: Redis would
     # redeliver (and so duplicate) a message whose countdown is longer than that.
     countdown = max(1.0, min(seconds, settings.visibility_timeout / 2))
-    celery.send_task(EXPIRE_TASK, args=[batch_id], queue=BATCHES_QUEUE, countdown=countdown)
+    celery.send_task(EXPIRE_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE, countdown=countdown)
 
 
 def request_cancel(celery: Celery, batch_id: str) -> None:
-    celery.send_task(CANCEL_TASK, args=[batch_id], queue=BATCHES_QUEUE)
+    celery.send_task(CANCEL_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE)
 
 
 # --- Tasks ----------------------------------------------------------------------------------------
@@ -87,13 +83,13 @@ def enqueue_chunk(self, batch_id: str, index: int) -> int:
         raise self.retry(countdown=_retry_after(full), max_retries=None) from None
 
 
-@shared_task(name=CANCEL_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
+@shared_task(name=CANCEL_BATCH_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
              retry_backoff=True, retry_backoff_max=60)
 def cancel(self, batch_id: str) -> None:
     cancel_lines(runtime(self.app), batch_id)
 
 
-@shared_task(name=EXPIRE_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
+@shared_task(name=EXPIRE_BATCH_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
              retry_backoff=True, retry_backoff_max=60)
 def expire_check(self, batch_id: str) -> None:
     rt = runtime(self.app)

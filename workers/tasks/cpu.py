@@ -19,18 +19,16 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
-from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
+from workers.names import GENERATE_TASK, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import encode_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.submission import GENERATE_TASK
 
 log = logging.getLogger(__name__)
-
 
 
 class PreprocessRequest(Request):
@@ -49,7 +47,7 @@ class PreprocessTask(Task):
     Request = PreprocessRequest
 
 
-@shared_task(name="rollout.preprocess", bind=True, base=PreprocessTask)
+@shared_task(name=PREPROCESS_TASK, bind=True, base=PreprocessTask)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
         try:
@@ -96,7 +94,7 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         count(rt.redis, "mm_cache_hit", processed.cache_hits)
         count(rt.redis, "mm_cache_miss", len(processed.items) - processed.cache_hits)
     payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
-    rt.redis.set(rt.jobs.prompt_key(job_id), json.dumps(payload), ex=rt.settings.result_ttl)
+    rt.jobs.save_prompt(job_id, json.dumps(payload))
     # Handles name memory on this node: only this node's GPU workers may open them.
     queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
     app.send_task(GENERATE_TASK, args=[job_id], queue=queue)

@@ -29,6 +29,7 @@ from workers.job_store import TERMINAL
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
+from workers.names import GENERATE_TASK
 from workers.prompt_codec import open_prompt, release_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
@@ -40,7 +41,7 @@ ABORT_POLL_SECONDS = 0.05
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
 
 
-@shared_task(name="rollout.generate", base=GenerateBatches, bind=True, flush_every=16, flush_interval=0.005)
+@shared_task(name=GENERATE_TASK, base=GenerateBatches, bind=True, flush_every=16, flush_interval=0.005)
 def generate(self, requests) -> str | None:
     rt = runtime(self.app)
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
@@ -75,7 +76,7 @@ def _generate(rt, job_ids: list[str]) -> None:
 def run_batch(rt, engine, job_ids: list[str]) -> None:
     deadline = time.monotonic() + rt.settings.task_soft_time_limit
     jobs = rt.jobs.get_many(job_ids)
-    prompts = rt.redis.mget([rt.jobs.prompt_key(job_id) for job_id in job_ids])
+    prompts = rt.jobs.prompts(job_ids)
     ready, ended = [], []
     for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
         if job is None:

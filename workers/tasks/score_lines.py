@@ -17,11 +17,10 @@ from celery import shared_task
 from engine.errors import NotFoundError, RolloutError
 from workers.batch_progress import batch_store, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
+from workers.names import SCORE_LINES_TASK
 from workers.runtime import runtime
 
 log = logging.getLogger(__name__)
-
-SCORE_LINES_TASK = "rollout.batches.score_lines"
 
 
 def scorable_directly(request: dict[str, Any], model_facts) -> bool:

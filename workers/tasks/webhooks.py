@@ -1,10 +1,9 @@
 """The webhook tasks (queue ``webhooks``): make one event per object end, deliver it with retries.
+Events are made by ``workers.webhook_events``.
 
 - ``rollout.webhooks.job_ended(job_id)``: sent by ``workers.lifecycle`` when a job ends. Makes the
   job's event (at most one per job and event type: a second call finds it and only makes sure its
   first attempt is queued) and queues its delivery.
-- ``rollout.webhooks.batch_ended(batch_id, event_type=None)``: the same for a batch, for callers
-  that prefer a task to calling :func:`emit_batch_event` in process.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
   next attempt with a countdown. A delivery never touches its job.
 
@@ -16,43 +15,30 @@ survives redelivery), so a duplicated follow-up message cannot start a second re
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
-from celery import current_app, shared_task
+from celery import shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_store import TERMINAL as BATCH_TERMINAL
-from workers.batch_store import BatchStore, public_batch
-from workers.celery_app import WEBHOOKS_QUEUE
-from workers.job_store import TERMINAL
-from workers.job_view import public_job
 from workers.metrics import count
+from workers.names import DELIVER_TASK, JOB_ENDED_TASK
 from workers.runtime import runtime
+from workers.webhook_events import emit_job_event, queue_attempt
 from workers.webhooks import (
-    BATCH_EVENTS,
     FINAL_STATES,
-    PENDING,
     RETRYING,
     SUCCEEDED,
     retry_delay,
     send_attempt,
     store_for,
-    target_url,
-    wanted,
     webhook_fetcher,
     webhook_signer,
 )
 
 log = logging.getLogger(__name__)
-
-JOB_ENDED_TASK = "rollout.webhooks.job_ended"
-BATCH_ENDED_TASK = "rollout.webhooks.batch_ended"
-DELIVER_TASK = "rollout.webhooks.deliver"
 
 
 @shared_task(name=JOB_ENDED_TASK, bind=True)
@@ -65,73 +51,6 @@ def job_ended(self, job_id: str) -> str | None:
     return emit_job_event(rt, job, app=self.app)
 
 
-@shared_task(name=BATCH_ENDED_TASK, bind=True)
-def batch_ended(self, batch_id: str, event_type: str | None = None) -> str | None:
-    """The batch's terminal event (``event_type``, default ``batch.<its status>``)."""
-    rt = runtime(self.app)
-    try:
-        batch = BatchStore(rt.redis, result_ttl=rt.settings.result_ttl).get(batch_id)
-    except NotFoundError:
-        return None
-    if event_type is None:
-        if batch["status"] not in BATCH_TERMINAL:
-            log.warning("batch %s: no webhook for non-terminal status %s", batch_id, batch["status"])
-            return None
-        event_type = f"batch.{batch['status']}"
-    return emit_batch_event(rt, public_batch(batch), event_type, app=self.app)
-
-
-def emit_job_event(rt, job: dict[str, Any], *, app=None) -> str | None:
-    """Make (once) and queue the event of a job's end; its event id, or None when none is wanted."""
-    if job["status"] not in TERMINAL:
-        log.warning("job %s: no webhook for non-terminal status %s", job["id"], job["status"])
-        return None
-    event_type = f"job.{job['status']}"
-    return _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
-                 public_job(job))
-
-
-def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) -> str | None:
-    """Make (once) and queue a batch's terminal event; its event id, or None when none is wanted.
-
-    ``batch`` is the public batch object (sent as the payload's ``data``). Its owner and webhook
-    are read from the object, else from the batch record (``rq:batch:<id>`` fields ``owner`` and
-    ``webhook``, the latter JSON). Safe to call more than once per end.
-    """
-    if event_type not in BATCH_EVENTS:
-        raise ValueError(f"{event_type!r} is not a batch event")
-    owner, webhook = batch.get("owner"), batch.get("webhook")
-    if owner is None or webhook is None:
-        stored_owner, stored_webhook = rt.redis.hmget(f"rq:batch:{batch['id']}", "owner", "webhook")
-        owner = owner if owner is not None else (stored_owner or b"").decode()
-        if webhook is None and stored_webhook:
-            webhook = json.loads(stored_webhook) or None
-    return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch)
-
-
-def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict | None, event_type: str,
-          data: dict[str, Any]) -> str | None:
-    if not wanted(webhook, event_type):
-        return None
-    url = target_url(webhook, owner, rt.settings)
-    if not url:
-        return None
-    store = store_for(rt)
-    event_id, made = store.create(object_kind=object_kind, object_id=object_id, owner=owner,
-                                  event_type=event_type, url=url, data=data)
-    if made:
-        log.info("%s %s: webhook event %s (%s) made", object_kind, object_id, event_id, event_type)
-    else:
-        # Already made: a redelivered or repeated call. Queue the first attempt again only if it
-        # may have been lost (the call that made the event died before queueing it); a duplicate is
-        # harmless, since attempt 1 can be claimed once.
-        event = store.get(event_id)
-        if event is None or event["state"] != PENDING or store.claimed(event_id, 1):
-            return event_id
-    _queue_attempt(app or getattr(rt, "celery", None), event_id, 1, countdown=0)
-    return event_id
-
-
 @shared_task(name=DELIVER_TASK, bind=True)
 def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     """Attempt ``attempt`` of the event; the event's state afterwards (None when there is no event)."""
@@ -142,7 +61,7 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     hop = rt.settings.visibility_timeout / 2
 
     def queue_next(next_attempt: int, countdown: float) -> None:
-        _queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
+        queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
 
     return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
                        queue_next=queue_next)
@@ -192,8 +111,3 @@ def run_attempt(rt, event_id: str, attempt: int, *, token: str,
     else:
         log.warning(log_line, *log_args)
     return state
-
-
-def _queue_attempt(app, event_id: str, attempt: int, *, countdown: float) -> None:
-    (app or current_app).send_task(DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
-                                   queue=WEBHOOKS_QUEUE, countdown=countdown)

@@ -6,7 +6,8 @@
 
 These commands are a client of the HTTP API (``client.RolloutClient``), not part of the service:
 ``--url`` and ``--api-key`` default to ``ROLLOUT_URL`` (else http://127.0.0.1:8000) and
-``ROLLOUT_API_KEY``, the client's own configuration, read here and nowhere in the service.
+``ROLLOUT_API_KEY``, the client's own configuration (``client.settings``). Needs ``tqdm`` for the
+progress bar, besides what the client needs.
 Exit status: 0 done (a completed batch may still have failed lines, see its errors file), 1 the
 batch ended failed, cancelled or expired, 2 the service refused or could not be reached.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,20 +24,20 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client import ClientError, RolloutClient
+from .client import RolloutClient
+from .errors import ClientError
+from .settings import ClientSettings
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 
-
-def add_batch_commands(subparsers) -> None:
-    """Add ``batch`` and its subcommands; each sets ``handler(args) -> exit status``."""
+def add_batch_commands(subparsers, settings: ClientSettings | None = None) -> None:
+    """Add ``batch`` and its subcommands; each sets ``handler(args) -> exit status``. ``settings``
+    gives the defaults of ``--url`` and ``--api-key`` (default: read from the environment)."""
+    settings = settings or ClientSettings.from_env()
     batch = subparsers.add_parser("batch", help="submit, follow and download batches on a running service")
     commands = batch.add_subparsers(dest="batch_command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=os.environ.get("ROLLOUT_URL") or DEFAULT_URL,
-                        help="the service (default: $ROLLOUT_URL, else %(default)s)")
-    common.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
-                        help="API key (default: $ROLLOUT_API_KEY)")
+    common.add_argument("--url", default=settings.url, help="the service (default: $ROLLOUT_URL, else %(default)s)")
+    common.add_argument("--api-key", default=settings.api_key, help="API key (default: $ROLLOUT_API_KEY)")
     common.add_argument("--poll-interval", type=float, default=2.0, help="seconds between polls (default 2)")
     files = argparse.ArgumentParser(add_help=False)
     files.add_argument("--output", type=Path, help="where to write the output lines (default ID_output.jsonl)")
@@ -176,9 +176,9 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def run(argv: list[str]) -> int:
+def run(argv: list[str], settings: ClientSettings | None = None) -> int:
     """``batch`` commands on their own (what ``rollout-queue batch ...`` runs), for tests and scripts."""
     parser = argparse.ArgumentParser(prog="rollout-queue")
-    add_batch_commands(parser.add_subparsers(dest="command", required=True))
+    add_batch_commands(parser.add_subparsers(dest="command", required=True), settings)
     args = parser.parse_args(["batch", *argv])
     return args.handler(args)

@@ -1,0 +1,75 @@
+"""Making a job's or a batch's webhook event (once per end) and queueing its first delivery
+attempt. Called in process where an object ends (``workers.lifecycle`` via the ``job_ended`` task,
+``workers.batch_progress``); the attempts themselves run in ``workers.tasks.webhooks``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import current_app
+
+from workers.batch_store import BatchStore
+from workers.job_store import TERMINAL
+from workers.job_view import public_job
+from workers.names import DELIVER_TASK, WEBHOOKS_QUEUE
+from workers.webhooks import BATCH_EVENTS, PENDING, store_for, target_url, wanted
+
+log = logging.getLogger(__name__)
+
+
+def emit_job_event(rt, job: dict[str, Any], *, app=None) -> str | None:
+    """Make (once) and queue the event of a job's end; its event id, or None when none is wanted."""
+    if job["status"] not in TERMINAL:
+        log.warning("job %s: no webhook for non-terminal status %s", job["id"], job["status"])
+        return None
+    event_type = f"job.{job['status']}"
+    return _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
+                 public_job(job))
+
+
+def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) -> str | None:
+    """Make (once) and queue a batch's terminal event; its event id, or None when none is wanted.
+
+    ``batch`` is the public batch object (sent as the payload's ``data``). Its owner and webhook
+    are read from the object, else from the batch record. Safe to call more than once per end.
+    """
+    if event_type not in BATCH_EVENTS:
+        raise ValueError(f"{event_type!r} is not a batch event")
+    owner, webhook = batch.get("owner"), batch.get("webhook")
+    if owner is None or webhook is None:
+        stored_owner, stored_webhook = BatchStore(rt.redis, result_ttl=rt.settings.result_ttl).owner_and_webhook(
+            batch["id"])
+        owner = owner if owner is not None else stored_owner or ""
+        if webhook is None:
+            webhook = stored_webhook or None
+    return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch)
+
+
+def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict | None, event_type: str,
+          data: dict[str, Any]) -> str | None:
+    if not wanted(webhook, event_type):
+        return None
+    url = target_url(webhook, owner, rt.settings)
+    if not url:
+        return None
+    store = store_for(rt)
+    event_id, made = store.create(object_kind=object_kind, object_id=object_id, owner=owner,
+                                  event_type=event_type, url=url, data=data)
+    if made:
+        log.info("%s %s: webhook event %s (%s) made", object_kind, object_id, event_id, event_type)
+    else:
+        # Already made: a redelivered or repeated call. Queue the first attempt again only if it
+        # may have been lost (the call that made the event died before queueing it); a duplicate is
+        # harmless, since attempt 1 can be claimed once.
+        event = store.get(event_id)
+        if event is None or event["state"] != PENDING or store.claimed(event_id, 1):
+            return event_id
+    queue_attempt(app or getattr(rt, "celery", None), event_id, 1, countdown=0)
+    return event_id
+
+
+def queue_attempt(app, event_id: str, attempt: int, *, countdown: float) -> None:
+    (app or current_app).send_task(DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
+                                   queue=WEBHOOKS_QUEUE, countdown=countdown)
