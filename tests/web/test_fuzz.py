@@ -17,7 +17,7 @@ def fuzz_schema(redis_url, demo_model_dir, tmp_path_factory):
     url = empty_db_url(redis_url, 4)
     app = create_app(Settings(
         state_dir=tmp_path_factory.mktemp("fuzz"), model=str(demo_model_dir),
-        # No worker runs here: POST /generate must answer 202 quickly instead of waiting.
+        # No worker runs here: POST /v1/generate must answer 202 (and the dialects 504) quickly instead of waiting.
         sync_timeout_max=0.05,
         # Fuzzed URLs must never leave the machine: only a host that does not exist is allowed.
         allowed_media_domains=("media.invalid",),

@@ -1,0 +1,30 @@
+"""Media references in dialect bodies: raw base64 goes through the guarded fetcher as a data: URL."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from engine.errors import InvalidRequestError
+
+
+def test_raw_base64_obeys_the_data_url_cap():
+    from engine.errors import MediaError
+    from processors.fetch import FetchPolicy, GuardedFetcher
+    from web.dialects.common import media_url
+
+    assert media_url("https://example.com/a.png", "image_data") == "https://example.com/a.png"
+    fetcher = GuardedFetcher(FetchPolicy(max_bytes=1024))
+    assert fetcher.fetch(media_url(base64.b64encode(b"x" * 1000).decode(), "image_data")).data == b"x" * 1000
+    with pytest.raises(MediaError) as too_large:
+        fetcher.fetch(media_url(base64.b64encode(b"x" * 2000).decode(), "image_data"))
+    assert too_large.value.code == "media_too_large"
+
+
+def test_a_file_name_is_not_read():
+    from web.dialects.common import media_url
+
+    with pytest.raises(InvalidRequestError) as refused:
+        media_url("../secrets/cat.png", "image_data[0]")
+    assert "image_data[0]" in refused.value.message
