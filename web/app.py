@@ -8,7 +8,7 @@ from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
 from web import batches, deliveries, generate, health, jobs, metrics, render
-from web.dialects import openai_views, sglang_views
+from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
 from web.services import Services
 from workers.settings import Settings, load_settings
@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "security": [{"bearer": []}],
     })
     for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp,
-                      sglang_views.blp, openai_views.blp):
+                      sglang_views.blp, openai_views.blp, vllm_views.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
     register_error_handlers(app)

@@ -94,7 +94,7 @@ class CompletionRequestSchema(_Common):
 
     @validates_schema
     def prompt_shape(self, data: dict, **_) -> None:
-        _prompts(data.get("prompt"))
+        prompts_of(data.get("prompt"))
 
 
 class ChatCompletionRequestSchema(_Common):
@@ -119,7 +119,7 @@ class ChatCompletionRequestSchema(_Common):
             raise ValidationError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
 
 
-def _prompts(prompt: Any) -> tuple[list, bool]:
+def prompts_of(prompt: Any) -> tuple[list, bool]:
     """The prompts (each a string or a list of ids) and whether the body held a list of them."""
     field = OneOrMany(fields.String())
     if isinstance(prompt, str):
@@ -147,7 +147,7 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
 def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
     refuse_stream(body.get("stream"))
     check_model(body["model"])
-    prompts, _ = _prompts(body["prompt"])
+    prompts, _ = prompts_of(body["prompt"])
     tok = tokenizer()
     requests = []
     for prompt in prompts:
@@ -170,7 +170,7 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
 def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict], created: int) -> dict:
     texts = TokenTexts()
     spell = _speller(texts, body.get("return_tokens_as_token_ids", False))
-    prompts, _ = _prompts(body["prompt"])
+    prompts, _ = prompts_of(body["prompt"])
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, (request, job) in enumerate(zip(requests, jobs, strict=True)):
         result = job.get("result") or {}
