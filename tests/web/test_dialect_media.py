@@ -28,3 +28,11 @@ def test_a_file_name_is_not_read():
     with pytest.raises(InvalidRequestError) as refused:
         media_url("../secrets/cat.png", "image_data[0]")
     assert "image_data[0]" in refused.value.message
+
+
+def test_openapi_lists_every_dialect_route(client):
+    paths = set(client.get("/openapi.json").get_json()["paths"])
+    assert {"/generate", "/health", "/health_generate", "/get_model_info", "/get_server_info", "/flush_cache",
+            "/abort_request", "/inference/v1/generate", "/v1/chat/completions/render", "/v1/completions/render",
+            "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
+            "/v1/generate"} <= paths
