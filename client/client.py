@@ -72,13 +72,13 @@ class RolloutClient:
             _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
 
     def generate(self, request: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        """Generate (or score) and return the result (``POST /generate``): ``{request_id, job_id,
+        """Generate (or score) and return the result (``POST /v1/generate``): ``{request_id, job_id,
         prompt_token_ids, choices, usage}``. When the service answers 202 (still running), keeps
         waiting by polling the job until ``timeout`` seconds have passed in all.
         Raises ClientError with the job's error code if the job fails."""
         started = time.monotonic()
         body = {**request, "timeout": timeout}
-        response = self._request("POST", "/generate", json=body, timeout=(self.timeout, timeout + self.timeout))
+        response = self._request("POST", "/v1/generate", json=body, timeout=(self.timeout, timeout + self.timeout))
         if response.status_code == 200:
             return response.json()
         job = self.wait(_job_id(response), timeout=max(timeout - (time.monotonic() - started), 0.0))
@@ -200,7 +200,7 @@ class RolloutClient:
 
 
 def _job_id(accepted: requests.Response) -> str:
-    """The job of a 202 from /generate: its ``id``, else the last part of its ``Location``."""
+    """The job of a 202 from /v1/generate: its ``id``, else the last part of its ``Location``."""
     body = accepted.json()
     if isinstance(body, dict) and body.get("id"):
         return body["id"]

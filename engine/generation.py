@@ -134,7 +134,8 @@ def generate(
             raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
                                       errors={"stop": ["not supported by this model"]})
 
-    aborted = should_abort() if should_abort is not None else set()
+    # A copy: the caller may return one set and keep adding to it; rows aborted later keep their tokens.
+    aborted = set(should_abort()) if should_abort is not None else set()
     live = [i for i in range(len(requests)) if i not in aborted]
     eos = frozenset(loaded.eos_token_ids)
     rows = [

@@ -9,6 +9,7 @@ from flask import Flask, g, request
 from engine.errors import PayloadTooLargeError
 from web import batches, deliveries, generate, health, jobs, metrics, render
 from web.body_limit import BoundedRequest
+from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
 from web.json_body import JsonProvider
 from web.services import Services
@@ -43,7 +44,8 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp):
+    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp,
+                      sglang_views.blp, openai_views.blp, vllm_views.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
     register_error_handlers(app)

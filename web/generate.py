@@ -1,25 +1,26 @@
-"""POST /generate: submit a job and wait for it, in the token-in-token-out shape."""
+"""POST /v1/generate: submit a job and wait for it, in our own (native) shape.
+
+The rule: our own shapes live under ``/v1/...`` (jobs, batches, render, generate); a path a
+framework's server owns (``/generate`` is SGLang's, ``/inference/v1/generate`` vLLM's,
+``/v1/completions`` OpenAI's) speaks exactly that framework's dialect (``web/dialects``).
+"""
 
 from __future__ import annotations
 
 from flask import jsonify
 from flask.views import MethodView
 
-from engine.errors import RolloutError
 from web.blueprint import Blueprint
+from web.dialects.common import job_error
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
 from web.submit import submit
 from workers.job_view import public_job
 
-blp = Blueprint("generate", __name__, description="Synchronous generation (vLLM / SGLang style)")
+blp = Blueprint("generate", __name__, description="Synchronous generation in the native shape")
 
 
-class JobFailedError(RolloutError):
-    """The job ended failed; the response carries the job's own error code and status."""
-
-
-@blp.route("/generate")
+@blp.route("/v1/generate")
 class Generate(MethodView):
     @blp.arguments(SyncGenerateRequestSchema)
     @blp.response(200, SyncResultSchema)
@@ -38,7 +39,7 @@ class Generate(MethodView):
         finished = svc.jobs.wait(job["id"], timeout=min(timeout, svc.settings.sync_timeout_max))
         if finished is None or finished["status"] not in ("succeeded", "cancelled"):
             if finished is not None and finished["status"] == "failed":
-                raise _job_error(finished)
+                raise job_error(finished)
             # A ready response: the 200 schema must not reshape the job object.
             view = public_job(finished or job)
             response = jsonify(JobSchema().dump(view))
@@ -55,11 +56,3 @@ class Generate(MethodView):
             "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),
         }
-
-
-def _job_error(job: dict) -> RolloutError:
-    error = job.get("error") or {}
-    failed = JobFailedError(error.get("message", "job failed"))
-    failed.code = error.get("code", "internal_error")
-    failed.http_status = int(job.get("error_http_status") or 500)
-    return failed

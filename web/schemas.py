@@ -1,8 +1,8 @@
 """Request and response schemas (marshmallow). The OpenAPI document is generated from these.
 
 Requests are flat, in the spirit of vLLM's token-in-token-out ``/generate`` and SGLang's
-``/generate``. SGLang's names are accepted as aliases (see ``SGLANG_ALIASES``). Unknown fields are
-rejected by name (marshmallow's RAISE), never silently dropped.
+``/generate``, under our own names only (the dialects in ``web/dialects`` speak theirs). Unknown
+fields are rejected by name (marshmallow's RAISE), never silently dropped.
 """
 
 from __future__ import annotations
@@ -18,16 +18,6 @@ JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", 
 JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")
 CONTENT_TYPES = ("image_url", "video_url", "audio_url")
 MAX_TOKEN_ID = 2**31 - 1
-
-# SGLang name -> our name. `image_data` takes a URL or a list of URLs (so do `video_data` and
-# `audio_data`, see SGLANG_MEDIA: together they make the content parts).
-SGLANG_ALIASES = {
-    "input_ids": "token_ids",
-    "text": "prompt",
-    "max_new_tokens": "sampling_params.max_tokens",
-    "return_logprob": "sampling_params.logprobs",
-    "rid": "request_id",
-}
 
 class StrictFloat(fields.Float):
     """A JSON number only: marshmallow's Float also takes strings ("1") and booleans."""
@@ -46,8 +36,6 @@ class StrictBoolean(fields.Boolean):
             raise self.make_error("invalid")
         return value
 
-
-SGLANG_MEDIA = {"image_data": "image_url", "video_data": "video_url", "audio_data": "audio_url"}
 
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
@@ -173,40 +161,6 @@ class JobRequestSchema(Schema):
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
-
-    @pre_load
-    def accept_sglang_names(self, data: Any, **_) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for alias, target in SGLANG_ALIASES.items():
-            if alias not in data:
-                continue
-            value = data.pop(alias)
-            if "." in target:
-                outer, inner = target.split(".")
-                params = data.get(outer)
-                params = dict(params) if isinstance(params, dict) else {}
-                if inner in params:
-                    raise ValidationError(f"give {inner} or {alias}, not both", alias)
-                params[inner] = value
-                data[outer] = params
-                continue
-            if target in data:
-                raise ValidationError(f"give {target} or {alias}, not both", alias)
-            data[target] = value
-        media = [alias for alias in SGLANG_MEDIA if alias in data]
-        if media:
-            if "content_parts" in data:
-                raise ValidationError(f"give content_parts or {media[0]}, not both", media[0])
-            # Items pair with placeholders per modality, so listing the modalities one after the
-            # other keeps each one's order, which is all SGLang's lists carry.
-            parts = []
-            for alias in media:
-                value = data.pop(alias)
-                parts += [{"type": SGLANG_MEDIA[alias], "url": url} for url in (value if isinstance(value, list) else [value])]
-            data["content_parts"] = parts
-        return data
 
     @validates_schema
     def consistent(self, data: dict, **_) -> None:

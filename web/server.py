@@ -75,7 +75,8 @@ class ApiServer(BaseApplication):
         s = self.settings
         self.cfg.set("bind", f"{s.host}:{s.port}")
         self.cfg.set("workers", s.api_workers)
-        # Threads: POST /generate waits for its job, and a waiting request must not hold a process.
+        # Threads: POST /v1/generate and the dialect routes wait for their jobs, and a waiting request
+        # must not hold a process. JsonErrorWorker: gunicorn's own errors in our JSON shape.
         self.cfg.set("worker_class", JsonErrorWorker)
         self.cfg.set("threads", 16)
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)

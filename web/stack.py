@@ -65,7 +65,7 @@ def run_stack(settings: Settings) -> int:
         if _wait_healthy(url, children, lambda: stopping):
             print(f"\nRollout Queue is up at {url}\n"
                   f"  curl -s {url}/healthz\n"
-                  f"  curl -s {url}/generate -H 'Content-Type: application/json' "
+                  f"  curl -s {url}/v1/generate -H 'Content-Type: application/json' "
                   "-d '{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8, \"temperature\": 0}}'\n"
                   "Ctrl-C stops everything.", flush=True)
         while not stopping and all(child.poll() is None for child in children):

@@ -51,6 +51,8 @@ class Settings:
     max_queued_per_key: int = 10_000
     max_queued_total: int = 100_000
     sync_timeout_max: float = 300.0
+    # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
+    served_model_name: str | None = None
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
     # redelivers a message whose task is still running and the job runs twice.
     task_soft_time_limit: int = 540

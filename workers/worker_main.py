@@ -82,7 +82,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         if kind == "batches":
             _ = rt.model_facts  # which lines need no processor: read the model's config once, now
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
-                        lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
+                        lambda: _gpu_status(rt) if kind == "gpu" else {})
 
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
@@ -112,3 +112,9 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         "--hostname", f"{kind}-{os.getpid()}@{settings.node_id}", "--loglevel", settings.log_level,
         "--without-gossip", "--without-mingle",
     ])
+
+
+def _gpu_status(rt) -> dict:
+    # The weight version a GPU worker serves: what SGLang-style /get_model_info reports.
+    ready = rt.model_ready
+    return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None}

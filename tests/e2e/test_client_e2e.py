@@ -19,7 +19,7 @@ GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def service(stack):
-    """The stack's API over real HTTP; /generate gives up after 0.3 s so the 202 path is exercised."""
+    """The stack's API over real HTTP; /v1/generate gives up after 0.3 s so the 202 path is exercised."""
     settings = stack.services.settings.replace(sync_timeout_max=0.3)
     app = create_app(settings, stack.env["ROLLOUT_REDIS_URL"])
     server = make_server("127.0.0.1", 0, app, threaded=True)

@@ -77,20 +77,16 @@ def test_placeholder_mismatch_is_a_clear_failure(stack):
 
 
 def test_sync_generate_and_timeout(stack):
-    top_level = stack.client.post("/generate", json={"input_ids": [103, 104, 105], "max_new_tokens": 2,
-                                                     "sampling_params": {"temperature": 0, "ignore_eos": True}},
-                                  headers=stack.headers())
-    assert top_level.status_code == 200 and len(top_level.get_json()["choices"][0]["token_ids"]) == 2
-    response = stack.client.post("/generate", json={"input_ids": [103, 104, 105], "rid": "abc",
-                                                    "sampling_params": {"max_new_tokens": 3, "temperature": 0,
-                                                                        "ignore_eos": True}},
+    response = stack.client.post("/v1/generate", json={"token_ids": [103, 104, 105], "request_id": "abc",
+                                                       "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                                           "ignore_eos": True}},
                                  headers=stack.headers())
     assert response.status_code == 200, response.get_json()
     body = response.get_json()
     assert body["request_id"] == "abc" and len(body["choices"][0]["token_ids"]) == 3
     assert body["prompt_token_ids"] == [103, 104, 105]
-    slow = stack.client.post("/generate", json={"token_ids": [103, 104, 105], "timeout": 0,
-                                                "sampling_params": {"max_tokens": 3}}, headers=stack.headers())
+    slow = stack.client.post("/v1/generate", json={"token_ids": [103, 104, 105], "timeout": 0,
+                                                   "sampling_params": {"max_tokens": 3}}, headers=stack.headers())
     assert slow.status_code == 202 and slow.headers["Location"].startswith("/v1/jobs/")
 
 
@@ -105,7 +101,7 @@ def test_cancel_while_generating_aborts_with_tokens_so_far(stack):
     done = stack.wait(job["id"])
     assert done["status"] == "cancelled"
     choice = done["result"]["choices"][0]
-    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < 2000
+    assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < 2000
     assert len(choice["logprobs"]) == len(choice["token_ids"])
 
 

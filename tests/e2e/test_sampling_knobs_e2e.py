@@ -49,7 +49,7 @@ def test_knobs_and_their_outputs_flow_through_the_service(stack, in_process):
     assert [[t for t, _ in s] for s in result["prompt_top_logprobs"][1:]] == [
         [t for t, _ in s] for s in expected.prompt_top_logprobs[1:]]
 
-    kept = stack.client.post("/generate", json={**body, "sampling_params": {**body["sampling_params"],
+    kept = stack.client.post("/v1/generate", json={**body, "sampling_params": {**body["sampling_params"],
                                                                             "include_stop_str_in_output": True}},
                              headers=stack.headers())
     assert kept.status_code == 200, kept.get_json()

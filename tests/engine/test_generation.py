@@ -177,6 +177,24 @@ def test_abort_ends_the_chosen_requests_with_the_tokens_so_far(engine, prompts):
     assert tokens(full)[: len(tokens(aborted))] == tokens(aborted)
 
 
+def test_abort_keeps_tokens_when_the_caller_grows_one_set(engine, prompts):
+    """The GPU task's should_abort returns the same set each poll, adding to it as cancels arrive:
+    a row aborted mid-decode keeps its tokens so far (it was once emptied, as if never started)."""
+    calls, aborted = [], set()
+
+    def should_abort():
+        calls.append(1)
+        if len(calls) > 3:
+            aborted.add(0)
+        return aborted
+
+    (result,) = engine.generate([GenerationRequest(prompts.text("How many cats"),
+                                                   dataclasses.replace(GREEDY, max_tokens=10))],
+                                should_abort=should_abort)
+    assert result.choices[0].finish_reason == "abort" and 0 < len(tokens(result)) < 10
+    assert len(result.choices[0].logprobs) == len(tokens(result))
+
+
 def test_abort_before_start_skips_the_request(engine, prompts):
     requests = [
         GenerationRequest(prompts.text("Yes."), GREEDY),

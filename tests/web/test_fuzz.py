@@ -17,7 +17,7 @@ def fuzz_schema(redis_url, demo_model_dir, tmp_path_factory):
     url = empty_db_url(redis_url, 4)
     app = create_app(Settings(
         state_dir=tmp_path_factory.mktemp("fuzz"), model=str(demo_model_dir),
-        # No worker runs here: POST /generate must answer 202 quickly instead of waiting.
+        # No worker runs here: POST /v1/generate must answer 202 (and the dialects 504) quickly instead of waiting.
         sync_timeout_max=0.05,
         # Fuzzed URLs must never leave the machine: only a host that does not exist is allowed.
         allowed_media_domains=("media.invalid",),
@@ -37,6 +37,19 @@ def test_no_input_causes_a_server_error(fuzz_schema):
         @given(case=operation.as_strategy())
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def no_server_error(case):
-            case.call_and_validate(checks=[not_a_server_error])
+            response = case.call()
+            # The dialect routes answer 504 sync_timeout by design here: no worker runs their jobs.
+            if response.status_code == 504 and _code(response) == "sync_timeout":
+                return
+            case.validate_response(response, checks=[not_a_server_error])
 
         no_server_error()
+
+
+def _code(response) -> str | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else body.get("code") if isinstance(body, dict) else None

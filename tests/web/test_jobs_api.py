@@ -85,29 +85,13 @@ def test_non_json_body_is_a_4xx(client):
     assert "code" in response.get_json()
 
 
-def test_sglang_aliases_are_accepted(client):
-    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+def test_native_requests_take_only_our_names(client):
+    """SGLang's names belong to SGLang's /generate (web/dialects); the native shape has one name each."""
+    body = {"input_ids": [5, 6], "sampling_params": {"max_tokens": 3}, "return_logprob": True, "rid": "r1",
             "image_data": "data:image/png;base64,AAAA"}
-    job_id = submit(client, body).get_json()["id"]
-    services = client.application.extensions["rollout"]
-    stored = services.jobs.get(job_id)["request"]
-    assert stored["token_ids"] == [5, 6]
-    assert stored["sampling_params"]["max_tokens"] == 3 and stored["sampling_params"]["logprobs"] is True
-    assert stored["content_parts"] == [{"type": "image_url", "url": "data:image/png;base64,AAAA"}]
-
-
-def test_sglang_video_and_audio_data_become_content_parts(client):
-    body = {"text": "<video><image><audio>", "image_data": ["https://e.com/a.png"],
-            "video_data": "https://e.com/v.mp4", "audio_data": ["https://e.com/1.wav", "https://e.com/2.wav"]}
-    job_id = submit(client, body).get_json()["id"]
-    stored = client.application.extensions["rollout"].jobs.get(job_id)["request"]
-    assert stored["content_parts"] == [
-        {"type": "image_url", "url": "https://e.com/a.png"}, {"type": "video_url", "url": "https://e.com/v.mp4"},
-        {"type": "audio_url", "url": "https://e.com/1.wav"}, {"type": "audio_url", "url": "https://e.com/2.wav"}]
-    both = {"text": "<video>", "video_data": "https://e.com/v.mp4",
-            "content_parts": [{"type": "video_url", "url": "https://e.com/v.mp4"}]}
-    response = submit(client, both)
-    assert response.status_code == 422 and "video_data" in response.get_json()["errors"]
+    response = client.post("/v1/jobs", json=body, headers=auth())
+    assert response.status_code == 422
+    assert {"input_ids", "return_logprob", "rid", "image_data"} <= set(response.get_json()["errors"])
 
 
 def test_default_max_tokens_comes_from_settings(make_app):

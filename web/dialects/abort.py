@@ -1,0 +1,35 @@
+"""Aborting the caller's own unfinished jobs (SGLang's ``/abort_request``).
+
+An aborted job ends as a cancel does (``workers.lifecycle.cancel_job``): one not yet generating
+ends ``cancelled`` at once; a generating one stops at its next decode step and keeps its tokens so
+far, ``finish_reason: abort``. A synchronous call waiting on the job answers with that.
+"""
+
+from __future__ import annotations
+
+from web.services import services
+from workers.job_store import TERMINAL
+from workers.lifecycle import cancel_job
+
+_PAGE = 200
+
+
+def abort_jobs(owner: str, *, request_id: str | None = None) -> int:
+    """Cancel the owner's unfinished jobs (only those with ``request_id`` when given); how many."""
+    svc = services()
+    # The owner's active-job counter says how many unfinished jobs exist, so the newest-first walk
+    # over the owner's index stops once it has seen them all (unfinished jobs are the recent ones).
+    remaining = int(svc.redis.get(f"rq:active:{owner}") or 0)
+    cancelled, cursor = 0, None
+    while remaining > 0:
+        jobs, cursor = svc.jobs.list(owner=owner, status=None, limit=_PAGE, cursor=cursor)
+        for job in jobs:
+            if job["status"] in TERMINAL:
+                continue
+            remaining -= 1
+            if request_id is None or job.get("request_id") == request_id:
+                cancel_job(svc, job["id"], owner=owner)
+                cancelled += 1
+        if cursor is None:
+            break
+    return cancelled

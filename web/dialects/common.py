@@ -1,0 +1,164 @@
+"""What every dialect shares: validate a native request, run jobs synchronously, read tokens.
+
+A dialect maps its body to the native request dict (the one ``JobRequestSchema`` produces), runs
+it here through the one submit path (``web.submit``), and maps the finished jobs to its reply.
+Dialect clients do not understand a 202 with a job object, so a job still running after
+``ROLLOUT_SYNC_TIMEOUT_MAX`` seconds is cancelled and the call answers 504 (:class:`SyncTimeoutError`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from marshmallow import ValidationError
+
+from engine.errors import InvalidRequestError, RolloutError
+from web.auth import current_owner
+from web.dialects.errors import flatten
+from web.schemas import JobRequestSchema
+from web.services import services
+from web.submit import submit
+from workers.job_store import TERMINAL
+from workers.lifecycle import cancel_job
+
+_NATIVE = JobRequestSchema()
+# A URL starts with a scheme; base64's alphabet has no ':' at all.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}:")
+_BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
+
+
+class SyncTimeoutError(RolloutError):
+    """The jobs of a synchronous dialect call did not end within ROLLOUT_SYNC_TIMEOUT_MAX."""
+
+    code = "sync_timeout"
+    http_status = 504
+    retryable = True
+
+
+class StreamingNotServedError(InvalidRequestError):
+    code = "streaming_not_supported"
+
+
+class JobFailedError(RolloutError):
+    """The job ended failed; carries the job's own error code and status."""
+
+
+def job_error(job: dict) -> RolloutError:
+    error = job.get("error") or {}
+    failed = JobFailedError(error.get("message", "job failed"))
+    failed.code = error.get("code", "internal_error")
+    failed.http_status = int(job.get("error_http_status") or 500)
+    return failed
+
+
+def refuse_stream(stream: Any) -> None:
+    if stream:
+        raise StreamingNotServedError("stream: true is not served yet; send stream: false (or leave it out)",
+                                      errors={"stream": ["streaming is not served yet"]})
+
+
+def native_request(body: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
+    """``body`` (native field names) validated and defaulted by the native schema. ``names`` maps
+    native field paths back to the dialect's, so errors name what the client sent."""
+    try:
+        return _NATIVE.load(body)
+    except ValidationError as exc:
+        errors = _rename(exc.messages, names or {})
+        raise InvalidRequestError("invalid fields: " + ", ".join(sorted(errors)), errors=errors) from None
+
+
+def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submit every request (one job each, owned by the caller), wait for all, return the ended
+    jobs in order. A failed job raises its own error; the rest are cancelled when one fails or
+    time runs out, since the client gets no job link to follow them."""
+    svc = services()
+    jobs: list[dict[str, Any]] = []
+    try:
+        for request in requests:
+            jobs.append(submit(request))
+    except Exception:
+        _cancel(jobs)
+        raise
+    deadline = time.monotonic() + svc.settings.sync_timeout_max
+    finished: list[dict[str, Any]] = []
+    for job in jobs:
+        done = svc.jobs.wait(job["id"], timeout=max(deadline - time.monotonic(), 0.0))
+        if done is None:
+            _cancel(jobs)
+            raise SyncTimeoutError(f"the job did not finish within {svc.settings.sync_timeout_max:g} s "
+                                   f"(ROLLOUT_SYNC_TIMEOUT_MAX); it was cancelled")
+        if done["status"] == "failed":
+            _cancel(jobs)
+            raise job_error(done)
+        finished.append(done)
+    return finished
+
+
+def _cancel(jobs: list[dict[str, Any]]) -> None:
+    svc, owner = services(), current_owner()
+    for job in jobs:
+        try:
+            if svc.jobs.get(job["id"], owner=owner)["status"] not in TERMINAL:
+                cancel_job(svc, job["id"], owner=owner)
+        except RolloutError:
+            pass  # expired or gone: nothing left to cancel
+
+
+def media_url(value: Any, where: str) -> str:
+    """A media reference as a URL for the guarded fetcher: URLs and data: URLs as they are, raw
+    base64 (SGLang and OpenAI's input_audio send it) as a data: URL, so the fetcher's size cap
+    applies before decoding as for any data: URL."""
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{where}: must be a non-empty string", errors={where: ["must be a URL or base64"]})
+    if _SCHEME.match(value):
+        return value
+    if _BASE64.match(value):
+        return "data:application/octet-stream;base64," + value
+    raise InvalidRequestError(f"{where}: neither a URL nor base64 (file names are not read; use a file: URL "
+                              "under ROLLOUT_MEDIA_ROOT)", errors={where: ["must be a URL, a data: URL or base64"]})
+
+
+def tokenizer():
+    """The model's tokenizer (the processor's, loaded once per API process)."""
+    return services().processor.tokenizer
+
+
+class TokenTexts:
+    """Each token's own text (what OpenAI's ``tokens`` and SGLang's logprob texts show), decoded
+    once per id per reply."""
+
+    def __init__(self):
+        self._tokenizer = tokenizer()
+        self._seen: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._seen.get(token_id)
+        if text is None:
+            text = self._seen[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def served_model_name() -> str:
+    from workers.models import model_id
+
+    settings = services().settings
+    return settings.served_model_name or model_id(settings)
+
+
+def weight_version_hint() -> str | None:
+    """The configured weight version (results carry the version that actually served them)."""
+    return services().settings.weight_version
+
+
+def _rename(messages: Any, names: dict[str, str]) -> dict[str, Any]:
+    """marshmallow's nested messages as dotted paths, native names replaced by the dialect's."""
+    out = {}
+    for path, value in flatten(messages).items():
+        for native, dialect in names.items():
+            if path == native or path.startswith(native + "."):
+                path = dialect + path[len(native):]
+                break
+        out[path] = value
+    return out

@@ -1,0 +1,48 @@
+"""vLLM's sampling names (shared by its OpenAI-compatible bodies and its SamplingParams) onto ours.
+
+Field names and meanings follow vLLM's ``vllm/sampling_params.py`` (SamplingParams) and the
+``extra`` fields of ``vllm/entrypoints/openai/protocol.py`` (CompletionRequest,
+ChatCompletionRequest): ``top_k`` -1 or 0 is off, ``stop`` a string or a list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marshmallow import fields, validate
+
+from web.dialects.fields import OneOrMany
+from web.schemas import StrictBoolean, StrictFloat
+
+# Same name, same meaning, in vLLM and in our native sampling_params.
+SAME = ("temperature", "top_p", "min_p", "n", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
+        "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty",
+        "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "detokenize")
+
+
+def sampling_fields() -> dict[str, fields.Field]:
+    """The marshmallow fields of these knobs (types only: the native schema checks ranges)."""
+    return {
+        "temperature": StrictFloat(allow_nan=False), "top_p": StrictFloat(allow_nan=False),
+        "top_k": fields.Integer(strict=True, metadata={"description": "-1 or 0: off"}),
+        "min_p": StrictFloat(allow_nan=False), "n": fields.Integer(strict=True),
+        "seed": fields.Integer(strict=True), "min_tokens": fields.Integer(strict=True),
+        "stop": OneOrMany(fields.String()), "stop_token_ids": fields.List(fields.Integer(strict=True)),
+        "ignore_eos": StrictBoolean(), "include_stop_str_in_output": StrictBoolean(),
+        "repetition_penalty": StrictFloat(allow_nan=False), "frequency_penalty": StrictFloat(allow_nan=False),
+        "presence_penalty": StrictFloat(allow_nan=False), "skip_special_tokens": StrictBoolean(),
+        "spaces_between_special_tokens": StrictBoolean(),
+        "prompt_logprobs": fields.Integer(strict=True, validate=validate.Range(0, 20)),
+    }
+
+
+def native_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """Our sampling_params from the vLLM-named knobs in ``body`` (absent ones keep our defaults)."""
+    out = {name: body[name] for name in SAME if name in body}
+    if "stop" in body:
+        out["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
+    if "top_k" in body:
+        out["top_k"] = -1 if body["top_k"] in (-1, 0) else body["top_k"]
+    if "max_tokens" in body:
+        out["max_tokens"] = body["max_tokens"]
+    return out

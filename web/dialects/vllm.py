@@ -1,0 +1,192 @@
+"""vLLM's token-in-token-out API: ``POST /inference/v1/generate`` and the render routes that
+feed it (``/v1/chat/completions/render``, ``/v1/completions/render``).
+
+Shapes follow vLLM's ``vllm/entrypoints/serve/disagg/protocol.py`` (GenerateRequest,
+GenerateResponse, GenerateResponseChoice) and ``serving.py`` (``_create_tokens_logprobs``: tokens
+spelled ``token_id:N``; ``logprobs: 0`` still returns the sampled token's logprob, k returns up to
+k entries, the sampled token first). Callers replayed in tests: SkyRL and prime-rl render a
+conversation, then send ``token_ids`` and ``features`` back to generate without looking inside.
+
+``features`` is ours, opaque to clients: the render's media as content parts (the preprocessing
+worker fetches them again through the guarded fetcher, the multimodal cache serving what render
+already processed) with vLLM's ``mm_placeholders`` beside them. ``kwargs_data`` is always null:
+processed tensors do not travel through clients.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from marshmallow import ValidationError, fields, validate, validates_schema
+
+from web.dialects.common import TokenTexts, native_request, refuse_stream
+from web.dialects.fields import NullMeansDefault, refuse_non_default
+from web.dialects.openai import check_model
+from web.dialects.sampling import SAME, native_sampling, sampling_fields
+from web.schemas import ContentPartSchema, StrictBoolean, TokenIds
+
+_UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+                "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),
+                "logits_processors": (None,), "extra_args": (None, {}), "output_kind": (None, 0),
+                "flat_logprobs": (None, False)}
+_UNSUPPORTED_TOP = {"priority": (0,), "kv_transfer_params": (None,)}
+
+_SamplingFields = type("_SamplingFields", (NullMeansDefault,), sampling_fields())
+
+
+class VllmSamplingParamsSchema(_SamplingFields):
+    """vLLM's SamplingParams (vllm/sampling_params.py), the knobs served here."""
+
+    max_tokens = fields.Integer(strict=True)
+    logprobs = fields.Integer(strict=True, validate=validate.Range(0, 20), metadata={
+        "description": "null: none; 0: the sampled token's logprob; k: also the k most likely"})
+    detokenize = StrictBoolean()
+    best_of = fields.Raw()
+    logit_bias = fields.Raw()
+    allowed_token_ids = fields.Raw()
+    bad_words = fields.Raw()
+    structured_outputs = fields.Raw()
+    guided_decoding = fields.Raw()
+    truncate_prompt_tokens = fields.Raw()
+    logits_processors = fields.Raw()
+    extra_args = fields.Raw()
+    output_kind = fields.Raw()
+    flat_logprobs = fields.Raw()
+
+    @validates_schema
+    def supported(self, data: dict, **_) -> None:
+        refuse_non_default(data, _UNSUPPORTED)
+
+
+class FeaturesSchema(NullMeansDefault):
+    """What our render routes return as ``features`` (pass it back unchanged)."""
+
+    content_parts = fields.List(fields.Nested(ContentPartSchema), required=True, validate=validate.Length(max=1024))
+    mm_placeholders = fields.Dict()
+    mm_hashes = fields.Dict()
+    kwargs_data = fields.Raw()
+
+
+class GenerateRequestSchema(NullMeansDefault):
+    request_id = fields.String(validate=validate.Length(1, 256))
+    token_ids = TokenIds(required=True)
+    features = fields.Nested(FeaturesSchema)
+    content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
+    sampling_params = fields.Nested(VllmSamplingParamsSchema, required=True)
+    model = fields.String()
+    stream = StrictBoolean(metadata={"description": "Not served yet: true is an error"})
+    stream_options = fields.Dict()
+    cache_salt = fields.String(metadata={"description": "Accepted: no prompt cache is shared between keys"})
+    priority = fields.Integer(strict=True)
+    kv_transfer_params = fields.Raw()
+
+    @validates_schema
+    def exclusive(self, data: dict, **_) -> None:
+        if data.get("features") and data.get("content_parts"):
+            raise ValidationError("content_parts and features are mutually exclusive: send one", "features")
+        refuse_non_default(data, _UNSUPPORTED_TOP)
+
+
+def generate_request(body: dict[str, Any]) -> dict[str, Any]:
+    refuse_stream(body.get("stream"))
+    check_model(body.get("model"), required=False)
+    sp = body["sampling_params"]
+    params = native_sampling(sp)
+    k = sp.get("logprobs")
+    params["logprobs"] = k is not None
+    if k:
+        params["top_logprobs"] = k
+    native: dict[str, Any] = {"token_ids": body["token_ids"], "sampling_params": params}
+    parts = (body.get("features") or {}).get("content_parts") or body.get("content_parts")
+    if parts:
+        native["content_parts"] = parts
+    if body.get("request_id"):
+        native["request_id"] = body["request_id"]
+    names = {f"sampling_params.{n}": f"sampling_params.{n}" for n in params}
+    names["sampling_params.top_logprobs"] = "sampling_params.logprobs"
+    return native_request(native, names)
+
+
+def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
+    result = job.get("result") or {}
+    k = body["sampling_params"].get("logprobs")
+    texts = TokenTexts() if result.get("prompt_logprobs") is not None else None
+    choices = []
+    for choice in result.get("choices") or [{"index": i, "token_ids": [], "logprobs": [], "top_logprobs": [],
+                                             "finish_reason": "abort"}
+                                            for i in range(request["sampling_params"]["n"])]:
+        choices.append({"index": choice["index"], "token_ids": choice["token_ids"],
+                        "finish_reason": choice["finish_reason"],
+                        "logprobs": {"content": _token_logprobs(choice, k)} if k is not None else None})
+    usage = result.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
+    return {"request_id": body.get("request_id") or job["id"], "choices": choices,
+            "prompt_logprobs": _prompt_logprobs(result, texts),
+            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
+            "job_id": job["id"], "weight_version": result.get("weight_version")}
+
+
+def _token_logprobs(choice: dict, k: int) -> list[dict]:
+    tops = choice.get("top_logprobs") or [[] for _ in choice["token_ids"]]
+    out = []
+    for token_id, lp, step in zip(choice["token_ids"], choice.get("logprobs") or [], tops, strict=True):
+        entries = [(token_id, lp)] + [(alt, alt_lp) for alt, alt_lp in step if alt != token_id]
+        out.append({"token": f"token_id:{token_id}", "logprob": max(lp, -9999.0),
+                    "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(v, -9999.0)}
+                                     for t, v in entries[:max(k, 1)]]})
+    return out
+
+
+def _prompt_logprobs(result: dict, texts) -> list | None:
+    """vLLM's shape: per prompt position ``{token_id: {logprob, rank, decoded_token}}`` (the
+    prompt token and the top k), ``None`` for the first."""
+    lps = result.get("prompt_logprobs")
+    if lps is None:
+        return None
+    ids, tops = result["prompt_token_ids"], result.get("prompt_top_logprobs") or []
+    out: list[dict | None] = []
+    for i, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
+        if lp is None:
+            out.append(None)
+            continue
+        step = {str(token_id): {"logprob": lp, "rank": None, "decoded_token": texts(token_id)}}
+        for rank, (alt, alt_lp) in enumerate((tops[i] if i < len(tops) else None) or [], start=1):
+            entry = {"logprob": alt_lp, "rank": rank, "decoded_token": texts(alt)}
+            if str(alt) in step:
+                step[str(alt)]["rank"] = rank
+            else:
+                step[str(alt)] = entry
+        out.append(step)
+    return out
+
+
+# --- render --------------------------------------------------------------------------------------
+
+
+def features_of(token_ids: list[int], content_parts: list[dict], placeholder_id: int | None) -> dict | None:
+    """Our opaque ``features``: the content parts, with vLLM's ``mm_placeholders`` (the runs of
+    the placeholder token) and a hash per part beside them."""
+    if not content_parts:
+        return None
+    runs, start = [], None
+    for i, token in enumerate([*token_ids, None]):
+        if token == placeholder_id and start is None:
+            start = i
+        elif token != placeholder_id and start is not None:
+            runs.append({"offset": start, "length": i - start})
+            start = None
+    hashes = [part.get("uuid") or hashlib.sha256(part["url"].encode()).hexdigest() for part in content_parts]
+    return {"content_parts": content_parts, "mm_placeholders": {"image": runs} if runs else {},
+            "mm_hashes": {"image": hashes}, "kwargs_data": None}
+
+
+def render_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The render body's knobs as vLLM SamplingParams, for the client to send to generate."""
+    out = {name: body[name] for name in (*SAME, "top_k", "stop") if name in body}
+    if "max_completion_tokens" in body or "max_tokens" in body:
+        out["max_tokens"] = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(body.get("logprobs"), bool):
+        out["logprobs"] = (body.get("top_logprobs") or 0) if body["logprobs"] else None
+    elif body.get("logprobs") is not None:
+        out["logprobs"] = body["logprobs"]
+    return out

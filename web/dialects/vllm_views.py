@@ -1,0 +1,79 @@
+"""vLLM's token-in-token-out routes, with errors in vLLM's (OpenAI's) shape."""
+
+from __future__ import annotations
+
+from flask import jsonify
+from flask.views import MethodView
+
+from web.blueprint import Blueprint
+from web.dialects import openai, vllm
+from web.dialects.common import media_url, run_jobs, served_model_name, tokenizer
+from web.dialects.errors import install, openai_shape
+from web.dialects.openai_views import documented
+from web.services import services
+
+blp = Blueprint("vllm", __name__, description="vLLM's token-in-token-out API (generate and render)")
+install(blp, openai_shape)
+
+
+@blp.route("/inference/v1/generate")
+class Generate(MethodView):
+    @blp.arguments(vllm.GenerateRequestSchema)
+    @blp.response(200)
+    @documented(blp)
+    def post(self, body):
+        """Token ids (and the features a render returned, or content parts) in, token ids out."""
+        request = vllm.generate_request(body)
+        (job,) = run_jobs([request])
+        return vllm.generate_reply(body, request, job)
+
+
+@blp.route("/v1/chat/completions/render")
+class ChatRender(MethodView):
+    @blp.arguments(openai.ChatCompletionRequestSchema)
+    @blp.response(200)
+    @documented(blp)
+    def post(self, body):
+        """Render a chat request into a generate request: exact prompt ids (media runs expanded)
+        and ``features`` to pass back unchanged."""
+        from processors.render import render
+
+        openai.check_model(body["model"])
+        svc = services()
+        messages = [_with_media_urls(message, i) for i, message in enumerate(body["messages"])]
+        rendered = render(messages, svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache)
+        features = vllm.features_of(rendered["token_ids"], rendered["content_parts"], svc.processor.image_token_id)
+        return {"request_id": body.get("request_id"), "token_ids": rendered["token_ids"], "features": features,
+                "sampling_params": vllm.render_sampling(body), "model": served_model_name(), "stream": False}
+
+
+@blp.route("/v1/completions/render")
+class CompletionRender(MethodView):
+    @blp.arguments(openai.CompletionRequestSchema)
+    @blp.response(200, description="One generate request per prompt")
+    @documented(blp)
+    def post(self, body):
+        """Tokenize completion prompts into generate requests (no media: features null)."""
+        openai.check_model(body["model"])
+        prompts, _ = openai.prompts_of(body["prompt"])
+        tok, sampling = tokenizer(), vllm.render_sampling(body)
+        out = [{"request_id": body.get("request_id"), "features": None, "sampling_params": sampling,
+                "model": served_model_name(), "stream": False,
+                "token_ids": prompt if isinstance(prompt, list)
+                else tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]}
+               for prompt in prompts]
+        return jsonify(out)
+
+
+def _with_media_urls(message: dict, index: int) -> dict:
+    """Raw base64 in image_url parts as data: URLs, so render's fetch applies the same caps."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "image_url" and isinstance(part.get("image_url"), dict):
+            url = media_url(part["image_url"].get("url"), f"messages[{index}].content[{j}].image_url.url")
+            part = {**part, "image_url": {**part["image_url"], "url": url}}
+        parts.append(part)
+    return {**message, "content": parts}
