@@ -81,7 +81,7 @@ def via_jobs(stack, url: str, part_uuid: str, key: str) -> Outcome:
 
 
 def via_generate(stack, url: str, part_uuid: str, key: str) -> Outcome:
-    response = stack.client.post("/generate", json=image_job(url, part_uuid), headers=stack.headers(key))
+    response = stack.client.post("/v1/generate", json=image_job(url, part_uuid), headers=stack.headers(key))
     body = response.get_json()
     if response.status_code != 200:
         assert response.status_code == 422, body

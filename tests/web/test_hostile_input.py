@@ -61,7 +61,7 @@ def queued(client) -> int:
 @pytest.mark.parametrize("path, text", [
     ("/v1/jobs", fill('{"token_ids": [1], "metadata": {"n": @}}', BIG_INT)),
     ("/v1/jobs", fill('{"token_ids": [@]}', BIG_INT)),
-    ("/generate", fill('{"token_ids": [1], "timeout": @}', BIG_INT)),
+    ("/v1/generate", fill('{"token_ids": [1], "timeout": @}', BIG_INT)),
     ("/v1/render", fill('{"messages": [{"role": "user", "content": "hi", "n": @}]}', BIG_INT)),
 ])
 def test_integers_past_4300_digits_are_422(client, path, text):
@@ -69,7 +69,7 @@ def test_integers_past_4300_digits_are_422(client, path, text):
     assert queued(client) == 0
 
 
-@pytest.mark.parametrize("path", ["/v1/jobs", "/generate", "/v1/render"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/generate", "/v1/render"])
 @pytest.mark.parametrize("nested", [DEEP, PAST_OUR_DEPTH], ids=["1000-levels", "100-levels"])
 def test_deep_nesting_is_400_on_every_json_endpoint(client, path, nested):
     assert_refused(post(client, path, fill('{"token_ids": [1], "metadata": {"x": @}}', nested)), 400, "invalid_json")
@@ -79,7 +79,7 @@ def test_deep_nesting_is_400_on_every_json_endpoint(client, path, nested):
     ("/v1/jobs", '{"prompt": "a\\ud800b"}'),
     ("/v1/jobs", '{"prompt": "a\\udfffb"}'),
     ("/v1/jobs", '{"token_ids": [1], "metadata": {"\\ud800": 1}}'),
-    ("/generate", '{"prompt": "a\\ud800", "timeout": 0}'),
+    ("/v1/generate", '{"prompt": "a\\ud800", "timeout": 0}'),
     ("/v1/render", '{"messages": [{"role": "user", "content": "look \\ud800"}]}'),
     ("/v1/render", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\uDBFF"}]}]}'),
 ])
@@ -132,7 +132,7 @@ def test_strict_fields_still_take_json_numbers_and_booleans(client):
 
 
 def test_timeout_of_generate_is_strict(client):
-    response = client.post("/generate", json={"token_ids": [1], "timeout": "5"}, headers=auth())
+    response = client.post("/v1/generate", json={"token_ids": [1], "timeout": "5"}, headers=auth())
     assert_refused(response, 422, "invalid_request")
     assert "timeout" in response.get_json()["errors"]
 

@@ -105,7 +105,7 @@ def test_a_chunked_multipart_batch_over_the_limit_is_413(api_url):
     assert response.json()["code"] == "batch_too_large"
 
 
-@pytest.mark.parametrize("path", ["/v1/jobs", "/generate", "/v1/render"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/generate", "/v1/render"])
 def test_a_chunked_json_body_over_the_limit_is_413(api_url, path):
     body = json.dumps({"prompt": "x" * (2 * MAX_BODY)}).encode()
     response = requests.post(f"{api_url}{path}", data=chunked(body),
