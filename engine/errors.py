@@ -9,6 +9,7 @@ that is the lowest layer: every other layer may import it.
     ├── InvalidRequestError (422)
     │   ├── PlaceholderMismatchError
     │   ├── ContextLengthError
+    │   ├── CapacityError
     │   ├── ModelLoadError
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
@@ -66,6 +67,12 @@ class PlaceholderMismatchError(InvalidRequestError):
 
 class ContextLengthError(InvalidRequestError):
     code = "context_length_exceeded"
+
+
+class CapacityError(InvalidRequestError):
+    """The request can never fit the GPU worker's running batch (its rows or its KV-cache budget)."""
+
+    code = "request_exceeds_capacity"
 
 
 class ModelLoadError(InvalidRequestError):
