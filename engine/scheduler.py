@@ -52,6 +52,7 @@ from engine.batch_inputs import (
     placeholder_ranges,
     request_features,
 )
+from engine.capacity import SchedulerLimits, check_capacity
 from engine.decoding import RowDecoder
 from engine.encoder_cache import (
     EncoderCache,
@@ -62,21 +63,12 @@ from engine.encoder_cache import (
     tensors_hash,
     unit_key,
 )
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.kv_batch import append_rows, keep_rows, split_rows
 from engine.loading import LoadedModel
 from engine.prompt_cache import PrefilledPrompt, PromptCache
 from engine.sampling import SamplingParams, choice_seed
 from engine.scoring import teacher_forced
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_rows: int = 16  # rows decoding together (ROLLOUT_GPU_BATCH_SIZE)
-    kv_cache_tokens: int = 131_072  # rows x width of the running cache, at its worst point
-    prefill_chunk_tokens: int = 512  # prefill tokens per step while rows decode
-    prompt_cache_tokens: int = 4096  # recent prompts' KV kept for late group members
-    encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs by content hash
 
 
 @dataclass
@@ -112,6 +104,7 @@ class Finished:
     result: Any = None  # engine.generation.GenerationResult
     error: BaseException | None = None
     timed_out: bool = False  # its deadline stopped it (its rows end with "abort")
+    batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
 
 
 @dataclass
@@ -132,6 +125,7 @@ class _Job:
     error: BaseException | None = None
     timed_out: bool = False
     abort_requested: bool = False
+    peak_rows: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -162,11 +156,11 @@ class Scheduler:
     """The continuous batch of one model. Not thread-safe: one thread submits and steps
     (:meth:`abort` may be called from elsewhere: it only sets a flag)."""
 
-    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits = SchedulerLimits(), *,
+    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *,
                  encoder_cache: EncoderCache | None = None, prompt_cache: PromptCache | None = None,
                  stats: EngineStats | None = None, on_step: StepHook | None = None):
         self.loaded = loaded
-        self.limits = limits
+        self.limits = limits = limits or SchedulerLimits()
         self.encoder_cache = encoder_cache
         self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(limits.prompt_cache_tokens)
         self.stats = stats if stats is not None else EngineStats()
@@ -294,12 +288,14 @@ class Scheduler:
         self._positions = self._positions + 1
         self.stats.decode_steps += 1
         self.stats.decode_rows += rows
-        tokens = self._sample(self._rows, self._row_jobs, out.logits[:, -1].float(), events)
+        tokens = self._sample(self._rows, self._row_jobs, out.logits[:, -1].float(), events, batch_rows=rows)
         self._last = tokens.to(self._last.device)
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
-                events: list[RowTokens]) -> torch.Tensor:
+                events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
         """Each row's token from its raw logits (rows, vocab), recorded on its decoder."""
+        for job in jobs:
+            job.peak_rows = max(job.peak_rows, batch_rows)
         tokens = torch.argmax(logits, dim=-1)  # one batched argmax serves the plain greedy rows
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         for i, (row, job) in enumerate(zip(rows, jobs, strict=True)):
@@ -369,7 +365,7 @@ class Scheduler:
         if not rows:
             return
         logits = torch.stack([p.logits for p in prompts])
-        tokens = self._sample(rows, row_jobs, logits, events)
+        tokens = self._sample(rows, row_jobs, logits, events, batch_rows=len(self._rows) + len(rows))
         for job, _ in joined:
             if job.state != "done":
                 job.state = "running"
@@ -591,7 +587,8 @@ class Scheduler:
             except Exception as error:
                 finished.append(Finished(handle, job.tag, error=error))
                 continue
-            finished.append(Finished(handle, job.tag, result=result, timed_out=job.timed_out))
+            finished.append(Finished(handle, job.tag, result=result, timed_out=job.timed_out,
+                                     batch_rows=job.peak_rows))
         return finished
 
     def _result(self, job: _Job):
@@ -625,20 +622,6 @@ class Scheduler:
             cached_tokens=job.cached_tokens,
             **scored,
         )
-
-
-def check_capacity(limits: SchedulerLimits, prompt_tokens: int, max_tokens: int, n: int) -> None:
-    """A request must fit an empty batch: ``n`` rows at most ``max_rows``, and ``n`` rows of
-    prompt + max_tokens within the KV budget."""
-    if n > limits.max_rows:
-        raise CapacityError(f"n={n} rows exceed the GPU batch of {limits.max_rows} rows",
-                            errors={"n": n, "max_rows": limits.max_rows})
-    need = n * (prompt_tokens + max_tokens)
-    if need > limits.kv_cache_tokens:
-        raise CapacityError(
-            f"{n} x (prompt {prompt_tokens} + max_tokens {max_tokens}) = {need} tokens exceed the KV cache "
-            f"budget of {limits.kv_cache_tokens} tokens",
-            errors={"kv_cache_tokens_needed": need, "kv_cache_tokens": limits.kv_cache_tokens})
 
 
 def peak_cache_tokens(rows: Sequence[tuple[int, int]]) -> int:
