@@ -1,16 +1,9 @@
-"""Per-row sampling and stopping, plugged into transformers' ``generate``.
+"""Per-row decoding state: what one choice of one request needs from its first token to its end.
 
-``generate`` applies one sampling configuration and one RNG to the whole batch. To give every
-row its own parameters and seed, the engine runs ``generate`` greedily and installs
-:class:`RowSampler` as the only logits processor: it picks each row's token itself (from the
-raw logits, with the row's parameters and ``torch.Generator``), records that token's logprob
-under the raw distribution, and returns scores that are -inf everywhere but the picked token,
-so the greedy step takes exactly it. :class:`RowStopper` ends each row on its own terms
-(stop ids, eos unless ignore_eos, stop strings, max_tokens, abort) and remembers why.
-
-Everything a row needs lives in its :class:`RowDecoder` (parameters, generator, penalty
-counts, text, logprobs, finish): nothing assumes the rows of a batch start or end together,
-so a scheduler that lets rows join and leave between steps can drive the same objects.
+Everything a row needs lives in its :class:`RowDecoder` (parameters, seeded generator, penalty
+counts, text, logprobs, finish): nothing assumes the rows of a batch start or end together, and
+the scheduler (:mod:`engine.scheduler`) drives these objects while rows join and leave between
+decode steps.
 
 Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf), the
 penalties (:mod:`engine.penalties`), then temperature and truncation (:func:`sample_row`).
@@ -20,13 +13,10 @@ Logprobs, the sampled token's and the top-k alternatives, are of the raw logits 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, StoppingCriteria
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
@@ -109,6 +99,11 @@ class RowDecoder:
         elif aborted:
             self._finish("abort")
 
+    def abort(self) -> None:
+        """End the row now with the tokens so far (a cancel, a deadline, or its request's error)."""
+        if not self.done:
+            self._finish("abort")
+
     def _finish(self, reason: str, matched: int | str | None = None) -> None:
         self.finish_reason = reason
         self.matched_stop = matched
@@ -141,61 +136,3 @@ class RowDecoder:
         values, ids = torch.stack(self._top_values).tolist(), torch.stack(self._top_ids).tolist()
         return [[[t, v] for t, v in zip(step_ids, step_values, strict=True)]
                 for step_ids, step_values in zip(ids, values, strict=True)]
-
-
-@dataclass
-class DecodeState:
-    rows: Sequence[RowDecoder]
-    fill_token_id: int
-    should_abort: Callable[[], set[int]] | None = None
-    first_token_at: float | None = None  # perf_counter when the prefill's logits arrived
-    done: list[bool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.done = [row.done for row in self.rows]
-
-
-class RowSampler(LogitsProcessor):
-    def __init__(self, state: DecodeState):
-        self.state = state
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        state = self.state
-        if state.first_token_at is None:
-            state.first_token_at = time.perf_counter()
-        # ``scores`` are the raw fp32 logits: this is the only processor in the list.
-        live = [i for i, row in enumerate(state.rows) if not row.done]
-        # One batched argmax serves the plain greedy rows (exact per row, like a row's own argmax).
-        tokens = torch.argmax(scores, dim=-1)
-        for i, row in enumerate(state.rows):
-            if row.done:
-                tokens[i] = state.fill_token_id
-            elif not row.plain_greedy:
-                tokens[i] = row.pick(scores[i])
-        picked = tokens[:, None]
-        raw_logprobs = torch.log_softmax(scores, dim=-1)
-        chosen = raw_logprobs.gather(1, picked)[:, 0]
-        k = max((state.rows[i].params.top_logprobs for i in live), default=0)
-        top = torch.topk(raw_logprobs, k, dim=-1) if k else None
-        for i in live:
-            row_k = state.rows[i].params.top_logprobs
-            if top is not None and row_k:
-                state.rows[i].add_logprobs(chosen[i], top.values[i, :row_k], top.indices[i, :row_k])
-            else:
-                state.rows[i].add_logprobs(chosen[i], None, None)
-        return torch.full_like(scores, -math.inf).scatter_(1, picked, 0.0)
-
-
-class RowStopper(StoppingCriteria):
-    def __init__(self, state: DecodeState):
-        self.state = state
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        state = self.state
-        last = input_ids[:, -1].tolist()
-        aborted = state.should_abort() if state.should_abort is not None else set()
-        for i, row in enumerate(state.rows):
-            if not row.done:
-                row.record(last[i], aborted=row.request_index in aborted)
-                state.done[i] = row.done
-        return torch.tensor(state.done, dtype=torch.bool, device=input_ids.device)

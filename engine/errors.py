@@ -10,6 +10,7 @@ that is the lowest layer: every other layer may import it.
     │   ├── PlaceholderMismatchError
     │   ├── ContextLengthError
     │   ├── TokenIdOutOfRangeError
+    │   ├── CapacityError
     │   ├── ModelLoadError
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
@@ -94,6 +95,12 @@ def check_token_ids(token_ids, vocab_size: int, field: str) -> None:
     for index, token in enumerate(token_ids):
         if type(token) is not int or not 0 <= token < vocab_size:
             raise TokenIdOutOfRangeError(field=field, index=index, token_id=token, vocab_size=vocab_size)
+
+
+class CapacityError(InvalidRequestError):
+    """The request can never fit the GPU worker's running batch (its rows or its KV-cache budget)."""
+
+    code = "request_exceeds_capacity"
 
 
 class ModelLoadError(InvalidRequestError):

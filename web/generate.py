@@ -55,4 +55,5 @@ class Generate(MethodView):
             "prompt_logprobs": result.get("prompt_logprobs"),
             "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),
+            "cached_tokens": result.get("cached_tokens"),
         }

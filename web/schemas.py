@@ -208,8 +208,11 @@ class ResultSchema(Schema):
         "description": "sampling_params.prompt_logprobs: per prompt token (null for the first)"})
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
+    cached_tokens = fields.Integer(metadata={
+        "description": "Prompt tokens this job did not compute: its prompt's KV was shared with its prompt group "
+                       "or found in the GPU worker's recent-prompt cache"})
     weight_version = fields.String()
-    timings = fields.Dict(metadata={"description": "Seconds per stage, and the GPU batch size"})
+    timings = fields.Dict(metadata={"description": "Seconds per stage, and the most rows decoding with this job"})
     transport = fields.String(metadata={"description": "How the features travelled: shm | cuda_ipc | inline"})
     nodes = fields.Dict(metadata={"description": "The nodes that preprocessed and generated the job"})
 
@@ -252,4 +255,5 @@ class SyncResultSchema(Schema):
     prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True)
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
+    cached_tokens = fields.Integer()
     job_id = fields.String()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.capacity import check_capacity
 from engine.errors import ContextLengthError, InvalidRequestError, check_token_ids
 from web.auth import current_owner
 from web.services import services
+from workers.gpu_limits import scheduler_limits
 from workers.submission import submit_job
 
 
@@ -42,6 +44,9 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
             f"prompt ({prompt_len} tokens) plus completion ({wanted - prompt_len}) exceeds the model's "
             f"context of {max_len} tokens"
         )
+    if request.get("kind", "generate") == "generate":
+        # Image placeholders are expanded later; a prompt that can never fit is refused now.
+        check_capacity(scheduler_limits(settings), prompt_len, params["max_tokens"], params.get("n", 1))
     return request
 
 

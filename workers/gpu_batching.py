@@ -29,6 +29,12 @@ The flush rule:
   ``max_wait``; otherwise flush it now. celery-batches' own rule flushes whatever arrived on every
   tick, and one message arrives per Redis round trip: 64 waiting jobs ran as batches of ~5.
 
+Continuous batching: the batch the pool thread runs is a session of the engine's scheduler
+(``workers/gpu_session.py``), not one static batch. Between decode steps the session takes more
+messages from the buffer (:meth:`GenerateBatches.take`, as many as it has free rows) and
+acknowledges each message as its job ends (:meth:`GenerateBatches.acknowledge`); what the session
+leaves unacknowledged (Redis went away, or a crash) is settled when it returns, as before.
+
 ``rollout.generate`` messages never carry an ETA, so celery-batches' ETA queue (``_pending``) is
 not consulted.
 """
@@ -114,6 +120,30 @@ class GenerateBatches(Batches):
         except REDIS_DOWN:
             return False
 
+    @property
+    def _inflight(self) -> dict:
+        """Messages handed to the running session and not yet settled, by request id."""
+        return self.__dict__.setdefault("_inflight_requests", {})
+
+    def take(self, limit: int) -> list[SimpleRequest]:
+        """In the pool thread, between decode steps: up to ``limit`` buffered messages join the
+        running session (acknowledged later, one by one, as their jobs end)."""
+        with self._lock:
+            requests = [self._buffer.get_nowait() for _ in range(min(self._buffer.qsize(), max(limit, 0)))]
+            for request in requests:
+                self._inflight[request.id] = request
+        for request in requests:
+            if not request.task.acks_late:
+                request.acknowledge()
+        return [SimpleRequest.from_request(request) for request in requests]
+
+    def acknowledge(self, request_ids) -> None:
+        """The jobs of these messages ended (their results are stored): the messages are done."""
+        for request_id in request_ids:
+            request = self._inflight.pop(request_id, None)
+            if request is not None and request.task.acks_late:
+                request.acknowledge()
+
     def flush(self, requests):
         """As ``Batches.flush``, with two changes. A batch that returns ``REQUEUE`` (Redis went away
         under it) puts its messages back instead of acknowledging them: an ack that lands once Redis
@@ -121,7 +151,8 @@ class GenerateBatches(Batches):
         (the pool calls ``on_return`` whatever the batch did; celery-batches' trace catches its
         exceptions)."""
         acks_early = [request for request in requests if not request.task.acks_late]
-        acks_late = [request for request in requests if request.task.acks_late]
+        for request in requests:
+            self._inflight[request.id] = request
 
         def on_accepted(pid, time_accepted) -> None:
             for request in acks_early:
@@ -129,7 +160,10 @@ class GenerateBatches(Batches):
 
         def on_return(result) -> None:
             try:
-                for request in acks_late:
+                # What the session did not settle: every message it took, not only these.
+                left = [request for request in self._inflight.values() if request.task.acks_late]
+                self._inflight.clear()
+                for request in left:
                     if result == REQUEUE:
                         request.reject(requeue=True)
                     else:

@@ -17,6 +17,7 @@ import redis
 import torch
 
 from processors.fetch import FetchPolicy, GuardedFetcher
+from workers.gpu_limits import scheduler_limits
 from workers.job_store import JobStore, Limits
 from workers.models import model_id, resolve_model_path
 from workers.redis_client import connect
@@ -141,7 +142,7 @@ class WorkerRuntime:
         s = self.settings
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
-        return Engine(loaded)
+        return Engine(loaded, scheduler_limits(s))
 
     @property
     def model_ready(self) -> bool:

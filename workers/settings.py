@@ -61,6 +61,11 @@ class Settings:
     task_events: bool = False
     gpu_batch_size: int = 16
     gpu_batch_wait_ms: int = 20
+    # The GPU worker's continuous batch (engine.scheduler): KV budget, prefill chunk, caches.
+    kv_cache_tokens: int = 131_072
+    prefill_chunk_tokens: int = 512
+    prompt_cache_tokens: int = 4096
+    encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
     cpu_concurrency: int = 1
     # Guarded fetching (processors.fetch).
@@ -132,6 +137,10 @@ _RANGES = {
     "visibility_timeout": (1, 10**7),
     "gpu_batch_size": (1, 4096),
     "gpu_batch_wait_ms": (0, 10_000),
+    "kv_cache_tokens": (1, 2**40),
+    "prefill_chunk_tokens": (1, 10**7),
+    "prompt_cache_tokens": (0, 2**40),
+    "encoder_cache_bytes": (0, 2**44),
     "torch_threads": (1, 1024),
     "cpu_concurrency": (1, 1024),
     "media_max_bytes": (1, 2**34),

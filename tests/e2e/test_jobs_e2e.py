@@ -175,3 +175,26 @@ def test_jobs_waiting_together_run_as_one_batch_and_a_lone_job_is_not_held(stack
     assert all(abs(a - b) < 1e-5 for a, b in zip(single["logprobs"], batched["logprobs"], strict=True))
     # From queued to generating: well under a second (held at most ROLLOUT_GPU_BATCH_WAIT_MS, 5 ms here).
     assert alone["result"]["timings"]["queue_s"] < 0.5
+
+
+def test_a_job_joins_the_running_batch_and_a_prompt_group_shares_its_prefill(stack):
+    """Continuous batching through the GPU worker: a job submitted while a long one decodes runs
+    beside it and ends first; jobs with the same prompt compute it once (cached_tokens); a cancel
+    mid-batch ends that job only."""
+    long = stack.submit({"token_ids": [100, 101, 102, 103], "sampling_params": {**GREEDY, "max_tokens": 3000}})
+    deadline = time.monotonic() + 30
+    while stack.services.jobs.get(long["id"])["status"] != "generating":
+        assert time.monotonic() < deadline, "the long job never started"
+        time.sleep(0.02)
+    group = [stack.submit({"token_ids": [120, 121, 122, 123, 124], "sampling_params": {**GREEDY, "seed": s,
+                                                                                        "temperature": 1.0}})
+             for s in range(3)]
+    done = [stack.wait(job["id"]) for job in group]
+    assert stack.services.jobs.get(long["id"])["status"] == "generating"  # still decoding beside them
+    assert all(job["status"] == "succeeded" for job in done), done
+    assert sorted(job["result"]["cached_tokens"] for job in done) == [0, 5, 5]
+    assert all(job["result"]["timings"]["batch_size"] >= 2 for job in done)
+    stack.client.delete(f"/v1/jobs/{long['id']}", headers=stack.headers())
+    cancelled = stack.wait(long["id"])
+    assert cancelled["status"] == "cancelled"
+    assert 0 < len(cancelled["result"]["choices"][0]["token_ids"]) < 3000

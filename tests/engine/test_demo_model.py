@@ -11,6 +11,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from engine.demo_model import ARCHS, IMAGE_ARCHS, MARKER, build_demo_model
+from tests.engine.media_prompts import image_tokens
 
 
 def _digests(directory: Path) -> dict[str, str]:
@@ -18,20 +19,8 @@ def _digests(directory: Path) -> dict[str, str]:
 
 
 def _image_prompt(arch: str, config, tokenizer, features: dict) -> list[int]:
-    """The token ids an image needs in each architecture, built by hand from the features."""
     text = tokenizer("Describe the image.", add_special_tokens=False)["input_ids"]
-    if arch.startswith("qwen"):
-        n = int(features["image_grid_thw"].prod()) // 4
-        image = [config.vision_start_token_id, *[config.image_token_id] * n, config.vision_end_token_id]
-    elif arch == "llava":
-        image = [config.image_token_index] * config.image_seq_length
-    else:  # pixtral: rows of [IMG] closed by [IMG_BREAK], the last one by [IMG_END]
-        height, width = features["image_sizes"][0].tolist()
-        image = []
-        for _ in range(height // 16):
-            image += [config.image_token_index] * (width // 16) + [tokenizer.convert_tokens_to_ids("[IMG_BREAK]")]
-        image[-1] = tokenizer.convert_tokens_to_ids("[IMG_END]")
-    return image + text
+    return image_tokens(arch, config, tokenizer, features) + text
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -17,7 +17,7 @@ from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
 from workers.tasks.cpu import _preprocess
-from workers.tasks.gpu import run_batch
+from workers.tasks.gpu import open_jobs
 
 OWNER = "key_owner"
 HOOK = {"url": "https://hooks.example.com/rollouts"}
@@ -60,7 +60,7 @@ def test_generate_task_queues_the_webhooks_of_jobs_it_finds_ended(app):
     rt = runtime(app)
     with_hook = ended_without_followups(rt, webhook=HOOK)
     without_hook = ended_without_followups(rt)
-    run_batch(rt, None, [with_hook, without_hook])  # no engine needed: nothing is left to generate
+    assert open_jobs(rt, [with_hook, without_hook], device="cpu") == ([], [with_hook, without_hook])
     assert queued_webhook_jobs(rt) == [with_hook]
 
 

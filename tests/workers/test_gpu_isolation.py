@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -16,10 +17,10 @@ from PIL import Image
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import plant_job, plant_mismatched_image_job, stored_request
 from workers.celery_app import create_celery
+from workers.gpu_session import GenerateSession
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
-from workers.tasks.gpu import run_batch
 from workers.tasks.score_lines import _score
 
 KEY_A, KEY_B = "key_a", "key_b"
@@ -33,6 +34,30 @@ def rt(redis_url, demo_model_dir, tmp_path_factory):
     app = create_celery(Settings(state_dir=tmp_path_factory.mktemp("state"), model=str(demo_model_dir)),
                         empty_db_url(redis_url, 11))
     return runtime(app)
+
+
+class OneBatch:
+    """The messages of exactly one batch, in the shape celery-batches hands the GPU task (the
+    session asks for more between steps: there are none)."""
+
+    flush_every = 16
+
+    def __init__(self, job_ids: list[str]):
+        self.requests = [SimpleNamespace(args=[job_id], id=f"message-{job_id}") for job_id in job_ids]
+        self.acknowledged: list[str] = []
+
+    def take(self, _limit: int) -> list:
+        return []
+
+    def acknowledge(self, message_ids: list[str]) -> None:
+        self.acknowledged += message_ids
+
+
+def run_batch(rt, job_ids: list[str]) -> None:
+    """The GPU task's body on exactly ``job_ids``: one session, every message settled."""
+    batch = OneBatch(job_ids)
+    GenerateSession(rt, rt.engine, batch).run(batch.requests)
+    assert sorted(batch.acknowledged) == sorted(r.id for r in batch.requests)
 
 
 def image_data_url() -> str:
@@ -73,7 +98,7 @@ def test_bad_rows_of_one_key_fail_alone_and_the_batch_completes(rt):
     # A's rows sit between B's, in one call of the task's body: one generate and one score batch.
     batch = [good[0], bad_ids["prompt"], good[1], bad_ids["untyped"], good[2],
              good[3], bad_ids["completion"], good[4], good[5]]
-    run_batch(rt, rt.engine, batch)
+    run_batch(rt, batch)
 
     jobs = {job_id: rt.jobs.get(job_id) for job_id in batch}
     assert [jobs[job_id]["status"] for job_id in good] == ["succeeded"] * len(good), [
@@ -86,7 +111,7 @@ def test_bad_rows_of_one_key_fail_alone_and_the_batch_completes(rt):
 
     for request, job_id in zip(GOOD, good, strict=True):
         alone = submit(rt, request)
-        run_batch(rt, rt.engine, [alone])
+        run_batch(rt, [alone])
         alone_job = rt.jobs.get(alone)
         assert alone_job["result"]["timings"]["batch_size"] == 1
         assert_same(outcome(jobs[job_id]), outcome(alone_job))

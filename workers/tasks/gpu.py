@@ -1,15 +1,16 @@
-"""The GPU task: open the finalized items, generate or score in batches, store results.
+"""The GPU task: open the finalized items, generate in a continuous batch or score, store results.
 
 Batching: :class:`workers.gpu_batching.GenerateBatches` hands this task the ``rollout.generate``
-messages the worker has reserved (up to ``ROLLOUT_GPU_BATCH_SIZE``), and the engine runs them as
-one batch in the worker's single pool thread. transformers' continuous batching cannot serve this
-path (it drops ``pixel_values``, DESIGN §8).
+messages the worker has reserved, and the task runs a :class:`workers.gpu_session.GenerateSession`
+in the worker's single pool thread: jobs join the engine's running batch between decode steps and
+leave as they end, and the session takes more messages while it runs. transformers' continuous
+batching cannot serve this path (it drops ``pixel_values``, DESIGN §8): the scheduler is ours
+(``engine/scheduler.py``).
 
 Time limit: Celery enforces none here (celery-batches hands the batch to the pool without one, and
-the threads pool cannot interrupt a thread anyway), so the batch keeps its own deadline,
-``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it starts: ``should_abort`` stops every row still
-decoding then, and those jobs fail with ``job_time_limit_exceeded``. The worker is then free for
-the next batch, well before the visibility timeout would hand the messages to another worker.
+the threads pool cannot interrupt a thread anyway), so every job keeps its own deadline,
+``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joins: its rows stop then and it fails with
+``job_time_limit_exceeded``, its batch mates go on.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import redis
 from celery import shared_task
 
-from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
+from engine.errors import HandleUnavailableError, RolloutError
 from workers.gpu_batching import REQUEUE, GenerateBatches
+from workers.gpu_session import GenerateSession
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
@@ -37,9 +38,6 @@ from workers.submission import enqueue_preprocess
 
 log = logging.getLogger(__name__)
 
-ABORT_POLL_SECONDS = 0.05
-REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
-
 
 @shared_task(name=GENERATE_TASK, base=GenerateBatches, bind=True, flush_every=16, flush_interval=0.005)
 def generate(self, requests) -> str | None:
@@ -47,54 +45,55 @@ def generate(self, requests) -> str | None:
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
     with job_context(*job_ids):
         try:
-            _generate(rt, job_ids)
+            engine = rt.wait_for_model()
+        except Exception:
+            for job_id in job_ids:
+                fail_unexpected(rt, job_id, "loading the model")
+            return None
+        session = GenerateSession(rt, engine, self)
+        try:
+            session.run(requests)
         except REDIS_DOWN:
-            log.warning("Redis unavailable during a batch of %d jobs; their messages go back to the queue",
-                        len(job_ids))
+            log.warning("Redis unavailable during a GPU session of %d jobs; their messages go back to the queue",
+                        len(session.live))
             return REQUEUE
+        except Exception:
+            # celery-batches only logs an exception from the batch body and leaves every job waiting;
+            # end each job that is still open instead (their messages are settled on return).
+            for live in session.live.values():
+                fail_unexpected(rt, live.job["id"], "generating")
+                release_prompt(rt.redis, live.prompt)
     return None
 
 
-def _generate(rt, job_ids: list[str]) -> None:
-    try:
-        engine = rt.wait_for_model()
-    except Exception:
-        for job_id in job_ids:
-            fail_unexpected(rt, job_id, "loading the model")
-        return
-    try:
-        run_batch(rt, engine, job_ids)
-    except REDIS_DOWN:
-        raise  # an outage, not these jobs' fault: the batch is requeued
-    except Exception:
-        # celery-batches only logs an exception from the batch body and leaves every job waiting;
-        # end each job that is still open instead.
-        for job_id in job_ids:
-            fail_unexpected(rt, job_id, "generating")
-
-
-def run_batch(rt, engine, job_ids: list[str]) -> None:
-    deadline = time.monotonic() + rt.settings.task_soft_time_limit
+def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]], list[str]]:
+    """The jobs of ``job_ids`` that are ready to run, moved to ``generating``, with their opened
+    prompts; and the ids settled without running (gone, already ended, sent back to preprocessing,
+    cancelled meanwhile), whose messages are done."""
     jobs = rt.jobs.get_many(job_ids)
     prompts = rt.jobs.prompts(job_ids)
-    ready, ended = [], []
+    ready, ended, settled = [], [], []
     for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
         if job is None:
+            settled.append(job_id)
             continue
         if job["status"] in TERMINAL:
             ended.append(job)
+            settled.append(job_id)
             continue
         if raw is None:
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            settled.append(job_id)
             continue
         try:
-            prompt = open_prompt(json.loads(raw), device=engine.loaded.device)
+            prompt = open_prompt(json.loads(raw), device=device)
         except HandleUnavailableError:
             # The producer died or its pool reclaimed the memory: preprocess again (cheap with the
             # multimodal cache) rather than fail the job.
             log.info("job %s: feature handles unavailable; preprocessing again", job_id)
             count(rt.redis, "handle_unavailable")
             enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            settled.append(job_id)
             continue
         ready.append((job, prompt))
     resume_followups(rt, ended)
@@ -106,23 +105,26 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
             running.append((job, prompt))
         else:
             release_prompt(rt.redis, prompt)
-    ready = running
-    try:
-        for kind in ("generate", "score"):
-            group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
-            if group:
-                _run_group(rt, engine, kind, group, deadline)
-    finally:
-        for _, prompt in ready:
-            release_prompt(rt.redis, prompt)
+            settled.append(job["id"])
+    return running, settled
+
+
+def run_score_jobs(rt, engine, group: list[tuple[dict, Any]]) -> None:
+    deadline = time.monotonic() + rt.settings.task_soft_time_limit
+    _run_part(rt, engine, "score", group, deadline)
 
 
 def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
-    """Run ``group`` as one engine batch and end its jobs. Raises only for a group of one."""
+    """Run ``group`` as one scoring batch and end its jobs. Raises only for a group of one."""
+    from engine.scoring import ScoreRequest
+
     started = time.perf_counter()
-    timed_out: set[int] = set()
     try:
-        outputs = _run_engine(rt, engine, kind, group, deadline, timed_out)
+        outputs = engine.score([
+            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=job["request"]["completion_token_ids"],
+                         items=prompt.items)
+            for job, prompt in group
+        ])
     except REDIS_DOWN:
         raise  # an outage, not a request's fault: the batch is requeued
     except Exception:
@@ -137,14 +139,8 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, kind, elapsed)
-    endings = []
-    for index, ((job, prompt), output) in enumerate(zip(group, outputs, strict=True)):
-        if index in timed_out and any(choice.finish_reason == "abort" for choice in output.choices):
-            limit = rt.settings.task_soft_time_limit
-            fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
-        else:
-            endings.append(_ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group)))
-    end_jobs(rt, endings)
+    end_jobs(rt, [ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
+                  for (job, prompt), output in zip(group, outputs, strict=True)])
 
 
 def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
@@ -161,47 +157,6 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         fail_job(rt, job_id, error)
     except Exception:
         fail_unexpected(rt, job_id, "generating")
-
-
-def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[int]):
-    """The engine's outputs; fills ``timed_out`` with the rows stopped by the batch deadline."""
-    from engine.generation import GenerationRequest
-    from engine.scoring import ScoreRequest
-
-    if kind == "score":
-        return engine.score([
-            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=job["request"]["completion_token_ids"],
-                         items=prompt.items)
-            for job, prompt in group
-        ])
-    requests = [
-        GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                          sampling=sampling_params(job["request"]["sampling_params"]), enqueued_at=job["created_at"])
-        for job, prompt in group
-    ]
-    job_ids = [job["id"] for job, _ in group]
-    last_poll = [0.0]
-    aborted: set[int] = set()
-
-    def should_abort() -> set[int]:
-        # One MGET at most every ABORT_POLL_SECONDS, not one Redis round trip per decode step.
-        now = time.monotonic()
-        if now - last_poll[0] >= ABORT_POLL_SECONDS:
-            last_poll[0] = now
-            try:
-                cancelled = rt.jobs.cancel_requested(job_ids)
-            except redis.RedisError:
-                # Redis is away: decode on, and look again in a second (each failed call waits on
-                # reconnect attempts; one per poll would slow every step down).
-                cancelled = set()
-                last_poll[0] = now + REDIS_DOWN_POLL_PAUSE_SECONDS
-            aborted.update(i for i, job_id in enumerate(job_ids) if job_id in cancelled)
-        if now >= deadline and len(aborted) < len(job_ids):
-            timed_out.update(i for i in range(len(job_ids)) if i not in aborted)
-            aborted.update(timed_out)
-        return aborted
-
-    return engine.generate(requests, should_abort=should_abort)
 
 
 def sampling_params(params: dict[str, Any]):
@@ -223,7 +178,7 @@ _SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetiti
                    "spaces_between_special_tokens")
 
 
-def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
+def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
     """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``)."""
     timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
                "batch_size": batch_size}
@@ -241,7 +196,7 @@ def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size
         result.update(completion_logprobs=output.logprobs, usage=output.usage)
     else:
         choices = [asdict(choice) for choice in output.choices]
-        result.update(choices=choices, usage=output.usage)
+        result.update(choices=choices, usage=output.usage, cached_tokens=output.cached_tokens)
         if output.prompt_logprobs is not None:
             result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
         if any(choice["finish_reason"] == "abort" for choice in choices):

@@ -1,0 +1,685 @@
+"""Iteration-level (continuous) scheduling: requests join the running batch between decode steps
+and leave the moment they finish.
+
+Why by hand: transformers' own continuous batching (``generate_batch``, ``init_continuous_batching``)
+takes token ids only and drops ``pixel_values`` (transformers#43386, DESIGN §8), so it cannot serve
+a multimodal request. What this module uses of transformers: the model's forward with its own
+mask building from a 2-D ``attention_mask``, its ``DynamicCache`` (rows dropped with
+``batch_select_indices``), its position handling (``_prepare_position_ids_for_generation``, which
+gives Qwen-VL's M-RoPE positions and per-row ``rope_deltas``) and its ``mm_encoder_outputs`` seam
+(media encoded before the forward). Written here: admission, adding rows to a running cache
+(:mod:`engine.kv_batch`), per-row positions during decoding, chunked prefill, prompt sharing.
+
+One :meth:`Scheduler.step`:
+
+1. aborts and expired deadlines end their rows (a pending request ends without running);
+2. one decode forward over the running rows; each row picks its token with its own
+   :class:`~engine.decoding.RowDecoder` (parameters, seeded generator, penalties, stops) and
+   rows that finished leave the batch (``index_select`` of the cache, trimmed to the longest row);
+3. pending requests are admitted, first come first served, while the rows
+   (``max_rows``) and the KV budget (``kv_cache_tokens``: rows x width of the left-padded cache,
+   at the worst point of every admitted row's future) allow;
+4. admitted prompts are prefilled: each distinct prompt (token ids + media keys) once, whatever
+   the number of rows that share it (``n > 1``, or separate requests); a prompt still in the
+   small prompt LRU is not computed at all. Short prompts go together in one padded forward, at
+   most ``prefill_chunk_tokens`` tokens while rows are decoding; a longer one is prefilled alone
+   in chunks of that size, one chunk per step, so decoding rows keep their pace. Each row of a
+   prompt takes its first token from the prompt's last logits and joins the running batch.
+
+Positions: a row's next text position is the number of real tokens it has; M-RoPE models add the
+row's rope delta (from transformers' own ``get_rope_index``), so rows of any length and media share
+a batch and each sees the positions it would see alone.
+
+Errors: a request that fails (its prefill, or its row's sampling) ends alone with its error; the
+rest of the batch goes on. A failing decode forward ends every running request with the error.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.batch_inputs import (
+    Row,
+    check_placeholders,
+    check_prompt,
+    collate,
+    placeholder_ranges,
+    request_features,
+)
+from engine.capacity import SchedulerLimits, check_capacity
+from engine.decoding import RowDecoder
+from engine.encoder_cache import (
+    EncoderCache,
+    MediaUnit,
+    encode,
+    encoder_input_names,
+    supports_encoder_outputs,
+    tensors_hash,
+    unit_key,
+)
+from engine.errors import InvalidRequestError
+from engine.kv_batch import append_rows, keep_rows, split_rows
+from engine.loading import LoadedModel
+from engine.prompt_cache import PrefilledPrompt, PromptCache
+from engine.sampling import SamplingParams, choice_seed
+from engine.scoring import teacher_forced
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started (the GPU worker reports their growth as metrics)."""
+
+    prefill_tokens: int = 0  # prompt tokens computed (real tokens, not padding)
+    cached_tokens: int = 0  # prompt tokens served by a shared or cached prefill
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum over decode steps of the rows in them
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
+class RowTokens:
+    """One row's token of one step, for the per-step hook (streaming)."""
+
+    tag: Any
+    choice: int
+    token_id: int
+    logprob: float | None
+    finish_reason: str | None  # set on the row's last token
+
+
+@dataclass
+class Finished:
+    """A request that ended: its result, or the error that ended it alone."""
+
+    handle: int
+    tag: Any
+    result: Any = None  # engine.generation.GenerationResult
+    error: BaseException | None = None
+    timed_out: bool = False  # its deadline stopped it (its rows end with "abort")
+    batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
+
+
+@dataclass
+class _Job:
+    handle: int
+    tag: Any
+    request: Any  # GenerationRequest
+    features: dict[str, torch.Tensor]
+    units: list[MediaUnit]
+    key: tuple
+    rows: list[RowDecoder]
+    deadline: float | None
+    state: str = "pending"  # pending -> admitted -> running -> done
+    admitted_at: float | None = None
+    admitted_wall: float | None = None
+    first_token_at: float | None = None
+    cached_tokens: int = 0
+    error: BaseException | None = None
+    timed_out: bool = False
+    abort_requested: bool = False
+    peak_rows: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def final_len(self) -> int:
+        return self.prompt_len + self.request.sampling.max_tokens
+
+
+@dataclass
+class _Chunking:
+    """A long prompt being prefilled one chunk per step."""
+
+    key: tuple
+    job: _Job
+    batch: dict[str, torch.Tensor]
+    positions: torch.Tensor
+    rope_delta: int | None
+    cache: Any = None
+    done: int = 0  # tokens prefilled so far
+
+
+StepHook = Callable[[list[RowTokens]], None]
+
+
+class Scheduler:
+    """The continuous batch of one model. Not thread-safe: one thread submits and steps
+    (:meth:`abort` may be called from elsewhere: it only sets a flag)."""
+
+    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *,
+                 encoder_cache: EncoderCache | None = None, prompt_cache: PromptCache | None = None,
+                 stats: EngineStats | None = None, on_step: StepHook | None = None):
+        self.loaded = loaded
+        self.limits = limits = limits or SchedulerLimits()
+        self.encoder_cache = encoder_cache
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(limits.prompt_cache_tokens)
+        self.stats = stats if stats is not None else EngineStats()
+        self.on_step = on_step
+        self._uses_encoder_outputs = supports_encoder_outputs(loaded.model)
+        self._encoder_inputs = encoder_input_names(loaded.model) if self._uses_encoder_outputs else set()
+        self._next_handle = 0
+        self._jobs: dict[int, _Job] = {}
+        self._pending: list[_Job] = []
+        self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
+        self._chunking: _Chunking | None = None
+        # The running batch: parallel per-row state.
+        self._rows: list[RowDecoder] = []
+        self._row_jobs: list[_Job] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None  # (rows,) next text position
+        self._deltas: torch.Tensor | None = None  # (rows,) M-RoPE deltas; None without M-RoPE
+        self._last: torch.Tensor | None = None  # (rows,) token to feed next
+
+    # --- submitting ---------------------------------------------------------------------------
+
+    def check(self, request) -> dict[str, torch.Tensor]:
+        """Refuse what can never run (typed errors); the request's model features otherwise."""
+        loaded, params = self.loaded, request.sampling
+        check_prompt(loaded, request.prompt_token_ids, params.max_tokens)
+        features = request_features(request.items, request.mm_kwargs)
+        check_placeholders(loaded, request.prompt_token_ids, features)
+        if params.stop and loaded.tokenizer is None:
+            raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
+                                      errors={"stop": ["not supported by this model"]})
+        check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
+        return features
+
+    def submit(self, request, *, tag: Any = None, deadline: float | None = None,
+               features: dict[str, torch.Tensor] | None = None) -> int:
+        """Queue ``request`` (an ``engine.generation.GenerationRequest``); returns its handle.
+        ``deadline`` (``time.monotonic()``): its rows stop then and it ends ``timed_out``."""
+        if features is None:
+            features = self.check(request)
+        loaded = self.loaded
+        handle = self._next_handle
+        self._next_handle += 1
+        units = _media_units(loaded, request, features)
+        key = (loaded.weight_version, tuple(request.prompt_token_ids), tuple(unit.key for unit in units))
+        eos = frozenset(loaded.eos_token_ids)
+        rows = [RowDecoder(handle, c, request.sampling, _generator(loaded, request.sampling, c),
+                           prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)
+                for c in range(request.sampling.n)]
+        job = _Job(handle, tag, request, features, units, key, rows, deadline)
+        self._jobs[handle] = job
+        self._pending.append(job)
+        return handle
+
+    def abort(self, handle: int) -> None:
+        """End the request at the next step with the tokens so far (``finish_reason="abort"``)."""
+        job = self._jobs.get(handle)
+        if job is not None:
+            job.abort_requested = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    @property
+    def running_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def free_rows(self) -> int:
+        """Rows a new request could take now (the GPU worker reserves no more messages than this)."""
+        taken = len(self._rows) + sum(len(j.rows) for j in self._admitted) + sum(len(j.rows) for j in self._pending)
+        if self._chunking is not None:
+            taken += len(self._chunking.job.rows)
+        return max(0, self.limits.max_rows - taken)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[Finished]:
+        """One scheduling iteration (see the module docstring); the requests that ended in it."""
+        events: list[RowTokens] = []
+        self._stop_aborted_and_expired()
+        if self._rows:
+            self._decode(events)
+        self._admit()
+        self._prefill_and_join(events)
+        self._drop_finished_rows()
+        finished = self._collect()
+        if self.on_step is not None and events:
+            self.on_step(events)
+        return finished
+
+    def _stop_aborted_and_expired(self) -> None:
+        now = time.monotonic()
+        for job in list(self._jobs.values()):
+            expired = job.deadline is not None and now >= job.deadline
+            if not (job.abort_requested or expired) or job.state == "done":
+                continue
+            job.timed_out = job.timed_out or (expired and not job.abort_requested)
+            for row in job.rows:
+                row.abort()
+        self._drop_finished_rows()
+
+    def _decode(self, events: list[RowTokens]) -> None:
+        loaded = self.loaded
+        rows = len(self._rows)
+        mask = torch.cat([self._mask, self._mask.new_ones((rows, 1))], dim=1)
+        positions = self._positions[:, None]
+        if self._deltas is not None:
+            vision = (positions + self._deltas[:, None])[None].expand(3, rows, 1)
+            position_ids = torch.cat([positions[None], vision], dim=0)
+        else:
+            position_ids = positions
+        try:
+            with loaded.lock, torch.inference_mode():
+                out = loaded.model(input_ids=self._last[:, None], attention_mask=mask, position_ids=position_ids,
+                                   cache=self._cache, use_cache=True, logits_to_keep=1)
+        except Exception as error:  # a batch forward: every running request ends with it
+            for job in dict.fromkeys(self._row_jobs):
+                self._fail(job, error)
+            self._drop_finished_rows()
+            return
+        self._cache = _cache_of(out)
+        self._mask = mask
+        self._positions = self._positions + 1
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += rows
+        tokens = self._sample(self._rows, self._row_jobs, out.logits[:, -1].float(), events, batch_rows=rows)
+        self._last = tokens.to(self._last.device)
+
+    def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
+                events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
+        """Each row's token from its raw logits (rows, vocab), recorded on its decoder."""
+        for job in jobs:
+            job.peak_rows = max(job.peak_rows, batch_rows)
+        tokens = torch.argmax(logits, dim=-1)  # one batched argmax serves the plain greedy rows
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, (row, job) in enumerate(zip(rows, jobs, strict=True)):
+            if row.done:
+                continue
+            try:
+                if not row.plain_greedy:
+                    tokens[i] = row.pick(logits[i])
+                k = row.params.top_logprobs
+                top = torch.topk(raw_logprobs[i], k) if k else None
+                chosen = raw_logprobs[i, tokens[i]]
+                row.add_logprobs(chosen, top.values if top is not None else None,
+                                 top.indices if top is not None else None)
+                token = int(tokens[i])
+                row.record(token, aborted=False)
+            except Exception as error:  # this row's request ends alone
+                self._fail(job, error)
+                continue
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+            events.append(RowTokens(job.tag, row.choice_index, token,
+                                    float(chosen) if row.params.logprobs else None, row.finish_reason))
+        return tokens
+
+    def _admit(self) -> None:
+        while self._pending:
+            job = self._pending[0]
+            if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
+                return
+            self._pending.pop(0)
+            job.state = "admitted"
+            job.admitted_at = time.perf_counter()
+            job.admitted_wall = time.time()
+            self._admitted.append(job)
+
+    @property
+    def free_rows_for_admission(self) -> int:
+        taken = len(self._rows) + sum(len(j.rows) for j in self._admitted)
+        if self._chunking is not None:
+            taken += len(self._chunking.job.rows)
+        return self.limits.max_rows - taken
+
+    def _fits(self, job: _Job) -> bool:
+        """The left-padded cache stays within the KV budget at its worst point if ``job`` joins:
+        rows still alive after t more steps times the longest of them then, for every t."""
+        future = [(len(row.token_ids) + self._row_jobs[i].prompt_len, row.params.max_tokens - len(row.token_ids))
+                  for i, row in enumerate(self._rows)]
+        waiting = list(self._admitted) + ([self._chunking.job] if self._chunking is not None else []) + [job]
+        future += [(j.prompt_len, j.request.sampling.max_tokens) for j in waiting for _ in j.rows]
+        return peak_cache_tokens(future) <= self.limits.kv_cache_tokens
+
+    def _prefill_and_join(self, events: list[RowTokens]) -> None:
+        joined: list[tuple[_Job, PrefilledPrompt]] = []
+        if self._chunking is not None:
+            joined += self._prefill_chunk()
+        else:
+            joined += self._prefill_admitted()
+        if not joined:
+            return
+        rows, row_jobs, prompts = [], [], []
+        for job, prompt in joined:
+            for row in job.rows:
+                if not row.done:
+                    rows.append(row)
+                    row_jobs.append(job)
+                    prompts.append(prompt)
+        if not rows:
+            return
+        logits = torch.stack([p.logits for p in prompts])
+        tokens = self._sample(rows, row_jobs, logits, events, batch_rows=len(self._rows) + len(rows))
+        for job, _ in joined:
+            if job.state != "done":
+                job.state = "running"
+        keep = [i for i, row in enumerate(rows) if not row.done]
+        if not keep:
+            return
+        device = self.loaded.device
+        self._cache, self._mask = append_rows(self._cache, self._mask, [prompts[i].kv for i in keep],
+                                              config=self.loaded.model.config)
+        new_positions = torch.tensor([prompts[i].length for i in keep], dtype=torch.long, device=device)
+        new_last = tokens[keep].to(device)
+        uses_deltas = any(prompts[i].rope_delta is not None for i in keep) or self._deltas is not None
+        if uses_deltas:
+            new_deltas = torch.tensor([prompts[i].rope_delta or 0 for i in keep], dtype=torch.long, device=device)
+        if self._positions is None:
+            self._positions, self._last = new_positions, new_last
+            self._deltas = new_deltas if uses_deltas else None
+        else:
+            self._positions = torch.cat([self._positions, new_positions])
+            self._last = torch.cat([self._last, new_last])
+            if uses_deltas:
+                old = self._deltas if self._deltas is not None else torch.zeros_like(self._positions[:-len(keep)])
+                self._deltas = torch.cat([old, new_deltas])
+        self._rows += [rows[i] for i in keep]
+        self._row_jobs += [row_jobs[i] for i in keep]
+
+    def _prefill_admitted(self) -> list[tuple[_Job, PrefilledPrompt]]:
+        """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
+        joined, to_compute = [], {}
+        budget = self.limits.prefill_chunk_tokens if self._rows else None
+        used_width, used_rows = 0, 0
+        for job in list(self._admitted):
+            if job.state == "done":
+                self._admitted.remove(job)
+                continue
+            cached = self.prompt_cache.get(job.key)
+            if cached is not None:
+                self._admitted.remove(job)
+                self._count_shared(job)
+                joined.append((job, cached))
+                continue
+            if job.key in to_compute:
+                to_compute[job.key].append(job)
+                self._admitted.remove(job)
+                continue
+            width = max(used_width, job.prompt_len)
+            if budget is not None and (used_rows + 1) * width > budget:
+                if not to_compute and self._chunking is None:
+                    self._admitted.remove(job)
+                    self._start_chunking(job)
+                break
+            used_width, used_rows = width, used_rows + 1
+            to_compute[job.key] = [job]
+            self._admitted.remove(job)
+        if to_compute:
+            joined += self._compute_prompts(to_compute)
+        if self._chunking is not None and not joined:
+            joined += self._prefill_chunk()
+        return joined
+
+    def _compute_prompts(self, groups: dict[tuple, list[_Job]]) -> list[tuple[_Job, PrefilledPrompt]]:
+        leaders = [jobs[0] for jobs in groups.values()]
+        try:
+            prefilled = self._prefill(leaders)
+        except Exception as error:
+            if len(leaders) == 1:
+                for job in groups[leaders[0].key]:
+                    self._fail(job, error)
+                return []
+            # One bad prompt must not fail the others: prefill each alone to find it.
+            out = []
+            for key, jobs in groups.items():
+                out += self._compute_prompts({key: jobs})
+            return out
+        out = []
+        for leader, prompt in zip(leaders, prefilled, strict=True):
+            self.prompt_cache.put(leader.key, prompt)
+            self.stats.prefill_tokens += prompt.length
+            for i, job in enumerate(groups[leader.key]):
+                if i:
+                    self._count_shared(job)
+                out.append((job, prompt))
+        return out
+
+    def _count_shared(self, job: _Job) -> None:
+        job.cached_tokens = job.prompt_len
+        self.stats.cached_tokens += job.prompt_len
+
+    def _prefill(self, jobs: Sequence[_Job]) -> list[PrefilledPrompt]:
+        """One padded forward over the prompts of ``jobs``: each prompt's KV, last logits, delta."""
+        batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features) for job in jobs])
+        positions, deltas = self._prompt_positions(batch)
+        units = [unit for job in jobs for unit in job.units]
+        kwargs = self._forward_inputs(batch, units)
+        loaded = self.loaded
+        with loaded.lock, torch.inference_mode():
+            out = loaded.model(**kwargs, position_ids=positions, use_cache=True, logits_to_keep=1)
+        kvs = split_rows(_cache_of(out), batch["attention_mask"])
+        logits = out.logits[:, -1].float()
+        return [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
+                for i, kv in enumerate(kvs)]
+
+    def _start_chunking(self, job: _Job) -> None:
+        batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features)])
+        positions, deltas = self._prompt_positions(batch)
+        self._chunking = _Chunking(job.key, job, batch, positions, None if deltas is None else int(deltas[0]))
+
+    def _prefill_chunk(self) -> list[tuple[_Job, PrefilledPrompt]]:
+        """The next chunk of the long prompt being prefilled; the prompt once its last chunk ran."""
+        state = self._chunking
+        job = state.job
+        if job.state == "done":
+            self._chunking = None
+            return []
+        length = job.prompt_len
+        start = state.done
+        end = min(length, start + self.limits.prefill_chunk_tokens)
+        units = job.units
+        if units and not self._uses_encoder_outputs:
+            # The model takes its pixels in one forward: every placeholder goes in one chunk.
+            end = max(end, max(unit.span[1] for unit in units))
+        for unit in units:  # a chunk never splits a media unit's placeholders
+            if unit.span[0] < end < unit.span[1]:
+                end = unit.span[1]
+        chunk_units = [unit for unit in units if start <= unit.span[0] < end]
+        batch = {name: value[:, start:end] if name in ("input_ids", "mm_token_type_ids") else value
+                 for name, value in state.batch.items()}
+        batch["attention_mask"] = state.batch["attention_mask"][:, :end]
+        if not chunk_units:
+            batch = {name: value for name, value in batch.items()
+                     if name in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        kwargs = self._forward_inputs(batch, chunk_units)
+        loaded = self.loaded
+        try:
+            with loaded.lock, torch.inference_mode():
+                out = loaded.model(**kwargs, position_ids=state.positions[..., start:end], cache=state.cache,
+                                   use_cache=True, logits_to_keep=1)
+        except Exception as error:
+            self._chunking = None
+            self._fail(job, error)
+            return []
+        state.cache = _cache_of(out)
+        state.done = end
+        if end < length:
+            return []
+        self._chunking = None
+        kv = split_rows(state.cache, state.batch["attention_mask"])[0]
+        prompt = PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
+        self.prompt_cache.put(job.key, prompt)
+        self.stats.prefill_tokens += length
+        return [(job, prompt)]
+
+    def _prompt_positions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """transformers' own prefill positions for ``batch`` and, for M-RoPE models, each row's
+        rope delta (``get_rope_index``'s, left on the model as ``rope_deltas``)."""
+        model = self.loaded.model
+        model_kwargs = {name: value for name, value in batch.items() if name != "input_ids"}
+        with torch.inference_mode():
+            positions = model._prepare_position_ids_for_generation(batch["input_ids"], model_kwargs)
+        if positions.dim() == 3:
+            deltas = model.model.rope_deltas.reshape(-1)
+            return positions, deltas
+        return positions, None
+
+    def _forward_inputs(self, batch: dict[str, torch.Tensor], units: Sequence[MediaUnit]) -> dict[str, Any]:
+        if not units or not self._uses_encoder_outputs:
+            return dict(batch)
+        kwargs = {name: value for name, value in batch.items() if name not in self._encoder_inputs}
+        with torch.inference_mode():
+            kwargs["mm_encoder_outputs"] = encode(self.loaded.model, [_on_device(u, self.loaded) for u in units],
+                                                  self.encoder_cache)
+        return kwargs
+
+    # --- ending ------------------------------------------------------------------------------
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        if job.error is None:
+            job.error = error
+        for row in job.rows:
+            row.abort()
+
+    def _drop_finished_rows(self) -> None:
+        if not self._rows:
+            return
+        keep = [i for i, row in enumerate(self._rows) if not row.done]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._row_jobs = [], []
+            self._cache = self._mask = self._positions = self._deltas = self._last = None
+            return
+        self._cache, self._mask = keep_rows(self._cache, self._mask, keep)
+        index = torch.as_tensor(keep, dtype=torch.long, device=self._positions.device)
+        self._positions = self._positions.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        if self._deltas is not None:
+            self._deltas = self._deltas.index_select(0, index)
+        self._rows = [self._rows[i] for i in keep]
+        self._row_jobs = [self._row_jobs[i] for i in keep]
+
+    def _collect(self) -> list[Finished]:
+        finished = []
+        for handle, job in list(self._jobs.items()):
+            if not all(row.done for row in job.rows):
+                continue
+            del self._jobs[handle]
+            if job in self._pending:
+                self._pending.remove(job)
+            if job in self._admitted:
+                self._admitted.remove(job)
+            if self._chunking is not None and self._chunking.job is job:
+                self._chunking = None
+            job.state = "done"
+            if job.error is not None:
+                finished.append(Finished(handle, job.tag, error=job.error))
+                continue
+            try:
+                result = self._result(job)
+            except Exception as error:
+                finished.append(Finished(handle, job.tag, error=error))
+                continue
+            finished.append(Finished(handle, job.tag, result=result, timed_out=job.timed_out,
+                                     batch_rows=job.peak_rows))
+        return finished
+
+    def _result(self, job: _Job):
+        from engine.generation import Choice, GenerationResult
+
+        loaded, request = self.loaded, job.request
+        now = time.perf_counter()
+        timings: dict[str, float] = {}
+        if job.admitted_at is not None:
+            first = job.first_token_at or now
+            timings = {"prefill_s": first - job.admitted_at, "decode_s": now - first}
+        if request.enqueued_at is not None:
+            timings["queue_s"] = max(0.0, (job.admitted_wall or time.time()) - request.enqueued_at)
+        scored = {}
+        ran = job.admitted_at is not None
+        if request.sampling.prompt_logprobs is not None and ran:
+            started = time.perf_counter()
+            scored = prompt_logprobs(loaded, request, job.features)
+            timings["prompt_logprobs_s"] = time.perf_counter() - started
+        choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
+                          finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
+                          top_logprobs=row.top_logprobs())
+                   for row in job.rows]
+        return GenerationResult(
+            prompt_token_ids=list(request.prompt_token_ids),
+            choices=choices,
+            usage={"prompt_tokens": job.prompt_len, "completion_tokens": sum(len(c.token_ids) for c in choices)},
+            timings=timings,
+            weight_version=loaded.weight_version,
+            placeholder_ranges=placeholder_ranges(loaded, request.prompt_token_ids, request.items),
+            cached_tokens=job.cached_tokens,
+            **scored,
+        )
+
+
+def peak_cache_tokens(rows: Sequence[tuple[int, int]]) -> int:
+    """Largest rows x width a left-padded cache reaches for rows ``(length now, steps left)``.
+
+    After t steps the rows with more than t steps left remain, and the cache is as wide as the
+    longest of them (``keep_rows`` trims the rest); the peak is at some row's last step.
+    """
+    peak = 0
+    for _, steps in rows:
+        alive = [(length, left) for length, left in rows if left >= steps]
+        peak = max(peak, len(alive) * max(length + steps for length, _ in alive))
+    return peak
+
+
+def prompt_logprobs(loaded: LoadedModel, request, features) -> dict[str, Any]:
+    """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring."""
+    length, k = len(request.prompt_token_ids), request.sampling.prompt_logprobs
+    # The first prompt token has no logprob; a one-token prompt scores nothing (keep a row anyway).
+    [(logprobs, top)] = teacher_forced(loaded, [Row(request.prompt_token_ids, features)], [max(length - 1, 1)],
+                                       top_k=k)
+    logprobs = logprobs[-(length - 1):] if length > 1 else []
+    entry: dict[str, Any] = {"prompt_logprobs": [None, *logprobs]}
+    if k:
+        top = top[-(length - 1):] if length > 1 else []
+        entry["prompt_top_logprobs"] = [None, *[step[:k] for step in top]]
+    return entry
+
+
+def _media_units(loaded: LoadedModel, request, features) -> list[MediaUnit]:
+    """The request's media as encoder units: one per finalized item (by content hash), or all of
+    its ready-made tensors as one unit."""
+    if not features:
+        return []
+    if request.items and all(item.content_hash for item in request.items):
+        return [MediaUnit(unit_key(loaded.weight_version, f"{item.modality}:{item.content_hash}"), item.tensors(),
+                          tuple(item.offset))
+                for item in sorted(request.items, key=lambda i: i.offset)]
+    media = set(loaded.media_token_ids.values())
+    at = [i for i, t in enumerate(request.prompt_token_ids) if t in media]
+    return [MediaUnit(unit_key(loaded.weight_version, tensors_hash(features)), features, (at[0], at[-1] + 1))]
+
+
+def _on_device(unit: MediaUnit, loaded: LoadedModel) -> MediaUnit:
+    moved = {name: value.to(device=loaded.device, dtype=loaded.dtype) if value.is_floating_point()
+             else value.to(loaded.device) for name, value in unit.features.items()}
+    return MediaUnit(unit.key, moved, unit.span)
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _generator(loaded: LoadedModel, params: SamplingParams, choice: int) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    generator = torch.Generator(device=loaded.device)
+    generator.manual_seed(choice_seed(seed, choice))
+    return generator

@@ -1,0 +1,411 @@
+"""The continuous scheduler on tiny real models (fp32, CPU): rows join and leave between steps and
+every row still decodes exactly as it would alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.demo_model import IMAGE_ARCHS, build_demo_model
+from engine.errors import CapacityError
+from engine.generation import Engine, GenerationRequest
+from engine.loading import load_model
+from engine.sampling import SamplingParams
+from engine.scheduler import SchedulerLimits, peak_cache_tokens
+from tests.engine.media_prompts import image_tokens
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, top_logprobs=5)
+
+
+def sampled(seed, max_tokens=8, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True, **kw)
+
+
+class Model:
+    """One architecture: its engine, tokenizer and image processor, and prompts built from them."""
+
+    def __init__(self, arch: str, directory):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.arch = arch
+        self.loaded = load_model(str(directory), device="cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        self.image_processor = AutoImageProcessor.from_pretrained(directory) if arch != "text" else None
+
+    def engine(self, **limits) -> Engine:
+        return Engine(self.loaded, SchedulerLimits(**limits))
+
+    def text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def image(self, size=(64, 48), color="red") -> dict[str, torch.Tensor]:
+        out = self.image_processor(images=[Image.new("RGB", size, color)], return_tensors="pt")
+        return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    def request(self, text: str, params: SamplingParams, image=None) -> GenerationRequest:
+        if image is None:
+            return GenerationRequest(self.text(text), params)
+        ids = image_tokens(self.arch, self.loaded.model.config, self.tokenizer, image) + self.text(text)
+        return GenerationRequest(ids, params, mm_kwargs=image)
+
+
+def _text_only_model(directory, tokenizer_dir):
+    """A tiny random Qwen2ForCausalLM (a text-only model) with the demo tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.save_pretrained(directory)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scheduler-models")
+    cache = {}
+
+    def get(arch: str) -> Model:
+        if arch not in cache:
+            if arch == "text":
+                directory = _text_only_model(root / arch, build_demo_model(root / "qwen2_vl"))
+            else:
+                directory = build_demo_model(root / arch, arch=arch)
+            cache[arch] = Model(arch, directory)
+        return cache[arch]
+
+    return get
+
+
+def run(scheduler, submissions, *, steps_between=0, burst=1):
+    """Submit ``[(request, kwargs)]`` (``burst`` at first, then one every ``steps_between``
+    steps), step until done; results by tag, and the live rows of every decode step."""
+    results, rows_per_step, pending = {}, [], list(submissions)
+    while pending or scheduler.has_work:
+        for _ in range(len(pending) if not steps_between else burst if not rows_per_step else 1):
+            if pending:
+                request, kwargs = pending.pop(0)
+                scheduler.submit(request, **kwargs)
+        for _ in range(max(steps_between, 1)):
+            rows_per_step.append(scheduler.running_rows)
+            for finished in scheduler.step():
+                assert finished.error is None, finished.error
+                results[finished.tag] = finished.result
+    return results, rows_per_step
+
+
+def neighbours(model: Model, count: int, seed: int = 0) -> list[GenerationRequest]:
+    """Requests of different lengths, media and output lengths, to churn a batch."""
+    rng = random.Random(seed)
+    texts = ["Yes.", "The weather today is sunny with a light breeze from the west.", "Count the objects.",
+             "A man is riding a bicycle along the river while children play football in the park."]
+    sizes = [(64, 48), (112, 56), (56, 112), (84, 84)]
+    out = []
+    for i in range(count):
+        params = sampled(seed=100 + i, max_tokens=rng.randint(1, 9)) if i % 2 else dataclasses.replace(
+            GREEDY, max_tokens=rng.randint(1, 9))
+        image = None
+        if model.image_processor is not None and i % 3 != 2:
+            image = model.image(sizes[i % len(sizes)], ["red", "green", "blue"][i % 3])
+        out.append(model.request(texts[i % len(texts)], params, image))
+    return out
+
+
+def transformers_alone(model: Model, request: GenerationRequest) -> dict:
+    """Greedy tokens, their raw logprobs and the top 5 per step of ``request`` alone, by
+    transformers' own ``generate`` (its cache, positions and M-RoPE), as a reference outside
+    the scheduler."""
+    from engine.batch_inputs import Row, collate
+
+    batch = collate(model.loaded, [Row(request.prompt_token_ids, dict(request.mm_kwargs or {}))])
+    with torch.inference_mode():
+        out = model.loaded.model.generate(**batch, max_new_tokens=request.sampling.max_tokens, do_sample=False,
+                                          output_logits=True, return_dict_in_generate=True,
+                                          pad_token_id=model.loaded.fill_token_id)
+    logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
+    tokens = out.sequences[0, batch["input_ids"].shape[1]:]
+    top = torch.topk(logprobs, 5, dim=-1)
+    return {"tokens": tokens.tolist(), "logprobs": logprobs.gather(1, tokens[:, None])[:, 0].tolist(),
+            "top_ids": top.indices.tolist(), "top_values": top.values.tolist()}
+
+
+def assert_matches_transformers(reference: dict, result, atol=1e-5):
+    choice = result.choices[0]
+    assert choice.token_ids == reference["tokens"]
+    torch.testing.assert_close(choice.logprobs, reference["logprobs"], atol=atol, rtol=0)
+    assert [[t for t, _ in step] for step in choice.top_logprobs] == reference["top_ids"]
+    torch.testing.assert_close([[v for _, v in step] for step in choice.top_logprobs], reference["top_values"],
+                               atol=atol, rtol=0)
+
+
+def assert_same_row(alone, churned, atol=1e-5):
+    for a, b in zip(alone.choices, churned.choices, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=atol, rtol=0)
+        for step_a, step_b in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
+            assert [t for t, _ in step_a] == [t for t, _ in step_b]
+            torch.testing.assert_close([v for _, v in step_a], [v for _, v in step_b], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("arch", [*IMAGE_ARCHS, "text"])
+def test_a_row_in_a_churning_batch_decodes_as_it_does_alone(models, arch):
+    """Every registered architecture through the same loop. The target row joins a running batch,
+    rows of other lengths and media (other M-RoPE deltas) join and leave while it decodes, and
+    its tokens and raw logprobs (top 5 per step) equal those of the row alone."""
+    model = models(arch)
+    image = model.image((84, 56), "purple") if model.image_processor is not None else None
+    target = model.request("Describe the image in one sentence.", dataclasses.replace(GREEDY, max_tokens=8), image)
+    reference = transformers_alone(model, target)
+
+    engine = model.engine(max_rows=3, prompt_cache_tokens=0)
+    live_with_target = []
+
+    def on_step(events):
+        if any(e.tag == "target" for e in events):
+            live_with_target.append(frozenset(e.tag for e in events))
+
+    scheduler = engine.scheduler(on_step=on_step)
+    others = neighbours(model, 8)
+    submissions = [(r, {"tag": i}) for i, r in enumerate(others[:3])]
+    submissions += [(target, {"tag": "target"})] + [(r, {"tag": 3 + i}) for i, r in enumerate(others[3:])]
+    results, _ = run(scheduler, submissions, steps_between=1)
+    assert len(set(live_with_target)) > 2, live_with_target  # rows joined and left around the target
+    assert_matches_transformers(reference, results["target"])
+    assert_matches_transformers(reference, model.engine().generate([target])[0])
+    for i, request in enumerate(others[:4]):
+        assert_same_row(model.engine().generate([request])[0], results[i])
+
+
+def test_a_seeded_job_gives_the_same_tokens_alone_and_among_40_jobs_joining_and_leaving(models):
+    model = models("qwen2_vl")
+    target = model.request("What colour is the square?", sampled(seed=1234, max_tokens=12), model.image())
+    alone = model.engine().generate([target])[0]
+
+    engine = model.engine(max_rows=8)
+    jobs = neighbours(model, 40, seed=3)
+    submissions = [(r, {"tag": i}) for i, r in enumerate(jobs)]
+    submissions.insert(20, (target, {"tag": "target"}))
+    results, rows_per_step = run(engine.scheduler(), submissions, steps_between=1, burst=12)
+    assert max(rows_per_step) == 8 and len(set(rows_per_step)) > 3
+    assert results["target"].choices[0].token_ids == alone.choices[0].token_ids
+    torch.testing.assert_close(results["target"].choices[0].logprobs, alone.choices[0].logprobs, atol=1e-5, rtol=0)
+
+    # Sampled-token logprobs agree with teacher-forced scoring of the same tokens.
+    from engine.scoring import ScoreRequest
+
+    scored = engine.score([ScoreRequest(r.prompt_token_ids, results[i].choices[0].token_ids, mm_kwargs=r.mm_kwargs)
+                           for i, r in enumerate(jobs)])
+    for i, score in enumerate(scored):
+        torch.testing.assert_close(results[i].choices[0].logprobs, score.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_prompt_group_is_prefilled_once_and_reports_cached_tokens(models):
+    model = models("qwen2_vl")
+    engine = model.engine(max_rows=16)
+    image = model.image((84, 84), "green")
+    group = [model.request("Describe the image.", sampled(seed=s), image) for s in range(4)]
+    other = model.request("Describe the image.", sampled(seed=9), model.image((84, 84), "blue"))
+    n3 = model.request("Count the objects.", sampled(seed=5, n=3))
+    results = engine.generate([*group, other, n3])
+    length = len(group[0].prompt_token_ids)
+    # Same ids, other image: another prompt. n=3: one prompt computed once for its three rows.
+    assert engine.stats.prefill_tokens == 2 * length + len(n3.prompt_token_ids)
+    assert [r.cached_tokens for r in results] == [0, length, length, length, 0, 0]
+    assert engine.stats.cached_tokens == 3 * length
+    for request, result in zip(group + [other, n3], results, strict=True):  # forked rows decode as alone
+        assert_same_row(model.engine().generate([request])[0], result)
+    assert len({tuple(r.choices[0].token_ids) for r in results[:4]}) == 4  # seeds differ, prompts shared
+
+    # A member arriving after its group ended still finds the prompt in the recent-prompt cache.
+    late = engine.generate([model.request("Describe the image.", sampled(seed=77), image)])[0]
+    assert late.cached_tokens == length and engine.stats.prefill_tokens == 2 * length + len(n3.prompt_token_ids)
+    assert_same_row(model.engine().generate([model.request("Describe the image.", sampled(seed=77), image)])[0], late)
+    without_lru = model.engine(prompt_cache_tokens=0)
+    without_lru.generate([group[0]])
+    assert without_lru.generate([group[1]])[0].cached_tokens == 0
+
+
+def test_the_vision_encoder_runs_once_per_image_and_a_second_epoch_hits_the_cache(models):
+    from engine.items import MultimodalItem
+
+    model = models("qwen2_vl")
+    engine = model.engine(prompt_cache_tokens=0)
+
+    def epoch(question: str):
+        requests = []
+        for i, color in enumerate(["red", "green", "blue"]):
+            image = model.image((84, 84), color)
+            ids = image_tokens("qwen2_vl", model.loaded.model.config, model.tokenizer, image) + model.text(question)
+            start = ids.index(model.loaded.model.config.image_token_id)
+            item = MultimodalItem("image", image, (start, start + 9), content_hash=f"img-{color}")
+            requests += [GenerationRequest(ids, sampled(seed=i * 10 + g), items=[item]) for g in range(2)]
+        return requests
+
+    first = engine.generate(epoch("Describe the image."))
+    assert (engine.encoder_cache.stats.calls, engine.encoder_cache.stats.hits) == (3, 0)  # one per image
+    second = engine.generate(epoch("What colour is it?"))
+    assert (engine.encoder_cache.stats.calls, engine.encoder_cache.stats.hits) == (3, 3)
+    uncached = model.engine(encoder_cache_bytes=0, prompt_cache_tokens=0).generate(epoch("What colour is it?"))
+    for a, b in zip(second, uncached, strict=True):
+        assert_same_row(a, b, atol=1e-6)
+    assert first[0].choices[0].logprobs != second[0].choices[0].logprobs  # another prompt
+
+
+def test_the_encoder_cache_is_bounded_in_bytes_lru():
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from engine.encoder_cache import EncoderCache
+
+    cache = EncoderCache(max_bytes=3 * 400)
+    out = lambda: {"image": BaseModelOutputWithPooling(pooler_output=(torch.zeros(100),))}  # noqa: E731
+    for key in "abc":
+        cache.put(key, out())
+    assert cache.get("a") is not None  # a is now the most recent
+    cache.put("d", out())
+    assert cache.get("b") is None and all(cache.get(k) is not None for k in "acd")
+    assert cache.nbytes == 1200
+    cache.put("huge", {"image": BaseModelOutputWithPooling(pooler_output=(torch.zeros(1000),))})
+    assert cache.get("huge") is None and cache.nbytes == 1200
+
+
+def test_abort_mid_batch_ends_that_request_only_with_its_tokens_so_far(models):
+    model = models("qwen2_vl")
+    engine = model.engine()
+    scheduler = engine.scheduler()
+    requests = [model.request("Yes.", sampled(seed=1, max_tokens=10)),
+                model.request("Count the objects.", sampled(seed=2, max_tokens=10, n=2), model.image())]
+    handles = [scheduler.submit(r, tag=i) for i, r in enumerate(requests)]
+    results, steps = {}, 0
+    while scheduler.has_work:
+        steps += 1
+        if steps == 4:
+            scheduler.abort(handles[1])
+        for finished in scheduler.step():
+            results[finished.tag] = finished.result
+    assert [c.finish_reason for c in results[1].choices] == ["abort", "abort"]
+    assert all(len(c.token_ids) == 3 for c in results[1].choices)
+    assert results[0].choices[0].finish_reason == "length" and len(results[0].choices[0].token_ids) == 10
+    full = model.engine().generate([requests[1]])[0]
+    assert [c.token_ids[:3] for c in full.choices] == [c.token_ids for c in results[1].choices]
+
+
+def test_a_deadline_stops_a_request_and_marks_it_timed_out(models):
+    model = models("qwen2_vl")
+    scheduler = model.engine().scheduler()
+    scheduler.submit(model.request("Yes.", sampled(seed=1, max_tokens=12)), tag="free")
+    scheduler.submit(model.request("No.", sampled(seed=2, max_tokens=12)), tag="limited",
+                     deadline=time.monotonic() + 3600)
+    scheduler.step()
+    scheduler.step()
+    scheduler._jobs[1].deadline = time.monotonic()  # its time is up now
+    ended = {}
+    while scheduler.has_work:
+        for finished in scheduler.step():
+            ended[finished.tag] = finished
+    assert ended["limited"].timed_out and ended["limited"].result.choices[0].finish_reason == "abort"
+    assert len(ended["limited"].result.choices[0].token_ids) == 2
+    assert not ended["free"].timed_out and len(ended["free"].result.choices[0].token_ids) == 12
+
+
+def test_a_request_that_fails_in_prefill_ends_alone(models):
+    model = models("qwen2_vl")
+    image = model.image()
+    good = model.request("Describe the image.", sampled(seed=1), image)
+    # Placeholders for a 16-patch image, pixels of a 4x larger one: the model refuses the row.
+    bad = GenerationRequest(good.prompt_token_ids, sampled(seed=2), mm_kwargs=model.image((128, 96)))
+    scheduler = model.engine().scheduler()
+    for tag, request in (("good", good), ("bad", bad), ("text", model.request("Yes.", sampled(seed=3)))):
+        scheduler.submit(request, tag=tag)
+    ended = {}
+    while scheduler.has_work:
+        for finished in scheduler.step():
+            ended[finished.tag] = finished
+    assert isinstance(ended["bad"].error, RuntimeError | ValueError) and ended["bad"].result is None
+    assert ended["good"].error is None and ended["text"].error is None
+    assert_same_row(model.engine().generate([good])[0], ended["good"].result)
+
+
+def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):
+    model = models("qwen2_vl")
+    prompt = model.text("The weather today is")
+    engine = model.engine(max_rows=4, kv_cache_tokens=3 * (len(prompt) + 8))
+    with pytest.raises(CapacityError) as info:
+        engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, n=5)))
+    assert info.value.http_status == 422 and info.value.code == "request_exceeds_capacity"
+    with pytest.raises(CapacityError):
+        engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, max_tokens=4 * len(prompt) + 40)))
+    _, rows_per_step = run(engine.scheduler(), [(GenerationRequest(prompt, sampled(seed=s)), {"tag": s})
+                                                for s in range(7)])
+    assert max(rows_per_step) == 3  # the KV budget, not the 4 rows, holds it
+
+
+def test_peak_cache_tokens_matches_a_step_by_step_simulation():
+    rng = random.Random(0)
+    for _ in range(200):
+        rows = [(rng.randint(1, 50), rng.randint(0, 30)) for _ in range(rng.randint(1, 8))]
+        simulated = 0
+        for t in range(max(left for _, left in rows) + 1):
+            alive = [length + t for length, left in rows if left >= t]
+            if alive:
+                simulated = max(simulated, len(alive) * max(alive))
+        assert peak_cache_tokens(rows) == simulated
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_other_rows_keep_decoding(models):
+    model = models("qwen2_vl")
+    image = model.image((112, 112), "orange")
+    long_text = " ".join(["The quick brown fox jumps over the lazy dog."] * 20)
+    long = model.request(long_text, dataclasses.replace(GREEDY, max_tokens=4), image)
+    long.prompt_token_ids = long.prompt_token_ids + model.text(long_text)  # image first, then ~400 tokens
+    assert len(long.prompt_token_ids) > 400
+    alone = model.engine().generate([long])[0]  # one forward: nothing to keep going
+
+    engine = model.engine(prefill_chunk_tokens=48)
+    tokens_per_step = []
+    scheduler = engine.scheduler(on_step=lambda events: tokens_per_step.append({e.tag for e in events}))
+    scheduler.submit(model.request("Yes.", dataclasses.replace(GREEDY, max_tokens=30)), tag="short")
+    scheduler.step()
+    scheduler.submit(long, tag="long")
+    results = {}
+    while scheduler.has_work:
+        for finished in scheduler.step():
+            results[finished.tag] = finished.result
+    first_long = next(i for i, tags in enumerate(tokens_per_step) if "long" in tags)
+    assert first_long >= len(long.prompt_token_ids) // 48  # chunks over many steps...
+    assert all("short" in tags for tags in tokens_per_step[:first_long])  # ...the short row decoding in each
+    assert_same_row(alone, results["long"])
+
+
+def test_the_step_hook_sees_every_token_of_every_row(models):
+    model = models("qwen2_vl")
+    events = []
+    engine = model.engine()
+    requests = [model.request("Yes.", sampled(seed=1, max_tokens=5, n=2)), model.request("No.", GREEDY)]
+    results = engine.generate(requests, on_step=events.extend)
+    for i, result in enumerate(results):
+        for choice in result.choices:
+            mine = [e for e in events if e.tag == i and e.choice == choice.index]
+            assert [e.token_id for e in mine] == choice.token_ids
+            assert [e.finish_reason for e in mine] == [None] * (len(mine) - 1) + [choice.finish_reason]
+
+
+@pytest.mark.gpu
+def test_a_row_in_a_churning_batch_on_cuda_matches_alone(tmp_path):
+    model = Model("qwen2_vl", build_demo_model(tmp_path / "m"))
+    model.loaded = load_model(str(tmp_path / "m"), device="cuda")
+    target = model.request("Describe the image.", dataclasses.replace(GREEDY, max_tokens=8), model.image())
+    alone = model.engine().generate([target])[0]
+    others = neighbours(model, 12)
+    submissions = [(r, {"tag": i}) for i, r in enumerate(others)]
+    submissions.insert(5, (target, {"tag": "target"}))
+    results, _ = run(model.engine(max_rows=4).scheduler(), submissions, steps_between=1)
+    assert results["target"].choices[0].token_ids == alone.choices[0].token_ids
+    torch.testing.assert_close(results["target"].choices[0].logprobs, alone.choices[0].logprobs, atol=1e-3, rtol=0)

@@ -1,0 +1,14 @@
+"""The GPU worker's continuous-batch limits from the settings (torch-free: the API checks them too)."""
+
+from __future__ import annotations
+
+from engine.capacity import SchedulerLimits
+from workers.settings import Settings
+
+
+def scheduler_limits(settings: Settings):
+    """The GPU worker's continuous-batch limits (also checked by the API at submit)."""
+    return SchedulerLimits(max_rows=settings.gpu_batch_size, kv_cache_tokens=settings.kv_cache_tokens,
+                           prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                           prompt_cache_tokens=settings.prompt_cache_tokens,
+                           encoder_cache_bytes=settings.encoder_cache_bytes)

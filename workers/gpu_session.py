@@ -1,0 +1,184 @@
+"""One run of the GPU worker's continuous batch: jobs join between decode steps, leave as they end.
+
+The pool thread runs a session (``workers.tasks.gpu.generate``): it opens the jobs of the messages
+it was handed, submits them to the engine's scheduler, and steps it. Between steps it polls
+cancels (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that finished (one round
+trip for all of a step's results), acknowledges their messages, and takes as many buffered
+messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
+(``workers/gpu_batching.py``). The session returns when nothing runs and nothing is buffered.
+
+Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
+stop then and it fails with ``job_time_limit_exceeded`` while the others go on. A request that
+fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from engine.errors import InternalError, JobTimeoutError, RolloutError
+from workers.lifecycle import end_jobs, fail_job
+from workers.metrics import count, observe_stage
+from workers.prompt_codec import release_prompt
+
+log = logging.getLogger(__name__)
+
+ABORT_POLL_SECONDS = 0.05
+REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
+STATS_REPORT_SECONDS = 1.0
+
+
+@dataclass
+class _Live:
+    job: dict[str, Any]
+    prompt: Any
+    message_ids: list[str]
+    started: float = field(default_factory=time.perf_counter)
+
+
+class GenerateSession:
+    def __init__(self, rt, engine, batches):
+        self.rt = rt
+        self.engine = engine
+        self.batches = batches
+        self.scheduler = engine.scheduler()
+        self.live: dict[int, _Live] = {}
+        self._next_poll = 0.0
+        self._next_report = time.monotonic() + STATS_REPORT_SECONDS
+        self._reported = self._counters()
+
+    def run(self, requests) -> None:
+        try:
+            self._admit(requests)
+            while True:
+                while self.scheduler.has_work:
+                    self._poll_cancels()
+                    finished = self.scheduler.step()
+                    if finished:
+                        self._end(finished)
+                    if self.scheduler.free_rows:
+                        more = self.batches.take(self.scheduler.free_rows)
+                        if more:
+                            self._admit(more)
+                    self._report(every=STATS_REPORT_SECONDS)
+                more = self.batches.take(self.batches.flush_every)
+                if not more:
+                    break
+                self._admit(more)
+        finally:
+            self._report(every=0)
+
+    # --- joining -------------------------------------------------------------------------------
+
+    def _admit(self, requests) -> None:
+        from workers.tasks.gpu import open_jobs, run_score_jobs, sampling_params
+
+        rt = self.rt
+        messages: dict[str, list[str]] = {}
+        for request in requests:
+            messages.setdefault(request.args[0], []).append(request.id)
+        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device)
+        self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
+        scores = [(job, prompt) for job, prompt in ready if job["kind"] == "score"]
+        if scores:
+            try:
+                run_score_jobs(rt, self.engine, scores)
+            finally:
+                for _job, prompt in scores:
+                    release_prompt(rt.redis, prompt)
+                self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
+        from engine.generation import GenerationRequest
+
+        deadline = time.monotonic() + rt.settings.task_soft_time_limit
+        for job, prompt in ready:
+            if job["kind"] != "generate":
+                continue
+            request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                                        sampling=sampling_params(job["request"]["sampling_params"]),
+                                        enqueued_at=job["created_at"])
+            try:
+                features = self.scheduler.check(request)
+            except Exception as error:  # whatever one request raises, it fails alone
+                fail_job(rt, job["id"], _job_error(job, error))
+                release_prompt(rt.redis, prompt)
+                self.batches.acknowledge(messages[job["id"]])
+                continue
+            handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
+            self.live[handle] = _Live(job, prompt, messages[job["id"]])
+
+    # --- between steps -------------------------------------------------------------------------
+
+    def _poll_cancels(self) -> None:
+        now = time.monotonic()
+        if now < self._next_poll or not self.live:
+            return
+        self._next_poll = now + ABORT_POLL_SECONDS
+        by_job = {live.job["id"]: handle for handle, live in self.live.items()}
+        try:
+            cancelled = self.rt.jobs.cancel_requested(list(by_job))
+        except redis.RedisError:
+            # Redis is away: decode on, and look again in a second (each failed call waits on
+            # reconnect attempts; one per poll would slow every step down).
+            self._next_poll = now + REDIS_DOWN_POLL_PAUSE_SECONDS
+            return
+        for job_id in cancelled:
+            if job_id in by_job:
+                self.scheduler.abort(by_job[job_id])
+
+    def _end(self, finished) -> None:
+        from workers.tasks.gpu import ending
+
+        rt = self.rt
+        endings, done = [], []
+        for item in finished:
+            live = self.live.pop(item.handle)
+            done.append(live)
+            job = live.job
+            elapsed = time.perf_counter() - live.started
+            observe_stage(rt.redis, "generate", elapsed)
+            if item.error is not None:
+                fail_job(rt, job["id"], _job_error(job, item.error))
+            elif item.timed_out:
+                limit = rt.settings.task_soft_time_limit
+                fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
+            else:
+                endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
+                                      batch_size=item.batch_rows))
+        if endings:
+            end_jobs(rt, endings)
+        for live in done:
+            release_prompt(rt.redis, live.prompt)
+        self.batches.acknowledge([mid for live in done for mid in live.message_ids])
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def _counters(self) -> dict[str, int]:
+        stats = self.engine.stats.snapshot()
+        encoder = self.engine.encoder_cache.stats
+        return {**{f"engine_{name}": value for name, value in stats.items()},
+                "engine_encoder_calls": encoder.calls, "engine_encoder_hits": encoder.hits}
+
+    def _report(self, *, every: float) -> None:
+        now = time.monotonic()
+        if now < self._next_report and every:
+            return
+        self._next_report = now + every
+        current = self._counters()
+        for name, value in current.items():
+            if value != self._reported.get(name, 0):
+                count(self.rt.redis, name, value - self._reported.get(name, 0))
+        self._reported = current
+
+
+def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:
+    """The error a job ends with: typed errors as they are; anything else is logged here and
+    reaches the client as ``internal_error``, never with its text."""
+    if isinstance(error, RolloutError):
+        return error
+    log.error("job %s: unexpected error while generating", job["id"], exc_info=error)
+    return InternalError("internal error while generating")
