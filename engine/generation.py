@@ -2,7 +2,7 @@
 
 :meth:`Engine.generate` submits a call's requests to a scheduler and steps it until all ended
 (a call's requests decode together, rows leaving as they finish); the GPU worker keeps one
-scheduler running and submits jobs into it between steps (``workers/tasks/gpu.py``).
+scheduler running and submits jobs into it between steps (``workers/gpu_session.py``).
 
 Why a per-row sampler: ``generate(do_sample=True)`` draws every row from one RNG with one set of
 parameters, so a request's tokens would depend on its batch neighbours. Each row picks its token
@@ -19,17 +19,13 @@ prompt, one extra forward pass when its request ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
-
-import torch
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from engine.encoder_cache import EncoderCache
-from engine.items import MultimodalItem
+from engine.generation_types import Choice, GenerationRequest, GenerationResult
 from engine.loading import LoadedModel
 from engine.prompt_cache import PromptCache
-from engine.sampling import SamplingParams
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook
 from engine.scoring import ScoreRequest, ScoreResult, score
 
@@ -93,43 +89,4 @@ class Engine:
         return score(self.loaded, requests)
 
 
-@dataclass
-class GenerationRequest:
-    prompt_token_ids: Sequence[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    items: Sequence[MultimodalItem] = ()  # finalized items with real tensors, or
-    mm_kwargs: Mapping[str, torch.Tensor] | None = None  # ready model kwargs (pixel_values, ...)
-    enqueued_at: float | None = None  # time.time() when the job was queued, for timings
-
-
-@dataclass
-class Choice:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
-    finish_reason: str  # "stop" | "length" | "abort"
-    # The stop token id (eos included) or stop string that ended the choice; None otherwise.
-    matched_stop: int | str | None = None
-    text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
-    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
-    top_logprobs: list[list[list]] | None = None
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    choices: list[Choice]
-    usage: dict[str, int]
-    timings: dict[str, float]
-    weight_version: str
-    placeholder_ranges: list[dict[str, Any]] = field(default_factory=list)
-    # With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it
-    # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[list] | None] | None = None
-    # Prompt tokens not computed for this request: its prompt's KV came from another request's
-    # prefill (a prompt group) or from the recent-prompt cache (SGLang's meta_info.cached_tokens).
-    cached_tokens: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["Choice", "Engine", "GenerationRequest", "GenerationResult"]

@@ -64,6 +64,7 @@ from engine.encoder_cache import (
     unit_key,
 )
 from engine.errors import InvalidRequestError
+from engine.generation_types import Choice, GenerationResult
 from engine.kv_batch import append_rows, keep_rows, split_rows
 from engine.loading import LoadedModel
 from engine.prompt_cache import PrefilledPrompt, PromptCache
@@ -592,7 +593,6 @@ class Scheduler:
         return finished
 
     def _result(self, job: _Job):
-        from engine.generation import Choice, GenerationResult
 
         loaded, request = self.loaded, job.request
         now = time.perf_counter()

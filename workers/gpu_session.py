@@ -22,6 +22,8 @@ from typing import Any
 import redis
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
+from engine.generation_types import GenerationRequest
+from workers.gpu_jobs import ending, open_jobs, run_score_jobs, sampling_params
 from workers.lifecycle import end_jobs, fail_job
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import release_prompt
@@ -76,8 +78,6 @@ class GenerateSession:
     # --- joining -------------------------------------------------------------------------------
 
     def _admit(self, requests) -> None:
-        from workers.tasks.gpu import open_jobs, run_score_jobs, sampling_params
-
         rt = self.rt
         messages: dict[str, list[str]] = {}
         for request in requests:
@@ -92,8 +92,6 @@ class GenerateSession:
                 for _job, prompt in scores:
                     release_prompt(rt.redis, prompt)
                 self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
-        from engine.generation import GenerationRequest
-
         deadline = time.monotonic() + rt.settings.task_soft_time_limit
         for job, prompt in ready:
             if job["kind"] != "generate":
@@ -131,8 +129,6 @@ class GenerateSession:
                 self.scheduler.abort(by_job[job_id])
 
     def _end(self, finished) -> None:
-        from workers.tasks.gpu import ending
-
         rt = self.rt
         endings, done = [], []
         for item in finished:

@@ -11,13 +11,13 @@ import pytest
 
 from tests.conftest import empty_db_url
 from workers.celery_app import create_celery
+from workers.gpu_jobs import open_jobs
 from workers.lifecycle import resume_followups
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
 from workers.tasks.cpu import _preprocess
-from workers.tasks.gpu import open_jobs
 
 OWNER = "key_owner"
 HOOK = {"url": "https://hooks.example.com/rollouts"}

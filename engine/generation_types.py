@@ -1,0 +1,55 @@
+"""What a generation call takes and gives: one request, its choices, its result.
+
+Apart from :mod:`engine.generation` so the scheduler, which builds results, and the engine, which
+drives the scheduler, both import them without importing each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.items import MultimodalItem
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    items: Sequence[MultimodalItem] = ()  # finalized items with real tensors, or
+    mm_kwargs: Mapping[str, torch.Tensor] | None = None  # ready model kwargs (pixel_values, ...)
+    enqueued_at: float | None = None  # time.time() when the job was queued, for timings
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
+    finish_reason: str  # "stop" | "length" | "abort"
+    # The stop token id (eos included) or stop string that ended the choice; None otherwise.
+    matched_stop: int | str | None = None
+    text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
+    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
+    top_logprobs: list[list[list]] | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    usage: dict[str, int]
+    timings: dict[str, float]
+    weight_version: str
+    placeholder_ranges: list[dict[str, Any]] = field(default_factory=list)
+    # With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it
+    # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list] | None] | None = None
+    # Prompt tokens not computed for this request: its prompt's KV came from another request's
+    # prefill (a prompt group) or from the recent-prompt cache (SGLang's meta_info.cached_tokens).
+    cached_tokens: int = 0
