@@ -33,11 +33,11 @@ def render(
     {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}]}``."""
     template_messages, content_parts = _template_messages(messages)
     text = processor.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
-    run = _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}))
-    # The template already wrote any special tokens the model wants: add none.
-    token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
-    if cache is not None:
-        run.store(split_items(bundles, processor))
+    with _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {})) as run:
+        # The template already wrote any special tokens the model wants: add none.
+        token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
+        if cache is not None:
+            run.store(split_items(bundles, processor))
     return {"token_ids": token_ids, "content_parts": content_parts}
 
 
