@@ -31,8 +31,8 @@ def render(
     """``{"token_ids": [...], "content_parts": [...]}`` for OpenAI-style chat ``messages``:
     ``{"role": ..., "content": str | [{"type": "text", "text": ...},
     {"type": "image_url", "image_url": {"url": ...}, "uuid"?: ...}]}``."""
-    template_messages, content_parts = _template_messages(messages)
-    text = processor.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
+    chat, content_parts = template_messages(messages)
+    text = processor.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     with _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {})) as run:
         # The template already wrote any special tokens the model wants: add none.
         token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
@@ -41,7 +41,7 @@ def render(
     return {"token_ids": token_ids, "content_parts": content_parts}
 
 
-def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
     """Messages the way HF chat templates read them (an image is ``{"type": "image"}``), and
     the images as job ``content_parts``, in order."""
     if not isinstance(messages, Sequence) or not messages:

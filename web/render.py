@@ -6,10 +6,17 @@ from flask.views import MethodView
 from flask_smorest import Blueprint
 from marshmallow import Schema, fields, validate
 
+from engine.errors import RateLimitedError
+from processors.render import template_messages
+from web.auth import current_owner
 from web.schemas import ContentPartSchema
 from web.services import services
+from web.submit import TooManyContentPartsError
+from workers.fair_share import KeyShare
+from workers.job_store import new_id
+from workers.renders import request_render, wait_bound, wait_render
 
-blp = Blueprint("render", __name__, description="Chat template rendering (CPU only, synchronous)")
+blp = Blueprint("render", __name__, description="Chat template rendering (on a CPU worker; the request waits for it)")
 
 
 class RenderRequestSchema(Schema):
@@ -24,6 +31,10 @@ class RenderResponseSchema(Schema):
     content_parts = fields.List(fields.Nested(ContentPartSchema))
 
 
+class TooManyRendersError(RateLimitedError):
+    code = "too_many_renders"
+
+
 @blp.route("/v1/render")
 class Render(MethodView):
     @blp.arguments(RenderRequestSchema)
@@ -31,10 +42,32 @@ class Render(MethodView):
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="Invalid messages, or media that cannot be fetched")
-    @blp.alt_response(503, schema=None, description="Job store unavailable")
+    @blp.alt_response(429, schema=None, description="Too many renders of this key at once")
+    @blp.alt_response(503, schema=None, description="Job store unavailable, or no worker rendered in time")
     def post(self, body):
-        """Render messages through the model's chat template; send the result to /v1/jobs as is."""
-        from processors.render import render
+        """Render messages through the model's chat template; send the result to /v1/jobs as is.
 
+        A CPU worker renders (fetching the images under a job's limits and media deadline); this
+        request waits for it, bounded."""
         svc = services()
-        return render(body["messages"], svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache)
+        settings = svc.settings
+        _, parts = template_messages(body["messages"])  # malformed messages: 422 before queueing
+        if len(parts) > settings.max_content_parts:
+            raise TooManyContentPartsError(
+                f"{len(parts)} images; at most {settings.max_content_parts} are accepted"
+            )
+        owner = current_owner()
+        wait_s = wait_bound(settings.fetch_timeout)
+        # Each waiting render holds a request thread: a key may hold only a few of them.
+        share = KeyShare(svc.redis, "api-render", per_key=settings.render_per_key, lease_s=wait_s + 30)
+        member = new_id("slot")
+        if not share.acquire(owner, member):
+            raise TooManyRendersError(
+                f"at most {settings.render_per_key} renders of one key run at once",
+                headers={"Retry-After": "1"},
+            )
+        try:
+            render_id = request_render(svc.redis, svc.celery, owner=owner, messages=body["messages"], wait_s=wait_s)
+            return wait_render(svc.redis, render_id, wait_s)
+        finally:
+            share.release(owner, member)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import redis
 from celery import Celery
@@ -12,9 +11,8 @@ from flask import current_app
 from web.auth import KeyRing
 from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
-from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
+from workers.models import ModelFacts, model_facts, resolve_model_path
 from workers.redis_client import connect
-from workers.runtime import fetch_policy, multimodal_cache
 from workers.settings import Settings
 
 
@@ -39,25 +37,6 @@ class Services:
     @property
     def max_model_len(self) -> int | None:
         return self.settings.max_model_len or self.model_facts.context_length
-
-
-    # The model's processor, the guarded fetcher and the cache serve POST /v1/render, synchronously
-    # in the API process; built on first use so the API starts fast.
-    @cached_property
-    def processor(self):
-        from processors.registry import load_processor
-
-        return load_processor(self.model_path, model_id=model_id(self.settings))
-
-    @cached_property
-    def fetcher(self):
-        from processors.fetch import GuardedFetcher
-
-        return GuardedFetcher(fetch_policy(self.settings))
-
-    @cached_property
-    def mm_cache(self):
-        return multimodal_cache(self.settings, self.redis)
 
 
 def services() -> Services:

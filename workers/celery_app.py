@@ -33,6 +33,7 @@ BATCHES_QUEUE = "batches"
 
 TASK_MODULES = [
     "workers.tasks.cpu",
+    "workers.tasks.render",
     "workers.tasks.gpu",
     "workers.tasks.webhooks",
     "workers.tasks.batches",

@@ -38,6 +38,16 @@ def fetch_policy(settings: Settings) -> FetchPolicy:
     )
 
 
+def processing_limits(settings: Settings, context_length: int | None):
+    """What preprocessing (a job's, a render's) may take: the configured limits, never defaults."""
+    from processors.pipeline import PreprocessLimits
+
+    s = settings
+    return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
+                            max_prompt_tokens=s.max_model_len or context_length or PreprocessLimits.max_prompt_tokens,
+                            fetch_concurrency=s.fetch_concurrency)
+
+
 def multimodal_cache(settings: Settings, client: redis.Redis):
     """The multimodal cache the settings ask for, or None (``ROLLOUT_MM_CACHE_BYTES=0``)."""
     from processors.cache import MultimodalCache
@@ -54,6 +64,7 @@ class WorkerRuntime:
         self.celery = celery
         self._model_ready = threading.Event()
         self._model_error: BaseException | None = None
+        self._shares: dict = {}
         torch.set_num_threads(settings.torch_threads)
 
     @cached_property
@@ -95,11 +106,22 @@ class WorkerRuntime:
 
     @cached_property
     def processing_limits(self):
-        from processors.pipeline import PreprocessLimits
+        return processing_limits(self.settings, self.model_facts.context_length)
 
-        s = self.settings
-        return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                                max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens)
+    def share(self, kind: str, scope: str):
+        """The per-key slot limit of this worker (``scope``) for ``kind`` (``cpu`` or ``webhooks``)."""
+        from workers.fair_share import KeyShare
+
+        key = (kind, scope)
+        if key not in self._shares:
+            s = self.settings
+            per_key, lease = {
+                # No task outlives its hard time limit; an attempt no more than its deadline.
+                "cpu": (s.cpu_per_key, s.task_time_limit + 30),
+                "webhooks": (s.webhook_per_key, s.webhook_timeout + 30),
+            }[kind]
+            self._shares[key] = KeyShare(self.redis, f"{kind}:{scope}", per_key=per_key, lease_s=lease)
+        return self._shares[key]
 
     @cached_property
     def transport(self):

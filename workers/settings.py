@@ -59,7 +59,11 @@ class Settings:
     gpu_batch_size: int = 16
     gpu_batch_wait_ms: int = 20
     torch_threads: int = 1
-    cpu_concurrency: int = 1
+    # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once,
+    # at most cpu_per_key of them for one key, so a key's slow media never fill every process.
+    cpu_concurrency: int = 4
+    cpu_per_key: int = 2
+    render_per_key: int = 4
     # Guarded fetching (processors.fetch).
     allowed_media_domains: tuple[str, ...] = ()
     outbound_allow_networks: tuple[str, ...] = ()
@@ -69,6 +73,7 @@ class Settings:
     fetch_connect_timeout: float = 5.0
     fetch_timeout: float = 30.0
     fetch_retries: int = 2
+    fetch_concurrency: int = 4
     max_image_pixels: int = 40_000_000
     # Multimodal cache and feature transport.
     mm_cache_bytes: int = 512 * 1024 * 1024
@@ -80,6 +85,8 @@ class Settings:
     webhook_secrets: tuple[str, ...] = ()
     webhook_retry_schedule: tuple[float, ...] = (5, 30, 120, 600, 1800, 3600, 7200, 14400, 28800, 28800)
     webhook_timeout: float = 10.0
+    webhook_concurrency: int = 32
+    webhook_per_key: int = 8
     key_webhooks: Mapping[str, str] = field(default_factory=dict)
     # Batches.
     batch_max_lines: int = 50_000
@@ -122,6 +129,11 @@ _RANGES = {
     "gpu_batch_wait_ms": (0, 10_000),
     "torch_threads": (1, 1024),
     "cpu_concurrency": (1, 1024),
+    "cpu_per_key": (1, 1024),
+    "render_per_key": (1, 1024),
+    "fetch_concurrency": (1, 64),
+    "webhook_concurrency": (1, 1024),
+    "webhook_per_key": (1, 1024),
     "media_max_bytes": (1, 2**34),
     "fetch_connect_timeout": (0.01, 600),
     "fetch_timeout": (0.01, 3600),

@@ -5,6 +5,10 @@ both. The soft limit raises in the task, which fails the job with ``job_time_lim
 hard limit kills the pool child (the task ignored the soft one, e.g. stuck in C code) and Celery
 acknowledges the message without running any of our code, so :class:`PreprocessRequest` fails the
 job then, with the same code.
+
+Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` of this worker's
+``ROLLOUT_CPU_CONCURRENCY`` processes; otherwise its message goes back to the queue for a moment
+(workers/fair_share.py says why this shape), so one key's slow media never hold every process.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
-from workers.celery_app import SHARED_GENERATE_QUEUE
+from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
+from workers.fair_share import DEFER_S
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
@@ -27,7 +32,7 @@ from workers.metrics import count, observe_stage
 from workers.prompt_codec import encode_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.submission import GENERATE_TASK
+from workers.submission import GENERATE_TASK, PREPROCESS_TASK
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +46,13 @@ class PreprocessRequest(Request):
         # During a cold shutdown Celery kills tasks through this path too: that is no timeout.
         if not soft and not worker_state.should_terminate:
             job_id = self.args[0]
-            fail_job(runtime(self.app), job_id,
-                     JobTimeoutError(f"preprocessing exceeded its hard time limit ({timeout} s)"))
+            rt = runtime(self.app)
+            fail_job(rt, job_id, JobTimeoutError(f"preprocessing exceeded its hard time limit ({timeout} s)"))
+            try:
+                owner = rt.jobs.get(job_id)["owner"]
+            except NotFoundError:
+                return
+            rt.share("cpu", self.hostname).release(owner, job_id)  # the killed task could not
 
 
 class PreprocessTask(Task):
@@ -53,7 +63,7 @@ class PreprocessTask(Task):
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
         try:
-            _preprocess(self.app, job_id, retry_handles)
+            _preprocess(self.app, job_id, retry_handles, scope=self.request.hostname or "local")
         except REDIS_DOWN as exc:
             # Celery acknowledges a failed task's message, and that ack (retried by the broker
             # client) lands once Redis is back: the job would be stuck for good. Put the message
@@ -62,7 +72,7 @@ def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
             raise Reject(exc, requeue=True) from exc
 
 
-def _preprocess(app, job_id: str, retry_handles: bool) -> None:
+def _preprocess(app, job_id: str, retry_handles: bool, *, scope: str) -> None:
     rt = runtime(app)
     try:
         job = rt.jobs.get(job_id)
@@ -75,6 +85,19 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         return
     if job["status"] == "generating" and not retry_handles:
         return
+    share = rt.share("cpu", scope)
+    if not share.acquire(job["owner"], job_id):
+        # The key holds its share of this worker: let another key's job have the process.
+        app.send_task(PREPROCESS_TASK, args=[job_id], kwargs={"retry_handles": retry_handles},
+                      queue=PREPROCESS_QUEUE, countdown=DEFER_S)
+        return
+    try:
+        _run_job(app, rt, job_id, job)
+    finally:
+        share.release(job["owner"], job_id)
+
+
+def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()
     try:

@@ -6,7 +6,8 @@
 - ``rollout.webhooks.batch_ended(batch_id, event_type=None)``: the same for a batch, for callers
   that prefer a task to calling :func:`emit_batch_event` in process.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
-  next attempt with a countdown. A delivery never touches its job.
+  next attempt with a countdown. A delivery never touches its job. An attempt whose key already
+  holds its share of the worker's threads waits in the queue a moment instead (fairness).
 
 Crashes: tasks are acked late, so a worker killed mid-attempt leaves the message to be
 redelivered, and the redelivered message sends again with the same ``webhook-id`` (receivers
@@ -29,6 +30,7 @@ from engine.errors import NotFoundError
 from workers.batch_store import TERMINAL as BATCH_TERMINAL
 from workers.batch_store import BatchStore, public_batch
 from workers.celery_app import WEBHOOKS_QUEUE
+from workers.fair_share import DEFER_S
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.metrics import count
@@ -39,6 +41,7 @@ from workers.webhooks import (
     PENDING,
     RETRYING,
     SUCCEEDED,
+    event_key,
     retry_delay,
     send_attempt,
     store_for,
@@ -144,8 +147,21 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     def queue_next(next_attempt: int, countdown: float) -> None:
         _queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
 
-    return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
-                       queue_next=queue_next)
+    owner = rt.redis.hget(event_key(event_id), "owner")
+    if owner is None:
+        return None  # no such event (expired)
+    owner = owner.decode()
+    # Fairness: one key's hanging receivers may hold only its share of this worker's threads; an
+    # attempt over the share waits a moment in the queue (workers/fair_share.py).
+    share, member = rt.share("webhooks", self.request.hostname or "local"), f"{event_id}:{attempt}"
+    if not share.acquire(owner, member):
+        _queue_attempt(self.app, event_id, attempt, countdown=DEFER_S)
+        return None
+    try:
+        return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
+                           queue_next=queue_next)
+    finally:
+        share.release(owner, member)
 
 
 def run_attempt(rt, event_id: str, attempt: int, *, token: str,
