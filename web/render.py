@@ -13,8 +13,9 @@ from web.schemas import ContentPartSchema
 from web.services import services
 from web.submit import TooManyContentPartsError
 from workers.fair_share import KeyShare
+from workers.heartbeats import any_alive
 from workers.job_store import new_id
-from workers.renders import request_render, wait_bound, wait_render
+from workers.renders import NoRenderWorkerError, request_render, wait_bound, wait_render
 
 blp = Blueprint("render", __name__, description="Chat template rendering (on a CPU worker; the request waits for it)")
 
@@ -56,6 +57,8 @@ class Render(MethodView):
             raise TooManyContentPartsError(
                 f"{len(parts)} images; at most {settings.max_content_parts} are accepted"
             )
+        if not any_alive(svc.redis, "cpu"):
+            raise NoRenderWorkerError("no CPU worker is running to render; retry shortly", headers={"Retry-After": "5"})
         owner = current_owner()
         wait_s = wait_bound(settings.fetch_timeout)
         # Each waiting render holds a request thread: a key may hold only a few of them.

@@ -37,6 +37,12 @@ class RenderTimeoutError(ServiceUnavailableError):
     code = "render_timed_out"
 
 
+class NoRenderWorkerError(ServiceUnavailableError):
+    """No CPU worker runs: a render would only wait out its bound."""
+
+    code = "no_cpu_worker"
+
+
 class RenderFailedError(RolloutError):
     """The worker's typed error, carried back: its own code, status and field errors."""
 

@@ -37,6 +37,12 @@ def test_no_input_causes_a_server_error(fuzz_schema):
         @given(case=operation.as_strategy())
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def no_server_error(case):
+            if case.path == "/v1/render":
+                # A CPU worker renders, and none runs here: a valid render is a 503 by design.
+                response = case.call()
+                assert response.status_code < 500 or (
+                    response.status_code == 503 and response.json()["code"] == "no_cpu_worker"), response.text
+                return
             case.call_and_validate(checks=[not_a_server_error])
 
         no_server_error()
