@@ -84,7 +84,7 @@ def wait_render(client: redis.Redis, render_id: str, wait_s: float) -> dict[str,
             if "error" in answer:
                 raise RenderFailedError(answer["error"])
             return answer["result"]
-    client.delete(request_key(render_id))  # a worker that gets to it now skips it
+    # The request stays until its TTL: a worker that gets to it now sees it expired and skips it.
     raise RenderTimeoutError("no worker rendered the messages in time; retry shortly", headers={"Retry-After": "2"})
 
 

@@ -108,20 +108,23 @@ class WorkerRuntime:
     def processing_limits(self):
         return processing_limits(self.settings, self.model_facts.context_length)
 
-    def share(self, kind: str, scope: str):
-        """The per-key slot limit of this worker (``scope``) for ``kind`` (``cpu`` or ``webhooks``)."""
+    def share(self, kind: str):
+        """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""
         from workers.fair_share import KeyShare
 
-        key = (kind, scope)
-        if key not in self._shares:
+        if kind not in self._shares:
             s = self.settings
             per_key, lease = {
                 # No task outlives its hard time limit; an attempt no more than its deadline.
                 "cpu": (s.cpu_per_key, s.task_time_limit + 30),
                 "webhooks": (s.webhook_per_key, s.webhook_timeout + 30),
             }[kind]
-            self._shares[key] = KeyShare(self.redis, f"{kind}:{scope}", per_key=per_key, lease_s=lease)
-        return self._shares[key]
+            self._shares[kind] = KeyShare(self.redis, kind, per_key=per_key, lease_s=lease)
+        return self._shares[kind]
+
+    def publish(self, task: str, args: list, kwargs: dict, queue: str) -> None:
+        """Send a task message (how a share wakes a parked one)."""
+        self.celery.send_task(task, args=args, kwargs=kwargs, queue=queue)
 
     @cached_property
     def transport(self):

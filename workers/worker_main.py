@@ -84,6 +84,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             sweep_orphaned_segments()
         if kind == "batches":
             _ = rt.model_facts  # which lines need no processor: read the model's config once, now
+        if kind in ("cpu", "webhooks"):
+            from workers.fair_share import start_sweeper
+
+            start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: {"model_ready": rt.model_ready} if kind == "gpu" else {})
 

@@ -18,6 +18,8 @@ from PIL import Image
 
 from tests.conftest import empty_db_url
 from tests.e2e.conftest import OTHER_KEY, build_stack, log_dir_for, make_stack_env
+from workers.celery_app import PREPROCESS_QUEUE
+from workers.fair_share import KeyShare
 
 SLOW_MEDIA_S = 15.0  # under the stack's media deadline: A's jobs are slow, not failing
 HANG_S = 25.0  # past the webhook deadline: each of A's attempts holds a thread for the whole of it
@@ -83,6 +85,10 @@ def test_a_keys_slow_media_leave_room_for_another_keys_job(fair):
         waited = time.monotonic() - started
         assert waited < B_WITHIN_S, f"B's one-image job waited {waited:.1f} s behind A's slow media"
         assert sum(status(fair, j) == "preprocessing" for j in a_jobs) <= 2, "A held more than its share"
+        # A's other jobs wait parked, not cycling through the queue or the worker's memory.
+        owner = fair.services.jobs.get(a_jobs[0])["owner"]
+        assert KeyShare(fair.services.redis, "cpu", per_key=2, lease_s=1).parked(owner) >= 12
+        assert fair.services.redis.llen(PREPROCESS_QUEUE) == 0
     finally:
         for job_id in a_jobs:
             fair.client.delete(f"/v1/jobs/{job_id}", headers=fair.headers())

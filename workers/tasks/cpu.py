@@ -6,9 +6,9 @@ hard limit kills the pool child (the task ignored the soft one, e.g. stuck in C 
 acknowledges the message without running any of our code, so :class:`PreprocessRequest` fails the
 job then, with the same code.
 
-Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` of this worker's
-``ROLLOUT_CPU_CONCURRENCY`` processes; otherwise its message goes back to the queue for a moment
-(workers/fair_share.py says why this shape), so one key's slow media never hold every process.
+Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` preprocessing
+slots; otherwise its message is parked until one of the key's jobs ends (workers/fair_share.py says
+why this shape), so one key's slow media never hold every process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from workers.celery_app import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
-from workers.fair_share import DEFER_S
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
@@ -52,7 +51,7 @@ class PreprocessRequest(Request):
                 owner = rt.jobs.get(job_id)["owner"]
             except NotFoundError:
                 return
-            rt.share("cpu", self.hostname).release(owner, job_id)  # the killed task could not
+            rt.share("cpu").release(owner, job_id, rt.publish)  # the killed task could not
 
 
 class PreprocessTask(Task):
@@ -63,7 +62,7 @@ class PreprocessTask(Task):
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
     with job_context(job_id):
         try:
-            _preprocess(self.app, job_id, retry_handles, scope=self.request.hostname or "local")
+            _preprocess(self.app, job_id, retry_handles)
         except REDIS_DOWN as exc:
             # Celery acknowledges a failed task's message, and that ack (retried by the broker
             # client) lands once Redis is back: the job would be stuck for good. Put the message
@@ -72,7 +71,7 @@ def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
             raise Reject(exc, requeue=True) from exc
 
 
-def _preprocess(app, job_id: str, retry_handles: bool, *, scope: str) -> None:
+def _preprocess(app, job_id: str, retry_handles: bool) -> None:
     rt = runtime(app)
     try:
         job = rt.jobs.get(job_id)
@@ -80,21 +79,20 @@ def _preprocess(app, job_id: str, retry_handles: bool, *, scope: str) -> None:
         return  # expired or never existed: nothing to do
     # A redelivered message for a job that moved on is a no-op; a job whose feature handles could
     # not be opened comes back here (retry_handles) to be preprocessed again on this node.
-    if job["status"] in TERMINAL:
-        resume_followups(rt, [job])
+    share = rt.share("cpu")
+    if job["status"] in TERMINAL or (job["status"] == "generating" and not retry_handles):
+        # A woken message has its slot reserved: give it to the key's next parked message.
+        share.release(job["owner"], job_id, rt.publish)
+        if job["status"] in TERMINAL:
+            resume_followups(rt, [job])
         return
-    if job["status"] == "generating" and not retry_handles:
-        return
-    share = rt.share("cpu", scope)
-    if not share.acquire(job["owner"], job_id):
-        # The key holds its share of this worker: let another key's job have the process.
-        app.send_task(PREPROCESS_TASK, args=[job_id], kwargs={"retry_handles": retry_handles},
-                      queue=PREPROCESS_QUEUE, countdown=DEFER_S)
-        return
+    if not share.acquire_or_park(job["owner"], job_id, task=PREPROCESS_TASK, args=[job_id],
+                                 kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE):
+        return  # the key holds its share: parked, woken when one of its jobs ends
     try:
         _run_job(app, rt, job_id, job)
     finally:
-        share.release(job["owner"], job_id)
+        share.release(job["owner"], job_id, rt.publish)
 
 
 def _run_job(app, rt, job_id: str, job: dict) -> None:

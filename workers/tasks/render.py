@@ -15,7 +15,6 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from workers.celery_app import PREPROCESS_QUEUE
-from workers.fair_share import DEFER_S
 from workers.redis_client import REDIS_DOWN
 from workers.renders import RENDER_TASK, answer_render, error_answer, request_key
 from workers.runtime import runtime
@@ -31,16 +30,17 @@ def render(self, render_id: str) -> None:
         if raw is None:
             return  # the caller stopped waiting: nothing to do
         request = json.loads(raw)
+        share = rt.share("cpu")
         if time.time() > request["expires_at"]:
+            share.release(request["owner"], render_id, rt.publish)  # a slot woken for it, if any
             return
-        share = rt.share("cpu", self.request.hostname or "local")
-        if not share.acquire(request["owner"], render_id):
-            self.app.send_task(RENDER_TASK, args=[render_id], queue=PREPROCESS_QUEUE, countdown=DEFER_S)
-            return
+        if not share.acquire_or_park(request["owner"], render_id, task=RENDER_TASK, args=[render_id], kwargs={},
+                                     queue=PREPROCESS_QUEUE):
+            return  # parked until one of the key's jobs or renders ends
         try:
             answer_render(rt.redis, render_id, _render(rt, request))
         finally:
-            share.release(request["owner"], render_id)
+            share.release(request["owner"], render_id, rt.publish)
     except REDIS_DOWN as exc:
         raise Reject(exc, requeue=True) from exc
 

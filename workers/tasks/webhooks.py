@@ -7,7 +7,7 @@
   that prefer a task to calling :func:`emit_batch_event` in process.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
   next attempt with a countdown. A delivery never touches its job. An attempt whose key already
-  holds its share of the worker's threads waits in the queue a moment instead (fairness).
+  holds its share of the delivery threads is parked until one of the key's attempts ends.
 
 Crashes: tasks are acked late, so a worker killed mid-attempt leaves the message to be
 redelivered, and the redelivered message sends again with the same ``webhook-id`` (receivers
@@ -30,7 +30,6 @@ from engine.errors import NotFoundError
 from workers.batch_store import TERMINAL as BATCH_TERMINAL
 from workers.batch_store import BatchStore, public_batch
 from workers.celery_app import WEBHOOKS_QUEUE
-from workers.fair_share import DEFER_S
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.metrics import count
@@ -151,17 +150,17 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     if owner is None:
         return None  # no such event (expired)
     owner = owner.decode()
-    # Fairness: one key's hanging receivers may hold only its share of this worker's threads; an
-    # attempt over the share waits a moment in the queue (workers/fair_share.py).
-    share, member = rt.share("webhooks", self.request.hostname or "local"), f"{event_id}:{attempt}"
-    if not share.acquire(owner, member):
-        _queue_attempt(self.app, event_id, attempt, countdown=DEFER_S)
+    # Fairness: one key's hanging receivers may hold only its share of the delivery threads; an
+    # attempt over the share is parked until one of the key's attempts ends (workers/fair_share.py).
+    share, member = rt.share("webhooks"), f"{event_id}:{attempt}"
+    if not share.acquire_or_park(owner, member, task=DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
+                                 queue=WEBHOOKS_QUEUE):
         return None
     try:
         return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
                            queue_next=queue_next)
     finally:
-        share.release(owner, member)
+        share.release(owner, member, rt.publish)
 
 
 def run_attempt(rt, event_id: str, attempt: int, *, token: str,
