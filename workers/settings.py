@@ -59,8 +59,8 @@ class Settings:
     gpu_batch_size: int = 16
     gpu_batch_wait_ms: int = 20
     torch_threads: int = 1
-    # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once,
-    # at most cpu_per_key of them for one key, so a key's slow media never fill every process.
+    # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once, and
+    # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
     cpu_concurrency: int = 4
     cpu_per_key: int = 2
     render_per_key: int = 4

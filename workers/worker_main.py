@@ -34,8 +34,8 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
     if kind == "cpu":
         # Prefork even for one process, because only prefork enforces Celery's time limits (the
         # solo pool enforces none). More processes than cores: a job waiting on slow media holds
-        # its process without using the CPU, and one key may hold at most ROLLOUT_CPU_PER_KEY of
-        # them (workers/fair_share.py), so the rest stay free for other keys.
+        # its process without using the CPU, and one key may hold at most ROLLOUT_CPU_PER_KEY
+        # slots (workers/fair_share.py), so the rest stay free for other keys.
         return WorkerKind((PREPROCESS_QUEUE,), "prefork", settings.cpu_concurrency, 1)
     if kind == "gpu":
         # One process owns the model and runs one batch at a time in its pool thread, while the
