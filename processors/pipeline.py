@@ -6,10 +6,14 @@ and finalized (wrapped) multimodal items.
                                                                           ▼
     token_ids / prompt ─▶ placeholders expanded per item ─▶ finalize (hook → hash → wrap)
 
+Media: the parts the cache does not serve are fetched at once (at most
+``limits.fetch_concurrency`` at a time), all within one deadline for the whole request (the
+fetcher's total timeout): a request's media cost at most that long however many parts it has,
+and the first part that fails stops the others.
+
 Placeholders: ``token_ids`` carry one collapsed placeholder per media item or its already expanded
 run; ``prompt`` text may use ``<image>``/``<video>``/``<audio>`` sentinels or the model's native
-forms. Items pair with placeholders in order, whatever their modality. When a text
-prompt's placeholders do not pair up with the media, the full HF processor over the raw prompt
+forms. Items pair with placeholders in order, whatever their modality. When a textprompt's placeholders do not pair up with the media, the full HF processor over the raw prompt
 decides (the authoritative path); if that fails too, or for token prompts,
 :class:`~engine.errors.PlaceholderMismatchError` (422) states both counts.
 
@@ -35,6 +39,7 @@ import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +77,7 @@ class PreprocessLimits:
     video: VideoSampling = VideoSampling()  # video caps and frame sampling
     max_audio_seconds: float = 30.0
     max_feature_bytes: int = 256 * MIB  # all precomputed features of a request together
+    fetch_concurrency: int = 4  # parts of one request fetched at once
 
 
 @dataclass
@@ -100,9 +106,8 @@ def preprocess(
     cache entries found by a part's ``uuid`` are its own (without an owner, uuids are not used for
     the cache; the bytes' sha256 still is). Fetch and decode errors keep their type and name the
     part (``content_parts[i]``)."""
-    run = _Run(processor, fetcher, cache, limits, dict(options or {}), owner)
-    token_ids, bundles = run.layout(request, add_special_tokens=True)
-
+    with _Run(processor, fetcher, cache, limits, dict(options or {}), owner) as run:
+        token_ids, bundles = run.layout(request, add_special_tokens=True)
     started = time.perf_counter()
     items = finalize(bundles, processor=processor, transport=transport, before_wrap=run.store)
     run.timings["finalize"] = time.perf_counter() - started
@@ -143,6 +148,14 @@ class _Run:
         self.options = options
         self.timings = {"fetch": 0.0, "decode": 0.0, "cache": 0.0, "process": 0.0}
         self.cache_hits = 0
+        self._deadline = None  # the request's one media budget, started by its first fetch
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._deadline is not None:
+            self._deadline.__exit__(*exc_info)
 
     def layout(
         self, request: Mapping[str, Any], *, add_special_tokens: bool
@@ -217,34 +230,65 @@ class _Run:
                     f"content_parts[{i}]: this model takes {', '.join(sorted(self.processor.modalities))}, "
                     f"not {modality}"
                 )
-            item = _Media(part=i, modality=modality, url=part["url"])
+            media.append(_Media(part=i, modality=modality, url=part["url"]))
+        for item, part in zip(media, parts, strict=True):
             if self.cache is not None and part.get("uuid") is not None and self.owner:
-                item.cache_key = self._key(modality, uuid=str(part["uuid"]), owner=self.owner)
-                if self._lookup(item):
-                    media.append(item)
-                    continue  # a uuid hit skips fetching entirely
-            self._load(item)
-            media.append(item)
+                item.cache_key = self._key(item.modality, uuid=str(part["uuid"]), owner=self.owner)
+                self._lookup(item)  # a uuid hit skips fetching entirely
+        missing = [item for item in media if not item.cached]
+        for item, data in zip(missing, self._fetch_all(missing), strict=True):
+            self._load(item, data)
         return media
 
-    def _load(self, item: _Media) -> None:
-        """Fetch and decode ``item``, unless its bytes' sha256 hits the cache."""
-        data = self._fetch(item)
+    def _load(self, item: _Media, data: bytes) -> None:
+        """Decode ``item``'s fetched bytes, unless their sha256 hits the cache."""
         if self.cache is not None and item.cache_key is None:
             item.cache_key = self._key(item.modality, media_sha256=hashlib.sha256(data).hexdigest())
             if self._lookup(item):
                 return
         self._decode(item, data)
 
+    def _fetch_all(self, items: list[_Media]) -> list[bytes]:
+        """The bytes of every item, fetched at once (bounded), in order. The first failure ends
+        the request's media budget, so the fetches still running stop instead of finishing."""
+        if len(items) <= 1:
+            return [self._fetch(item) for item in items]
+        started = time.perf_counter()
+        deadline = self._media_deadline()
+        # Threads: fetching waits on sockets, and each fetch stays under the shared deadline.
+        with ThreadPoolExecutor(max_workers=min(self.limits.fetch_concurrency, len(items)),
+                                thread_name_prefix="media-fetch") as pool:
+            futures = [pool.submit(self._fetch_one, item) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f in done and f.exception() is not None]
+            if failed:
+                deadline.expire()
+                for future in futures:
+                    future.cancel()
+        self.timings["fetch"] += time.perf_counter() - started
+        if failed:
+            raise failed[0].exception()
+        return [future.result() for future in futures]
+
     def _fetch(self, item: _Media) -> bytes:
         started = time.perf_counter()
         try:
-            return self.fetcher.fetch(item.url).data
+            return self._fetch_one(item)
+        finally:
+            self.timings["fetch"] += time.perf_counter() - started
+
+    def _fetch_one(self, item: _Media) -> bytes:
+        try:
+            return self.fetcher.fetch(item.url, deadline=self._media_deadline()).data
         except MediaError as exc:
             _at_part(exc, item.part)
             raise
-        finally:
-            self.timings["fetch"] += time.perf_counter() - started
+
+    def _media_deadline(self):
+        """The one deadline all of this request's fetches share, started on first use."""
+        if self._deadline is None:
+            self._deadline = self.fetcher.deadline().__enter__()
+        return self._deadline
 
     def _decode(self, item: _Media, data: bytes) -> None:
         started = time.perf_counter()
@@ -342,10 +386,10 @@ class _Run:
         # (torchvision for video) or pair items differently; their prompts must line up.
         if any(item.modality != "image" for item in media) or prompt.count(hf.image_token) != len(media):
             raise _mismatch(counted, len(media), "prompt")
-        for item in media:
-            if item.decoded is None:  # served from the cache so far: the HF processor needs pixels
-                self._decode(item, self._fetch(item))
-                item.features, item.content_hash = None, ""  # now from the HF processor's bundle
+        unfetched = [item for item in media if item.decoded is None]  # cache hits: the HF processor needs pixels
+        for item, data in zip(unfetched, self._fetch_all(unfetched), strict=True):
+            self._decode(item, data)
+            item.features, item.content_hash = None, ""  # now from the HF processor's bundle
         started = time.perf_counter()
         out = hf(text=[prompt], images=[m.decoded for m in media] or None, return_tensors="pt",
                  add_special_tokens=add_special_tokens, **self.options)

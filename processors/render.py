@@ -37,13 +37,13 @@ def render(
     ``audio_url``, or ``{"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}``]}``.
     ``owner``: the API key id, whose uuid cache entries alone are used (as in
     :func:`processors.pipeline.preprocess`)."""
-    template_messages, content_parts = _template_messages(messages)
-    text = processor.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
-    run = _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}), owner)
-    # The template already wrote any special tokens the model wants: add none.
-    token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
-    if cache is not None:
-        run.store(split_items(bundles, processor))
+    chat, content_parts = template_messages(messages)
+    text = processor.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    with _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}), owner) as run:
+        # The template already wrote any special tokens the model wants: add none.
+        token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
+        if cache is not None:
+            run.store(split_items(bundles, processor))
     return {"token_ids": token_ids, "content_parts": content_parts}
 
 
@@ -67,7 +67,7 @@ def _media_url(part: Mapping[str, Any]) -> str | None:
     return body["url"] if isinstance(body.get("url"), str) else None
 
 
-def _template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
     """Messages the way HF chat templates read them (an image is ``{"type": "image"}``, a video
     ``{"type": "video"}``, audio ``{"type": "audio"}``), and the media as job ``content_parts``,
     in order."""

@@ -14,7 +14,7 @@ from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
 from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
 from workers.redis_client import connect
-from workers.runtime import fetch_policy, multimodal_cache, processing_limits
+from workers.runtime import multimodal_cache
 from workers.settings import Settings
 
 
@@ -40,9 +40,9 @@ class Services:
     def max_model_len(self) -> int | None:
         return self.settings.max_model_len or self.model_facts.context_length
 
-
-    # The model's processor, the guarded fetcher and the cache serve POST /v1/render, synchronously
-    # in the API process; built on first use so the API starts fast.
+    # The model's processor gives the API its tokenizer and chat template (dialect routes), and the
+    # cache lets SGLang's /flush_cache empty it; both built on first use so the API starts fast.
+    # Media are never fetched here: rendering runs on a CPU worker (web/render.py).
     @cached_property
     def processor(self):
         from processors.registry import load_processor
@@ -50,18 +50,8 @@ class Services:
         return load_processor(self.model_path, model_id=model_id(self.settings))
 
     @cached_property
-    def fetcher(self):
-        from processors.fetch import GuardedFetcher
-
-        return GuardedFetcher(fetch_policy(self.settings))
-
-    @cached_property
     def mm_cache(self):
         return multimodal_cache(self.settings, self.redis)
-
-    @cached_property
-    def processing_limits(self):
-        return processing_limits(self.settings)
 
 
 def services() -> Services:

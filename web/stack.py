@@ -1,8 +1,9 @@
 """``rollout-queue up``: one command that runs the whole service on one machine.
 
 It starts the embedded Redis when no ``ROLLOUT_REDIS_URL`` is given, then the API and one worker of
-each kind as child processes (the same commands a multi-node deployment runs separately), waits
-until ``/healthz`` says every part is up, and on Ctrl-C or SIGTERM stops every child and Redis.
+each kind as child processes (the same commands a multi-node deployment runs separately), and
+says when ``/healthz`` reports every part up. A child that dies is started again with backoff
+(web/supervisor.py); only Ctrl-C or SIGTERM stops every child, then Redis.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
 import requests
 
 from engine.errors import ServiceUnavailableError
+from web.supervisor import Child, Supervisor, process_child
 from workers.models import resolve_model_path
 from workers.redis_server import EmbeddedRedis
 from workers.settings import Settings, SettingsError
@@ -46,7 +49,6 @@ def run_stack(settings: Settings) -> int:
     if not settings.api_keys:
         print("WARNING: no ROLLOUT_API_KEYS set: the API is OPEN to anyone who can reach it", flush=True)
     env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
-    children: list[subprocess.Popen] = []
     stopping = False
 
     def stop(*_):
@@ -55,42 +57,57 @@ def run_stack(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    children: list[Callable[[], subprocess.Popen | None]] = []
+    supervised: list[Child] = []
+    if embedded is not None:
+        # Restarted on the same port and append-only file: the workers reconnect by themselves.
+        supervised.append(Child("redis", embedded.start, lambda: embedded.running, lambda: embedded.pid))
+    for command in CHILDREN:
+        child, current = process_child(" ".join(command), _spawner(command, env))
+        supervised.append(child)
+        children.append(current)
+    supervisor = Supervisor(supervised)
     try:
-        for command in CHILDREN:
-            # A session of their own: Ctrl-C reaches only `up`, which then stops the children in
-            # order (workers first, Redis last) instead of everything dying at once.
-            children.append(subprocess.Popen([sys.executable, "-m", "web.cli", *command], env=env,
-                                             start_new_session=True))
+        supervisor.start_all()
         url = f"http://{settings.host}:{settings.port}"
-        if _wait_healthy(url, children, lambda: stopping):
-            print(f"\nRollout Queue is up at {url}\n"
-                  f"  curl -s {url}/healthz\n"
-                  f"  curl -s {url}/v1/generate -H 'Content-Type: application/json' "
-                  "-d '{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8, \"temperature\": 0}}'\n"
-                  "Ctrl-C stops everything.", flush=True)
-        while not stopping and all(child.poll() is None for child in children):
+        healthy, deadline, next_check = False, time.monotonic() + READY_TIMEOUT, 0.0
+        while not stopping:
+            supervisor.tick()
+            now = time.monotonic()
+            if not healthy and now >= next_check:
+                healthy, next_check = _healthy(url), now + 0.5
+                if healthy:
+                    print(f"\nRollout Queue is up at {url}\n"
+                          f"  curl -s {url}/healthz\n"
+                          f"  curl -s {url}/v1/generate -H 'Content-Type: application/json' "
+                          "-d '{\"prompt\": \"Hello\", \"sampling_params\": {\"max_tokens\": 8, \"temperature\": 0}}'\n"
+                          "Ctrl-C stops everything.", flush=True)
+                elif now > deadline:
+                    deadline = float("inf")
+                    print(f"not healthy after {READY_TIMEOUT:.0f} s; still trying (see {url}/healthz)", flush=True)
             time.sleep(0.2)
-        failed = [c for c in children if c.poll() not in (None, 0)]
-        return 1 if failed and not stopping else 0
+        return 0
     finally:
         print("stopping ...", flush=True)
-        _stop_children(children)
+        _stop_children([p for p in (current() for current in children) if p is not None])
         if embedded:
             embedded.stop()
 
 
-def _wait_healthy(url: str, children, stopping) -> bool:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline and not stopping():
-        if any(child.poll() is not None for child in children):
-            return False
-        try:
-            if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return True
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    return False
+def _spawner(command: tuple[str, ...], env: dict[str, str]) -> Callable[[], subprocess.Popen]:
+    def spawn() -> subprocess.Popen:
+        # A session of their own: Ctrl-C reaches only `up`, which then stops the children in
+        # order (workers first, Redis last) instead of everything dying at once.
+        return subprocess.Popen([sys.executable, "-m", "web.cli", *command], env=env, start_new_session=True)
+
+    return spawn
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/healthz", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def _stop_children(children: list[subprocess.Popen], timeout: float = 15.0) -> None:

@@ -27,6 +27,7 @@ from workers.settings import Settings
 
 TASK_MODULES = [
     "workers.tasks.cpu",
+    "workers.tasks.render",
     "workers.tasks.gpu",
     "workers.tasks.webhooks",
     "workers.tasks.batches",

@@ -46,3 +46,8 @@ def alive_workers(client: redis.Redis) -> dict[str, dict]:
         if kind not in alive or status.get("model_ready"):
             alive[kind] = status
     return alive
+
+
+def any_alive(client: redis.Redis, kind: str) -> bool:
+    """Whether some worker of ``kind`` has a live heartbeat."""
+    return next(client.scan_iter(match=f"rq:worker:{kind}:*", count=100), None) is not None

@@ -23,6 +23,7 @@ def node_generate_queue(node_id: str) -> str:
 
 PREPROCESS_TASK = "rollout.preprocess"
 GENERATE_TASK = "rollout.generate"
+RENDER_TASK = "rollout.render"
 
 JOB_ENDED_TASK = "rollout.webhooks.job_ended"
 DELIVER_TASK = "rollout.webhooks.deliver"

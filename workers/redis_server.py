@@ -101,6 +101,10 @@ class EmbeddedRedis:
             process.wait()
 
     @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -48,8 +48,9 @@ def multimodal_cache(settings: Settings, client: redis.Redis):
     return MultimodalCache(client, max_bytes=settings.mm_cache_bytes, local_max_bytes=settings.mm_cache_process_bytes)
 
 
-def processing_limits(settings: Settings):
-    """The preprocessing caps; /v1/render uses the same, so its video runs match the job's."""
+def processing_limits(settings: Settings, context_length: int | None):
+    """What preprocessing (a job's, a render's) may take: the configured limits, never defaults;
+    renders use the same, so their video runs match the job's."""
     from processors.decode import VideoSampling
     from processors.pipeline import PreprocessLimits
 
@@ -57,8 +58,8 @@ def processing_limits(settings: Settings):
     video = VideoSampling(max_seconds=s.max_video_seconds, max_frames=s.max_video_frames, fps=s.video_fps,
                           max_pixels=s.max_video_pixels)
     return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                            max_prompt_tokens=s.max_model_len or PreprocessLimits.max_prompt_tokens,
-                            video=video, max_audio_seconds=s.max_audio_seconds)
+                            max_prompt_tokens=s.max_model_len or context_length or PreprocessLimits.max_prompt_tokens,
+                            video=video, max_audio_seconds=s.max_audio_seconds, fetch_concurrency=s.fetch_concurrency)
 
 
 class WorkerRuntime:
@@ -68,6 +69,7 @@ class WorkerRuntime:
         self.celery = celery
         self._model_ready = threading.Event()
         self._model_error: BaseException | None = None
+        self._shares: dict = {}
         torch.set_num_threads(settings.torch_threads)
 
     @cached_property
@@ -109,7 +111,25 @@ class WorkerRuntime:
 
     @cached_property
     def processing_limits(self):
-        return processing_limits(self.settings)
+        return processing_limits(self.settings, self.model_facts.context_length)
+
+    def share(self, kind: str):
+        """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""
+        from workers.fair_share import KeyShare
+
+        if kind not in self._shares:
+            s = self.settings
+            per_key, lease = {
+                # No task outlives its hard time limit; an attempt no more than its deadline.
+                "cpu": (s.cpu_per_key, s.task_time_limit + 30),
+                "webhooks": (s.webhook_per_key, s.webhook_timeout + 30),
+            }[kind]
+            self._shares[kind] = KeyShare(self.redis, kind, per_key=per_key, lease_s=lease)
+        return self._shares[kind]
+
+    def publish(self, task: str, args: list, kwargs: dict, queue: str) -> None:
+        """Send a task message (how a share wakes a parked one)."""
+        self.celery.send_task(task, args=args, kwargs=kwargs, queue=queue)
 
     @cached_property
     def transport(self):

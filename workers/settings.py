@@ -67,7 +67,11 @@ class Settings:
     prompt_cache_tokens: int = 4096
     encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
-    cpu_concurrency: int = 1
+    # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once, and
+    # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
+    cpu_concurrency: int = 4
+    cpu_per_key: int = 2
+    render_per_key: int = 4
     # Guarded fetching (processors.fetch).
     allowed_media_domains: tuple[str, ...] = ()
     outbound_allow_networks: tuple[str, ...] = ()
@@ -77,6 +81,7 @@ class Settings:
     fetch_connect_timeout: float = 5.0
     fetch_timeout: float = 30.0
     fetch_retries: int = 2
+    fetch_concurrency: int = 4
     max_image_pixels: int = 40_000_000
     # Video and audio decoding (processors.decode).
     max_video_seconds: float = 600.0
@@ -94,6 +99,8 @@ class Settings:
     webhook_secrets: tuple[str, ...] = ()
     webhook_retry_schedule: tuple[float, ...] = (5, 30, 120, 600, 1800, 3600, 7200, 14400, 28800, 28800)
     webhook_timeout: float = 10.0
+    webhook_concurrency: int = 32
+    webhook_per_key: int = 8
     key_webhooks: Mapping[str, str] = field(default_factory=dict)
     # Batches.
     batch_max_lines: int = 50_000
@@ -143,6 +150,11 @@ _RANGES = {
     "encoder_cache_bytes": (0, 2**44),
     "torch_threads": (1, 1024),
     "cpu_concurrency": (1, 1024),
+    "cpu_per_key": (1, 1024),
+    "render_per_key": (1, 1024),
+    "fetch_concurrency": (1, 64),
+    "webhook_concurrency": (1, 1024),
+    "webhook_per_key": (1, 1024),
     "media_max_bytes": (1, 2**34),
     "fetch_connect_timeout": (0.01, 600),
     "fetch_timeout": (0.01, 3600),

@@ -33,8 +33,10 @@ class WorkerKind:
 
 def worker_kind(kind: str, settings: Settings) -> WorkerKind:
     if kind == "cpu":
-        # Preprocessing is CPU-bound: one pool process per core. Prefork even for one, because
-        # only prefork enforces Celery's time limits (the solo pool enforces none).
+        # Prefork even for one process, because only prefork enforces Celery's time limits (the
+        # solo pool enforces none). More processes than cores: a job waiting on slow media holds
+        # its process without using the CPU, and one key may hold at most ROLLOUT_CPU_PER_KEY
+        # slots (workers/fair_share.py), so the rest stay free for other keys.
         return WorkerKind((PREPROCESS_QUEUE,), "prefork", settings.cpu_concurrency, 1)
     if kind == "gpu":
         # One process owns the model and runs one batch at a time in its pool thread, while the
@@ -43,8 +45,10 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
         queues = (settings.generate_queue, SHARED_GENERATE_QUEUE)
         return WorkerKind(queues, "threads", 1, 2 * settings.gpu_batch_size)
     if kind == "webhooks":
-        # Deliveries wait on the network, not the CPU: threads.
-        return WorkerKind((WEBHOOKS_QUEUE,), "threads", 8, 1)
+        # Deliveries wait on the network, not the CPU: threads, many of them, of which one key
+        # holds at most ROLLOUT_WEBHOOK_PER_KEY (workers/fair_share.py), so hanging receivers of
+        # one key leave threads for everyone else.
+        return WorkerKind((WEBHOOKS_QUEUE,), "threads", settings.webhook_concurrency, 1)
     if kind == "batches":
         return WorkerKind((BATCHES_QUEUE,), "solo", 1, 1)
     raise ValueError(f"unknown worker kind {kind!r}")
@@ -81,6 +85,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             sweep_orphaned_segments()
         if kind == "batches":
             _ = rt.model_facts  # which lines need no processor: read the model's config once, now
+        if kind in ("cpu", "webhooks"):
+            from workers.fair_share import start_sweeper
+
+            start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: _gpu_status(rt) if kind == "gpu" else {})
 

@@ -1,4 +1,8 @@
-"""A total time budget for one fetch, enforced even inside a blocking socket call.
+"""A total time budget for fetching, enforced even inside a blocking socket call.
+
+One deadline may be shared by several fetches running at once (all media of one job): every
+socket any of them opens is watched, and :meth:`Deadline.expire` ends them all early (one part
+failed, so the others need not finish).
 
 Socket timeouts only bound each single recv(): a server that sends one byte every few seconds
 (slow drip, in the TLS handshake, the headers or the body) never trips them. The watchdog timer
@@ -41,6 +45,11 @@ class Deadline:
     def check(self) -> None:
         if self.expired:
             raise MediaTimeoutError("the media fetch ran past its total deadline")
+
+    def expire(self) -> None:
+        """End the budget now: every fetch sharing it stops at its next check or blocked read."""
+        self._timer.cancel()
+        self._expire()
 
     def watch(self, sock: socket.socket) -> None:
         with self._lock:

@@ -36,7 +36,14 @@ class GuardedFetcher:
         self.policy = policy
         self._resolver = resolver or system_resolver
 
-    def fetch(self, url: str) -> FetchedMedia:
+    def deadline(self) -> Deadline:
+        """A fresh budget of ``policy.total_timeout`` for several fetches to share (all media of
+        one job); enter it to start the clock, and pass it to each :meth:`fetch`."""
+        return Deadline(self.policy.total_timeout)
+
+    def fetch(self, url: str, *, deadline: Deadline | None = None) -> FetchedMedia:
+        """GET ``url``. Within ``deadline`` (started, owned by the caller) when given, else within
+        a budget of its own of ``policy.total_timeout``."""
         parsed = parse(url)  # every refusal of the URL itself happens here, before any I/O
         if parsed.scheme == "data":
             return read_data_url(parsed.raw, self.policy.max_data_url_bytes or self.policy.max_bytes)
@@ -44,26 +51,31 @@ class GuardedFetcher:
             return read_file_url(parsed, self.policy)
         if parsed.scheme not in HTTP_SCHEMES:
             raise MediaBlockedError(f"the URL scheme {parsed.scheme!r} is not allowed", reason="scheme")
-        with Deadline(self.policy.total_timeout) as deadline:
-            attempt = 0
-            while True:
-                try:
-                    return self._get(parsed, deadline)
-                except MediaError as exc:
-                    if not exc.retryable or attempt >= self.policy.retries:
-                        raise
-                    pause = RETRY_BACKOFF_S * 2**attempt
-                    if deadline.expired or pause >= deadline.remaining():
-                        raise
-                    time.sleep(pause)
-                    attempt += 1
+        if deadline is not None:
+            return self._get_with_retries(parsed, deadline)
+        with self.deadline() as own:
+            return self._get_with_retries(parsed, own)
+
+    def _get_with_retries(self, parsed: ParsedURL, deadline: Deadline) -> FetchedMedia:
+        attempt = 0
+        while True:
+            try:
+                return self._get(parsed, deadline)
+            except MediaError as exc:
+                if not exc.retryable or attempt >= self.policy.retries:
+                    raise
+                pause = RETRY_BACKOFF_S * 2**attempt
+                if deadline.expired or pause >= deadline.remaining():
+                    raise
+                time.sleep(pause)
+                attempt += 1
 
     def post(self, url: str, body: bytes, headers: dict[str, str]) -> OutboundResponse:
         """POST once; any status, 3xx included, comes back as a response and is not followed."""
         parsed = parse(url)
         started = time.monotonic()
         with Deadline(self.policy.total_timeout) as deadline:
-            target = pin_http_target(parsed, self.policy, self._resolver)
+            target = pin_http_target(parsed, self.policy, self._resolver, deadline)
             with open_pool(target, self.policy, deadline) as pool:
                 resp = send(pool, target, "POST", headers, body, deadline)
                 try:
@@ -75,7 +87,7 @@ class GuardedFetcher:
     def _get(self, url: ParsedURL, deadline: Deadline) -> FetchedMedia:
         """One attempt: follow redirects ourselves, every hop checked like the first."""
         for _hop in range(self.policy.max_redirects + 1):
-            target = pin_http_target(url, self.policy, self._resolver)
+            target = pin_http_target(url, self.policy, self._resolver, deadline)
             with open_pool(target, self.policy, deadline) as pool:
                 resp = send(pool, target, "GET", GET_HEADERS, None, deadline)
                 try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .addresses import check_addresses
+from .deadline import Deadline
 from .errors import MediaBlockedError
 from .policy import FetchPolicy
 from .resolver import Resolver, resolve
@@ -21,8 +22,10 @@ class PinnedTarget:
     address: str
 
 
-def pin_http_target(url: ParsedURL, policy: FetchPolicy, resolver: Resolver) -> PinnedTarget:
-    """Scheme, domain and port first (no I/O), then resolve once and check every address."""
+def pin_http_target(url: ParsedURL, policy: FetchPolicy, resolver: Resolver,
+                    deadline: Deadline | None = None) -> PinnedTarget:
+    """Scheme, domain and port first (no I/O), then resolve once (within ``deadline``) and check
+    every address."""
     if url.scheme not in HTTP_SCHEMES:
         raise MediaBlockedError(f"the URL scheme {url.scheme!r} is not allowed here", reason="scheme")
     if url.host is None:
@@ -32,6 +35,6 @@ def pin_http_target(url: ParsedURL, policy: FetchPolicy, resolver: Resolver) -> 
     assert url.port is not None  # http(s) always has a default port
     if url.port not in policy.allowed_ports:
         raise MediaBlockedError(f"port {url.port} is not an allowed port", reason="port")
-    addresses = [url.host] if url.is_ip_literal else resolve(resolver, url.host, url.port)
+    addresses = [url.host] if url.is_ip_literal else resolve(resolver, url.host, url.port, deadline)
     checked = check_addresses(addresses, policy.networks)
     return PinnedTarget(url, str(checked[0]))

@@ -78,7 +78,9 @@ class _PinnedHTTPSPool(HTTPSConnectionPool):
 
 def open_pool(target: PinnedTarget, policy: FetchPolicy, deadline: Deadline) -> HTTPConnectionPool:
     """A one-connection pool whose sockets go to ``target.address`` only."""
-    remaining = deadline.remaining()
+    deadline.check()
+    # urllib3 refuses a zero timeout with a ValueError: the budget may run out after the check.
+    remaining = max(deadline.remaining(), 0.001)
     options: dict[str, Any] = {
         "host": target.address,
         "port": target.url.port,

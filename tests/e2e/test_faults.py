@@ -15,7 +15,7 @@ Two windows these tests once had to step around are closed, and the tests now go
   Redis had handed over unread in the socket, so a SIGKILL lost it. Batches now run in a pool
   thread (workers/gpu_batching.py); the kill test kills the worker with the next batch reserved.
 - The solo pool enforces no Celery time limit. The CPU worker now runs prefork at any concurrency
-  (the time-limit test runs the default, 1); the GPU task keeps its own deadline
+  (the time-limit test runs one process); the GPU task keeps its own deadline
   (workers/tasks/gpu.py).
 """
 
@@ -67,6 +67,9 @@ def faults(fault_redis, demo_model_dir, loopback_host, tmp_path_factory):
         ROLLOUT_TASK_SOFT_TIME_LIMIT=str(SOFT_LIMIT_S), ROLLOUT_FETCH_TIMEOUT="30",
         ROLLOUT_SHM_POOL_BYTES=str(32 * 1024 * 1024), ROLLOUT_WEBHOOK_RETRY_SCHEDULE="0.5,1,1,2,2,2",
         ROLLOUT_LOG_LEVEL="INFO",  # every task received and ended, to tell what a fault did
+        # One preprocessing process (the default is 4): the kills below aim at "one job inside a
+        # task, the others queued", which more processes would blur.
+        ROLLOUT_CPU_CONCURRENCY="1",
     )
     loopback_host.route(HOOK_PATH, (200, {}, b""))
     with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "faults"),
@@ -137,7 +140,7 @@ def assert_ended_once_as_before(stack, ids, expected_tokens, timeout: float = 90
 
 
 def use_cpu_concurrency(stack, concurrency: int) -> None:
-    """Run the CPU worker with ``concurrency`` pool processes (default 1)."""
+    """Run the CPU worker with ``concurrency`` pool processes (this module's default: 1)."""
     if stack.worker_env.get("cpu", {}).get("ROLLOUT_CPU_CONCURRENCY", "1") == str(concurrency):
         return
     stack.stop("cpu")
@@ -232,7 +235,7 @@ def test_killed_prefork_child_is_redelivered_at_once(faults, reference):
 
 def test_time_limits_fail_the_job_with_its_code_and_free_the_worker(faults, reference):
     bodies, tokens = reference
-    use_cpu_concurrency(faults, 1)  # the default
+    use_cpu_concurrency(faults, 1)  # this module's default
     stuck_url = faults.host.route("/media/stuck.png", (200, {"Content-Type": "image/png"}, png((1, 2, 3)), 25))
     slow_cpu = {"prompt": "<image>x", "content_parts": [{"type": "image_url", "url": stuck_url}],
                 "sampling_params": {"max_tokens": 4, "temperature": 0}}

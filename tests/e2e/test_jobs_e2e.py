@@ -115,7 +115,10 @@ def test_render_then_generate_matches_generating_from_the_prompt(stack):
     assert len(rendered["content_parts"]) == 1
     from_ids = stack.wait(stack.submit({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"],
                                         "sampling_params": GREEDY})["id"])
-    template = stack.services.processor.tokenizer.apply_chat_template(
+    from transformers import AutoTokenizer
+
+    # The API no longer loads the processor (a CPU worker renders): read the template here.
+    template = AutoTokenizer.from_pretrained(stack.services.model_path).apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}],
         tokenize=False, add_generation_prompt=True)
     from_text = stack.wait(stack.submit({"prompt": template, "content_parts": rendered["content_parts"],
@@ -146,7 +149,9 @@ def test_healthz_and_metrics_reflect_the_running_stack(stack):
 def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):
     plain = stack.wait(stack.submit({"token_ids": [100, 101], "sampling_params": GREEDY})["id"])
     assert plain["status"] == "succeeded" and plain["result"]["timings"]["preprocess"] == 0.0
-    media_id = stack.services.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    from transformers import AutoTokenizer
+
+    media_id = AutoTokenizer.from_pretrained(stack.services.model_path).convert_tokens_to_ids("<|image_pad|>")
     assert media_id in stack.services.model_facts.media_token_ids
     stray = stack.wait(stack.submit({"token_ids": [100, media_id, 101], "sampling_params": GREEDY})["id"])
     assert stray["status"] == "failed" and stray["error"]["code"] == "placeholder_mismatch", stray

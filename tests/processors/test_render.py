@@ -91,3 +91,29 @@ def test_video_parts_render_to_expanded_runs_a_job_keeps(processors, fetcher, tr
     job = preprocess({"token_ids": rendered["token_ids"], "content_parts": rendered["content_parts"]},
                      processor=processor, fetcher=fetcher, cache=None, transport=transport, limits=limits)
     assert job.prompt_token_ids == rendered["token_ids"]
+
+
+def test_render_of_an_image_past_the_aspect_ratio_limit_is_a_decode_error(processors, fetcher):
+    """A 20000x2 image: the model's processor would refuse it untyped; render names the part."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from engine.errors import MediaError
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (20000, 2), (10, 20, 30)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is it?"}]}]
+    with pytest.raises(MediaError) as refused:
+        render(messages, processors["qwen2_vl"], fetcher=fetcher)
+    assert refused.value.code == "media_decode_failed" and refused.value.http_status == 422
+
+
+def test_a_string_uuid_is_kept_in_the_content_parts(processors, fetcher, image_url):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(64, 48, 3)},
+                                              "uuid": "img-1"}, {"type": "text", "text": "Describe it."}]}]
+    rendered = render(messages, processors["qwen2_vl"], fetcher=fetcher)
+    assert rendered["content_parts"][0]["uuid"] == "img-1"

@@ -31,9 +31,3 @@ def test_uuid_must_be_a_string_as_in_jobs(client, part_uuid):
     job = client.post("/v1/jobs", json={"prompt": "<image>", "content_parts": [
         {"type": "image_url", "url": image_data_url(), "uuid": part_uuid}]}, headers=auth())
     assert job.status_code == 422  # /v1/jobs refuses the same uuid
-
-
-def test_a_string_uuid_is_kept_in_the_content_parts(client):
-    response = client.post("/v1/render", json={"messages": messages("img-1")}, headers=auth())
-    assert response.status_code == 200, response.get_json()
-    assert response.get_json()["content_parts"][0]["uuid"] == "img-1"

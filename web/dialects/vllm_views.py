@@ -10,6 +10,7 @@ from web.dialects import openai, vllm
 from web.dialects.common import media_url, run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.openai_views import documented
+from web.render import render_on_worker
 from web.services import services
 
 blp = Blueprint("vllm", __name__, description="vLLM's token-in-token-out API (generate and render)")
@@ -36,12 +37,10 @@ class ChatRender(MethodView):
     def post(self, body):
         """Render a chat request into a generate request: exact prompt ids (media runs expanded)
         and ``features`` to pass back unchanged."""
-        from processors.render import render
-
         openai.check_model(body["model"])
         svc = services()
         messages = [_with_media_urls(message, i) for i, message in enumerate(body["messages"])]
-        rendered = render(messages, svc.processor, fetcher=svc.fetcher, cache=svc.mm_cache)
+        rendered = render_on_worker(messages)
         features = vllm.features_of(rendered["token_ids"], rendered["content_parts"], svc.processor.image_token_id)
         return {"request_id": body.get("request_id"), "token_ids": rendered["token_ids"], "features": features,
                 "sampling_params": vllm.render_sampling(body), "model": served_model_name(), "stream": False}

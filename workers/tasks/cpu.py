@@ -5,6 +5,10 @@ both. The soft limit raises in the task, which fails the job with ``job_time_lim
 hard limit kills the pool child (the task ignored the soft one, e.g. stuck in C code) and Celery
 acknowledges the message without running any of our code, so :class:`PreprocessRequest` fails the
 job then, with the same code.
+
+Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` preprocessing
+slots; otherwise its message is parked until one of the key's jobs ends (workers/fair_share.py says
+why this shape), so one key's slow media never hold every process.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
 from workers.metrics import count, observe_stage
-from workers.names import GENERATE_TASK, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
+from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import encode_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
@@ -39,8 +43,13 @@ class PreprocessRequest(Request):
         # During a cold shutdown Celery kills tasks through this path too: that is no timeout.
         if not soft and not worker_state.should_terminate:
             job_id = self.args[0]
-            fail_job(runtime(self.app), job_id,
-                     JobTimeoutError(f"preprocessing exceeded its hard time limit ({timeout} s)"))
+            rt = runtime(self.app)
+            fail_job(rt, job_id, JobTimeoutError(f"preprocessing exceeded its hard time limit ({timeout} s)"))
+            try:
+                owner = rt.jobs.get(job_id)["owner"]
+            except NotFoundError:
+                return
+            rt.share("cpu").release(owner, job_id, rt.publish)  # the killed task could not
 
 
 class PreprocessTask(Task):
@@ -68,11 +77,23 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
         return  # expired or never existed: nothing to do
     # A redelivered message for a job that moved on is a no-op; a job whose feature handles could
     # not be opened comes back here (retry_handles) to be preprocessed again on this node.
-    if job["status"] in TERMINAL:
-        resume_followups(rt, [job])
+    share = rt.share("cpu")
+    if job["status"] in TERMINAL or (job["status"] == "generating" and not retry_handles):
+        # A woken message has its slot reserved: give it to the key's next parked message.
+        share.release(job["owner"], job_id, rt.publish)
+        if job["status"] in TERMINAL:
+            resume_followups(rt, [job])
         return
-    if job["status"] == "generating" and not retry_handles:
-        return
+    if not share.acquire_or_park(job["owner"], job_id, task=PREPROCESS_TASK, args=[job_id],
+                                 kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE):
+        return  # the key holds its share: parked, woken when one of its jobs ends
+    try:
+        _run_job(app, rt, job_id, job)
+    finally:
+        share.release(job["owner"], job_id, rt.publish)
+
+
+def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()
     try:

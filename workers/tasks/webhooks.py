@@ -5,7 +5,8 @@ Events are made by ``workers.webhook_events``.
   job's event (at most one per job and event type: a second call finds it and only makes sure its
   first attempt is queued) and queues its delivery.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
-  next attempt with a countdown. A delivery never touches its job.
+  next attempt with a countdown. A delivery never touches its job. An attempt whose key already
+  holds its share of the delivery threads is parked until one of the key's attempts ends.
 
 Crashes: tasks are acked late, so a worker killed mid-attempt leaves the message to be
 redelivered, and the redelivered message sends again with the same ``webhook-id`` (receivers
@@ -24,13 +25,14 @@ from celery import shared_task
 
 from engine.errors import NotFoundError
 from workers.metrics import count
-from workers.names import DELIVER_TASK, JOB_ENDED_TASK
+from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.webhook_events import emit_job_event, queue_attempt
 from workers.webhooks import (
     FINAL_STATES,
     RETRYING,
     SUCCEEDED,
+    event_key,
     retry_delay,
     send_attempt,
     store_for,
@@ -63,8 +65,21 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     def queue_next(next_attempt: int, countdown: float) -> None:
         queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
 
-    return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
-                       queue_next=queue_next)
+    owner = rt.redis.hget(event_key(event_id), "owner")
+    if owner is None:
+        return None  # no such event (expired)
+    owner = owner.decode()
+    # Fairness: one key's hanging receivers may hold only its share of the delivery threads; an
+    # attempt over the share is parked until one of the key's attempts ends (workers/fair_share.py).
+    share, member = rt.share("webhooks"), f"{event_id}:{attempt}"
+    if not share.acquire_or_park(owner, member, task=DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
+                                 queue=WEBHOOKS_QUEUE):
+        return None
+    try:
+        return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
+                           queue_next=queue_next)
+    finally:
+        share.release(owner, member, rt.publish)
 
 
 def run_attempt(rt, event_id: str, attempt: int, *, token: str,
