@@ -65,6 +65,8 @@ class EmbeddedRedis:
             "--save", "",
             *persistence,
             "--maxmemory-policy", "noeviction",
+            # More than the default 16: each test group that runs workers takes a database of its own.
+            "--databases", "32",
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "redis.log"),

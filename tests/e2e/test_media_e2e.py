@@ -12,19 +12,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.conftest import db_url
+from tests.conftest import empty_db_url
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
 from tests.media_files import mp4_bytes, png_bytes, wav_bytes
 
 
 @pytest.fixture(scope="module")
 def media_stack(redis_url, loopback_host, tmp_path_factory):
-    env = make_stack_env(redis_url=db_url(redis_url, 10), model_dir="", state_dir=tmp_path_factory.mktemp("media"),
+    env = make_stack_env(redis_url=empty_db_url(redis_url, 15), model_dir="", state_dir=tmp_path_factory.mktemp("media"),
                          loopback=loopback_host, ROLLOUT_MAX_VIDEO_SECONDS="5")
     del env["ROLLOUT_MODEL"]  # as `rollout-queue up` with no model configured: the built-in demo
     with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "media-logs"), workers=("cpu", "gpu"),
                      timeout=180) as stack:
-        stack.services.redis.flushdb()
         yield stack
 
 

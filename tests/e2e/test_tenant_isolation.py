@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import pytest
 from PIL import Image
 
+from processors.fetch import GuardedFetcher
 from tests.e2e.conftest import API_KEY, OTHER_KEY
 from tests.workers.bad_rows import plant_job, plant_mismatched_image_job
 from web.auth import key_id
+from workers.runtime import fetch_policy
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 PNG = {"Content-Type": "image/png"}
@@ -176,7 +178,8 @@ def test_bad_rows_of_one_key_never_fail_another_keys_jobs_in_their_batch(stack, 
                          plant(kind="score", token_ids=[100, 101], completion_token_ids=[vocab])],
                "prompt": [plant(token_ids=[100, vocab + 1000, 102])],
                "untyped": [plant_mismatched_image_job(svc.jobs, svc.celery, owner, processor=svc.processor,
-                                                      fetcher=svc.fetcher, image_url=media.a)]}
+                                                      fetcher=GuardedFetcher(fetch_policy(svc.settings)),
+                                                      image_url=media.a)]}
         mine += [stack.submit(body, key=OTHER_KEY)["id"] for body in good[2:]]
     finally:
         gpu.send_signal(signal.SIGCONT)
