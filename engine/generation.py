@@ -46,6 +46,7 @@ from engine.items import MultimodalItem
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams, choice_seed
 from engine.scoring import ScoreRequest, ScoreResult, score, teacher_forced
+from engine.weights import WeightSwap, load_weights
 
 
 class Engine:
@@ -56,10 +57,25 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
+        self._weights_listeners: list[Callable[[WeightSwap], None]] = []
 
     @property
     def weight_version(self) -> str:
         return self.loaded.weight_version
+
+    def update_weights(self, directory, *, weight_version: str) -> WeightSwap:
+        """Swap in the weights of ``directory`` (see :func:`engine.weights.load_weights`), then tell
+        every cache that depends on the weights; a bad directory raises and changes nothing."""
+        swap = load_weights(self.loaded, directory, weight_version=weight_version)
+        for listener in list(self._weights_listeners):
+            listener(swap)
+        return swap
+
+    def on_weights_changed(self, listener: Callable[[WeightSwap], None]) -> None:
+        """Call ``listener(swap)`` after every weight swap, before the next batch: where a cache keyed
+        by the weights (prompt KV, vision-encoder outputs) drops its entries. Caches that do not
+        depend on the weights (the multimodal preprocessing cache) do not register."""
+        self._weights_listeners.append(listener)
 
     def generate(
         self,
