@@ -10,6 +10,13 @@ the threads pool cannot interrupt a thread anyway), so the batch keeps its own d
 ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it starts: ``should_abort`` stops every row still
 decoding then, and those jobs fail with ``job_time_limit_exceeded``. The worker is then free for
 the next batch, well before the visibility timeout would hand the messages to another worker.
+
+Weight updates (workers/weight_sync.py): each batch runs inside ``weight_sync.batch()``, which
+loads a pending target first and holds the weights still until the batch ends; a worker that may
+not serve (paused, or the target failed to load here) hands the batch back to the queue. Between
+decode steps, ``weight_sync.interruption()`` stops the rows in flight for an update in mode
+``abort`` (they end with ``finish_reason: "abort"`` and their tokens so far) or ``retract`` (their
+jobs go back to the queue and run again from the prompt on the new weights).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import redis
 from celery import shared_task
 
 from engine.errors import HandleUnavailableError, JobTimeoutError, RolloutError
+from workers.celery_app import SHARED_GENERATE_QUEUE
 from workers.gpu_batching import REQUEUE, GenerateBatches
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
@@ -32,11 +40,13 @@ from workers.metrics import count, observe_stage
 from workers.prompt_codec import open_prompt, release_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.submission import enqueue_preprocess
+from workers.submission import GENERATE_TASK, enqueue_preprocess
 
 log = logging.getLogger(__name__)
 
 ABORT_POLL_SECONDS = 0.05
+# How long a batch waits for a paused or failed worker to serve again before its messages go back.
+WEIGHTS_HOLD_SECONDS = 2.0
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
 
 
@@ -46,21 +56,28 @@ def generate(self, requests) -> str | None:
     job_ids = list(dict.fromkeys(request.args[0] for request in requests))
     with job_context(*job_ids):
         try:
-            _generate(rt, job_ids)
+            return _generate(rt, job_ids)
         except REDIS_DOWN:
             log.warning("Redis unavailable during a batch of %d jobs; their messages go back to the queue",
                         len(job_ids))
             return REQUEUE
-    return None
 
 
-def _generate(rt, job_ids: list[str]) -> None:
+def _generate(rt, job_ids: list[str]) -> str | None:
     try:
         engine = rt.wait_for_model()
     except Exception:
         for job_id in job_ids:
             fail_unexpected(rt, job_id, "loading the model")
-        return
+        return None
+    with rt.weight_sync.batch(WEIGHTS_HOLD_SECONDS) as may_serve:
+        if not may_serve:
+            return REQUEUE  # paused, or the fleet's weights did not load here: another worker (or later)
+        _generate_batch(rt, engine, job_ids)
+    return None
+
+
+def _generate_batch(rt, engine, job_ids: list[str]) -> None:
     try:
         run_batch(rt, engine, job_ids)
     except REDIS_DOWN:
@@ -106,22 +123,25 @@ def run_batch(rt, engine, job_ids: list[str]) -> None:
         else:
             release_prompt(rt.redis, prompt)
     ready = running
+    retracted: set[str] = set()  # jobs requeued by a weight update: their features stay held
     try:
         for kind in ("generate", "score"):
             group = [(job, prompt) for job, prompt in ready if job["kind"] == kind]
             if group:
-                _run_group(rt, engine, kind, group, deadline)
+                _run_group(rt, engine, kind, group, deadline, retracted)
     finally:
-        for _, prompt in ready:
-            release_prompt(rt.redis, prompt)
+        for job, prompt in ready:
+            if job["id"] not in retracted:
+                release_prompt(rt.redis, prompt)
 
 
-def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
+def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float, retracted: set[str]) -> None:
     """Run ``group`` as one engine batch and end its jobs. Raises only for a group of one."""
     started = time.perf_counter()
     timed_out: set[int] = set()
+    stopped: dict[int, str] = {}  # row -> "abort" | "retract": stopped for a weight update or pause
     try:
-        outputs = _run_engine(rt, engine, kind, group, deadline, timed_out)
+        outputs = _run_engine(rt, engine, kind, group, deadline, timed_out, stopped)
     except REDIS_DOWN:
         raise  # an outage, not a request's fault: the batch is requeued
     except Exception:
@@ -132,28 +152,46 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
         # A lone bad row then costs about 2·log2(n) runs, where one run per row would cost n.
         half = len(group) // 2
         for part in (group[:half], group[half:]):
-            _run_part(rt, engine, kind, part, deadline)
+            _run_part(rt, engine, kind, part, deadline, retracted)
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, kind, elapsed)
     endings = []
+    interrupted = 0
     for index, ((job, prompt), output) in enumerate(zip(group, outputs, strict=True)):
-        if index in timed_out and any(choice.finish_reason == "abort" for choice in output.choices):
+        aborted = any(choice.finish_reason == "abort" for choice in output.choices)
+        if index in timed_out and aborted:
             limit = rt.settings.task_soft_time_limit
             fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
+        elif index in stopped and aborted and stopped[index] == "retract":
+            interrupted += 1
+            _retract(rt, job, prompt)
+            retracted.add(job["id"])
         else:
-            endings.append(_ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group)))
+            if index in stopped and aborted:
+                interrupted += 1
+            endings.append(_ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group),
+                                   stopped_by_weights=index in stopped))
     end_jobs(rt, endings)
+    if interrupted:
+        rt.weight_sync.note_interrupted(interrupted)
 
 
-def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
+def _retract(rt, job: dict, prompt) -> None:
+    """Queue the job again: it runs from its prompt on the new weights (its message is acknowledged
+    with this batch, so this message is its only one). Feature handles stay on this node."""
+    queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
+    rt.celery.send_task(GENERATE_TASK, args=[job["id"]], queue=queue)
+
+
+def _run_part(rt, engine, kind: str, part, deadline: float, retracted: set[str]) -> None:
     """``_run_group`` on part of a failed batch; a lone request that fails alone fails its job."""
     if len(part) > 1:
-        _run_group(rt, engine, kind, part, deadline)
+        _run_group(rt, engine, kind, part, deadline, retracted)
         return
     job_id = part[0][0]["id"]
     try:
-        _run_group(rt, engine, kind, part, deadline)
+        _run_group(rt, engine, kind, part, deadline, retracted)
     except REDIS_DOWN:
         raise
     except RolloutError as error:
@@ -162,8 +200,9 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         fail_unexpected(rt, job_id, "generating")
 
 
-def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[int]):
-    """The engine's outputs; fills ``timed_out`` with the rows stopped by the batch deadline."""
+def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[int], stopped: dict[int, str]):
+    """The engine's outputs; fills ``timed_out`` with the rows stopped by the batch deadline and
+    ``stopped`` with those stopped for a weight update or pause (row -> mode)."""
     from engine.generation import GenerationRequest
     from engine.scoring import ScoreRequest
 
@@ -198,6 +237,10 @@ def _run_engine(rt, engine, kind: str, group, deadline: float, timed_out: set[in
         if now >= deadline and len(aborted) < len(job_ids):
             timed_out.update(i for i in range(len(job_ids)) if i not in aborted)
             aborted.update(timed_out)
+        mode = rt.weight_sync.interruption()  # no Redis call: the weight watcher keeps it fresh
+        if mode is not None and len(aborted) < len(job_ids):
+            stopped.update((i, mode) for i in range(len(job_ids)) if i not in aborted)
+            aborted.update(stopped)
         return aborted
 
     return engine.generate(requests, should_abort=should_abort)
@@ -222,8 +265,11 @@ _SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetiti
                    "spaces_between_special_tokens")
 
 
-def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
-    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``)."""
+def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,
+            stopped_by_weights: bool = False):
+    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``). A row
+    stopped by a weight update in mode abort succeeds with ``finish_reason: "abort"`` (the job was
+    not cancelled: it ended early with its tokens so far)."""
     timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
                "batch_size": batch_size}
     result: dict[str, Any] = {
@@ -243,6 +289,6 @@ def _ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size
         result.update(choices=choices, usage=output.usage)
         if output.prompt_logprobs is not None:
             result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
-        if any(choice["finish_reason"] == "abort" for choice in choices):
+        if any(choice["finish_reason"] == "abort" for choice in choices) and not stopped_by_weights:
             status = "cancelled"
     return job, status, {"result": result}
