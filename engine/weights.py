@@ -95,6 +95,37 @@ def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: 
                       copy_s=time.perf_counter() - started)
 
 
+def check_checkpoint(directory: str | Path, reference: str | Path) -> None:
+    """Check ``directory`` against the model directory ``reference`` from config and safetensors
+    headers only (no tensor bytes, no model): what an API process can check before it asks the
+    workers to load. The workers' :func:`load_weights` checks all of it again, and more."""
+    from transformers import AutoConfig
+
+    directory, reference = Path(directory), Path(reference)
+    try:
+        reference_config = AutoConfig.from_pretrained(reference, local_files_only=True)
+    except (OSError, ValueError):
+        reference_config = None
+    if reference_config is not None:
+        check_config(reference_config.to_dict(), directory, architecture=(reference_config.architectures or [None])[0])
+    new = read_headers(directory)
+    if not reference.is_dir():
+        return  # a hub id: its tensors are compared by each worker against the loaded model
+    known = read_headers(reference)
+    for name, (_, shape, _) in new.items():
+        if name not in known:
+            raise WeightsInvalidError(f"tensor {name!r} is not a tensor of this model", problem="unexpected_tensor",
+                                      tensor=name)
+        if known[name][1] != shape:
+            raise WeightsInvalidError(
+                f"tensor {name!r} has shape {list(shape)}; the model's is {list(known[name][1])}",
+                problem="shape_mismatch", tensor=name, shape=list(shape), expected=list(known[name][1]))
+    missing = sorted(set(known) - set(new))
+    if missing:
+        raise WeightsInvalidError(f"the checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]!r}",
+                                  problem="missing_tensor", tensor=missing[0], missing=len(missing))
+
+
 def check_config(reference: Mapping[str, Any], directory: Path, *, architecture: str | None = None) -> None:
     """Raise :class:`WeightsInvalidError` unless ``directory/config.json`` matches ``reference``
     (a ``PretrainedConfig.to_dict()``) in every field that changes what the model computes."""
