@@ -155,7 +155,7 @@ def test_an_update_under_load(fleet, fresh_tokens, mode):
     assert start["success"] and {w["version"] for w in start["workers"]} == {f"{mode}-old"}
     assert len(start["workers"]) == 2
     in_flight = submit_all(fleet, LONG)
-    wait_until(lambda: set(statuses(fleet, in_flight)) == {"generating"}, 60, "every job decoding")
+    wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
 
     report = update(fleet, "step-1", f"{mode}-new", mode)
     after = submit_all(fleet, LONG)  # submitted once the call answered: new weights only
@@ -167,21 +167,29 @@ def test_an_update_under_load(fleet, fresh_tokens, mode):
     assert all(job["status"] == "succeeded" for job in done), [(j["status"], j.get("error")) for j in done]
     assert [tokens_of(job) for job in later] == fresh_tokens["step-1"]
     assert {job["result"]["weight_version"] for job in later} == {f"{mode}-new"}
-    if mode == "finish":
-        assert [tokens_of(job) for job in first] == fresh_tokens["step-2"]
-        assert {job["result"]["weight_version"] for job in first} == {f"{mode}-old"}
-        assert report["num_paused_requests"] == 0
-    elif mode == "abort":
-        for job, old in zip(first, fresh_tokens["step-2"], strict=True):
-            choice = job["result"]["choices"][0]
+    # A job of the first group was either in a batch when the update came (what the mode decides)
+    # or still waiting for one (then it ran on the new weights, like the later group).
+    old, new = fresh_tokens["step-2"], fresh_tokens["step-1"]
+    stopped = 0
+    for job, old_tokens, new_tokens in zip(first, old, new, strict=True):
+        choice, version = job["result"]["choices"][0], job["result"]["weight_version"]
+        if version == f"{mode}-new":
+            assert choice["token_ids"] == new_tokens and choice["finish_reason"] == "length"
+            continue
+        assert version == f"{mode}-old" and mode != "retract"  # retracted rows never end on old weights
+        if mode == "finish":
+            assert choice["token_ids"] == old_tokens and choice["finish_reason"] == "length"
+        else:
             assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) < MAX_TOKENS
-            assert choice["token_ids"] == old[:len(choice["token_ids"])]
-            assert job["result"]["weight_version"] == f"{mode}-old"
-        assert report["num_paused_requests"] == len(LONG)
+            assert choice["token_ids"] == old_tokens[:len(choice["token_ids"])]
+            stopped += 1
+    in_batch = sum(job["result"]["weight_version"] == f"{mode}-old" for job in first)
+    if mode == "finish":
+        assert in_batch >= 1 and report["num_paused_requests"] == 0
+    elif mode == "abort":
+        assert stopped == in_batch >= 1 and report["num_paused_requests"] == stopped
     else:
-        assert [tokens_of(job) for job in first] == fresh_tokens["step-1"]
-        assert {job["result"]["weight_version"] for job in first} == {f"{mode}-new"}
-        assert report["num_paused_requests"] == len(LONG)
+        assert report["num_paused_requests"] >= 1  # rows were retracted, and ran again on new weights
 
 
 def test_a_bad_directory_changes_nothing(fleet, fresh_tokens):
@@ -201,13 +209,13 @@ def test_a_bad_directory_changes_nothing(fleet, fresh_tokens):
 def test_a_gpu_worker_killed_during_an_update_comes_back_on_the_target(fleet, fresh_tokens):
     update(fleet, "step-2", "before-kill")
     in_flight = submit_all(fleet, LONG)
-    wait_until(lambda: set(statuses(fleet, in_flight)) == {"generating"}, 60, "every job decoding")
+    wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
     answer = {}
     call = threading.Thread(target=lambda: answer.update(update(fleet, "step-1", "after-kill", "finish")))
     call.start()  # finish: both workers are busy with their batch, the update waits for them
     wait_until(lambda: fleet.services.redis.hget("rq:weights:target", "version") == b"after-kill", 10, "target set")
     fleet.kill("gpu-b")
-    fleet.start("gpu-b")
+    fleet.start("gpu-b", "gpu")
     call.join(120)
     fleet.wait_ready(["gpu-b"])
     assert answer["success"]
@@ -223,7 +231,7 @@ def test_a_gpu_worker_killed_during_an_update_comes_back_on_the_target(fleet, fr
 def test_a_redis_restart_in_the_middle_of_an_update(fleet, weights_redis, fresh_tokens):
     update(fleet, "step-1", "before-restart")
     in_flight = submit_all(fleet, LONG)
-    wait_until(lambda: set(statuses(fleet, in_flight)) == {"generating"}, 60, "every job decoding")
+    wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
     answer = {}
     call = threading.Thread(target=lambda: answer.update(update(fleet, "step-2", "after-restart", "retract")))
     call.start()
