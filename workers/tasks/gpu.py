@@ -159,7 +159,7 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     endings = []
     interrupted = 0
     for index, ((job, prompt), output) in enumerate(zip(group, outputs, strict=True)):
-        aborted = any(choice.finish_reason == "abort" for choice in output.choices)
+        aborted = kind == "generate" and any(choice.finish_reason == "abort" for choice in output.choices)
         if index in timed_out and aborted:
             limit = rt.settings.task_soft_time_limit
             fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
