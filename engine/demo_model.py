@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,23 +62,24 @@ class _Spec:
     named: dict[str, str] | None = None
 
 
-def build_demo_model(directory: Path, *, arch: str = "qwen2_vl") -> Path:
+def build_demo_model(directory: Path, *, arch: str = "qwen2_vl", seed: int = 0) -> Path:
     """Build (or reuse) a tiny random-weight ``arch`` model in ``directory`` and return it.
 
-    ``arch`` is one of :data:`ARCHS`. The build is written to a temporary sibling directory and
+    ``arch`` is one of :data:`ARCHS`. ``seed`` draws the random weights: another seed gives the same
+    architecture, config and tokenizer with other weights (what an RL step's checkpoint looks like). The build is written to a temporary sibling directory and
     moved into place, so a concurrent builder or a crash never leaves a half-written model behind.
     """
     if arch not in _SPECS:
         raise ValueError(f"unknown demo arch {arch!r}; choose one of {', '.join(ARCHS)}")
     directory = Path(directory)
-    if _is_complete(directory, arch):
+    if _is_complete(directory, arch, seed):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        _build(tmp, arch)
+        _build(tmp, arch, seed)
         if directory.exists():
-            if _is_complete(directory, arch):  # another builder won the race
+            if _is_complete(directory, arch, seed):  # another builder won the race
                 return directory
             shutil.rmtree(directory)
         os.replace(tmp, directory)
@@ -86,23 +88,34 @@ def build_demo_model(directory: Path, *, arch: str = "qwen2_vl") -> Path:
     return directory
 
 
-def _is_complete(directory: Path, arch: str) -> bool:
+def _marker(arch: str, seed: int) -> dict:
+    # Seed 0 writes the marker it always wrote, so existing builds stay valid.
+    return {"arch": arch, "format": BUILD_FORMAT} | ({"seed": seed} if seed else {})
+
+
+def _is_complete(directory: Path, arch: str, seed: int = 0) -> bool:
     try:
         marker = json.loads((directory / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return marker == {"arch": arch, "format": BUILD_FORMAT}
+    return marker == _marker(arch, seed)
 
 
-def _build(out: Path, arch: str) -> None:
+def _build(out: Path, arch: str, seed: int = 0) -> None:
     spec = _SPECS[arch]
     tokenizer = _train_tokenizer(spec)
     token_ids = {token: tokenizer.convert_tokens_to_ids(token) for token in spec.special_tokens}
     tokenizer.save_pretrained(out)
-    spec.write(out, tokenizer, token_ids)
+    global _weight_seed
+    with _build_lock:
+        _weight_seed = seed  # read by _save_model (see there)
+        try:
+            spec.write(out, tokenizer, token_ids)
+        finally:
+            _weight_seed = 0
     _sort_json_files(out)
     # Written last: its presence means the build is complete.
-    (out / MARKER).write_text(json.dumps({"arch": arch, "format": BUILD_FORMAT}, sort_keys=True))
+    (out / MARKER).write_text(json.dumps(_marker(arch, seed), sort_keys=True))
 
 
 def _train_tokenizer(spec: _Spec):
@@ -140,8 +153,15 @@ def _sort_json_files(out: Path) -> None:
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+# The seed of the build in progress. A module global rather than a parameter of every writer: the
+# writers only build configs, and _save_model is the one place that draws weights. Guarded by
+# _build_lock so concurrent builds in one process cannot see each other's seed.
+_weight_seed = 0
+_build_lock = threading.Lock()
+
+
 def _save_model(out: Path, model_cls, config) -> None:
-    torch.manual_seed(0)
+    torch.manual_seed(_weight_seed)
     model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(out)
 

@@ -15,6 +15,7 @@ that is the lowest layer: every other layer may import it.
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
     ├── UnauthorizedError (401)
+    ├── ForbiddenError (403)
     ├── PayloadTooLargeError (413)
     ├── RateLimitedError (429)
     ├── ServiceUnavailableError (503)
@@ -117,6 +118,13 @@ class NotFoundError(RolloutError):
 class UnauthorizedError(RolloutError):
     code = "unauthorized"
     http_status = 401
+
+
+class ForbiddenError(RolloutError):
+    """A valid key that may not do this (weight updates and pausing need an admin key)."""
+
+    code = "forbidden"
+    http_status = 403
 
 
 class PayloadTooLargeError(RolloutError):

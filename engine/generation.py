@@ -28,6 +28,7 @@ from engine.loading import LoadedModel
 from engine.prompt_cache import PromptCache
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook
 from engine.scoring import ScoreRequest, ScoreResult, score
+from engine.weights import WeightSwap, load_weights
 
 
 class Engine:
@@ -43,7 +44,9 @@ class Engine:
         self.encoder_cache = EncoderCache(self.limits.encoder_cache_bytes)
         self.prompt_cache = PromptCache(self.limits.prompt_cache_tokens)
         self.stats = EngineStats()
-
+        self._weights_listeners: list[Callable[[WeightSwap], None]] = []
+        # Both caches hold what the old weights computed: a swap empties them.
+        self.on_weights_changed(lambda _swap: (self.encoder_cache.clear(), self.prompt_cache.clear()))
     @property
     def weight_version(self) -> str:
         return self.loaded.weight_version
@@ -52,6 +55,20 @@ class Engine:
         """A continuous batch over this engine's model, sharing its caches and counters."""
         return Scheduler(self.loaded, limits or self.limits, encoder_cache=self.encoder_cache,
                          prompt_cache=self.prompt_cache, stats=self.stats, on_step=on_step)
+
+    def update_weights(self, directory, *, weight_version: str) -> WeightSwap:
+        """Swap in the weights of ``directory`` (see :func:`engine.weights.load_weights`), then tell
+        every cache that depends on the weights; a bad directory raises and changes nothing."""
+        swap = load_weights(self.loaded, directory, weight_version=weight_version)
+        for listener in list(self._weights_listeners):
+            listener(swap)
+        return swap
+
+    def on_weights_changed(self, listener: Callable[[WeightSwap], None]) -> None:
+        """Call ``listener(swap)`` after every weight swap, before the next batch: where a cache keyed
+        by the weights (prompt KV, vision-encoder outputs) drops its entries. Caches that do not
+        depend on the weights (the multimodal preprocessing cache) do not register."""
+        self._weights_listeners.append(listener)
 
     def generate(
         self,

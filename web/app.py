@@ -7,7 +7,7 @@ import logging
 from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
-from web import batches, deliveries, generate, health, jobs, metrics, render
+from web import batches, deliveries, generate, health, jobs, metrics, render, weights
 from web.body_limit import BoundedRequest
 from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp,
+    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp,
                       sglang_views.blp, openai_views.blp, vllm_views.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
@@ -62,4 +62,9 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
 
     if svc.keys.open:
         log.warning("no ROLLOUT_API_KEYS set: the API is open to anyone who can reach it")
+        if settings.weights_root is not None:
+            log.warning("no ROLLOUT_ADMIN_KEYS set: anyone who can reach the API may update the weights and pause "
+                        "generation (model directories under %s)", settings.weights_root)
+    elif not settings.admin_keys:
+        log.info("no ROLLOUT_ADMIN_KEYS set: weight updates and pausing are refused for every key")
     return app

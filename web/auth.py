@@ -1,4 +1,9 @@
-"""API keys: ``Authorization: Bearer <key>``. Each job belongs to the key that made it."""
+"""API keys: ``Authorization: Bearer <key>``. Each job belongs to the key that made it.
+
+Admin keys (``ROLLOUT_ADMIN_KEYS``) are API keys that may also update weights and pause
+generation. With no keys of either kind (the open demo) everyone may; with API keys but no admin
+keys, nobody may.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import hmac
 
 from flask import g, request
 
-from engine.errors import UnauthorizedError
+from engine.errors import ForbiddenError, UnauthorizedError
 
 OPEN_OWNER = "local"
 
@@ -18,15 +23,18 @@ def key_id(key: str) -> str:
 
 
 class KeyRing:
-    def __init__(self, keys: tuple[str, ...]):
-        self._keys = tuple(k.encode() for k in keys)
+    def __init__(self, keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()):
+        self._admin = tuple(k.encode() for k in admin_keys)
+        self._keys = tuple(k.encode() for k in keys) + self._admin
 
     @property
     def open(self) -> bool:
         return not self._keys
 
     def authenticate(self) -> str:
-        """The caller's owner id; raises UnauthorizedError for a missing or unknown key."""
+        """The caller's owner id; raises UnauthorizedError for a missing or unknown key. Sets
+        ``g.admin``: whether the caller may update weights."""
+        g.admin = self.open
         if self.open:
             return OPEN_OWNER
         header = request.headers.get("Authorization", "")
@@ -38,8 +46,15 @@ class KeyRing:
         matched = [hmac.compare_digest(given, key) for key in self._keys]
         if not any(matched):
             raise UnauthorizedError("invalid API key")
+        g.admin = any(hmac.compare_digest(given, key) for key in self._admin)
         return key_id(token.strip())
 
 
 def current_owner() -> str:
     return g.owner
+
+
+def require_admin() -> None:
+    """Raise ForbiddenError unless the caller's key is an admin key."""
+    if not g.get("admin"):
+        raise ForbiddenError("this call needs an admin key (ROLLOUT_ADMIN_KEYS)")

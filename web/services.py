@@ -34,7 +34,7 @@ class Services:
         limits = Limits(settings.max_queued_per_key, settings.max_queued_total, settings.result_ttl)
         model_path = resolve_model_path(settings)
         return cls(settings, client, JobStore(client, limits), create_celery(settings, redis_url),
-                   KeyRing(settings.api_keys), model_path, model_facts(model_path))
+                   KeyRing(settings.api_keys, settings.admin_keys), model_path, model_facts(model_path))
 
     @property
     def max_model_len(self) -> int | None:

@@ -16,6 +16,7 @@ from engine.errors import HandleUnavailableError, RolloutError
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.metrics import count, observe_stage
+from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import open_prompt, release_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.submission import enqueue_preprocess
@@ -135,8 +136,18 @@ _SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetiti
                    "spaces_between_special_tokens")
 
 
-def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int):
-    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``)."""
+def requeue_generate(rt, job_id: str, prompt) -> None:
+    """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
+    on the new weights; its feature handles stay held on this node."""
+    queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
+    rt.celery.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+
+
+def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,
+           stopped_by_weights: bool = False):
+    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``). A row
+    stopped by a weight update in mode abort succeeds with ``finish_reason: "abort"`` (the job was
+    not cancelled: it ended early with its tokens so far)."""
     timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
                "batch_size": batch_size}
     result: dict[str, Any] = {
@@ -156,6 +167,6 @@ def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size:
         result.update(choices=choices, usage=output.usage, cached_tokens=output.cached_tokens)
         if output.prompt_logprobs is not None:
             result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
-        if any(choice["finish_reason"] == "abort" for choice in choices):
+        if any(choice["finish_reason"] == "abort" for choice in choices) and not stopped_by_weights:
             status = "cancelled"
     return job, status, {"result": result}

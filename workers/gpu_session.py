@@ -23,7 +23,8 @@ import redis
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
-from workers.gpu_jobs import ending, open_jobs, run_score_jobs, sampling_params
+from workers.gpu_batching import REQUEUE
+from workers.gpu_jobs import ending, open_jobs, requeue_generate, run_score_jobs, sampling_params
 from workers.lifecycle import end_jobs, fail_job
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import release_prompt
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 ABORT_POLL_SECONDS = 0.05
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
 STATS_REPORT_SECONDS = 1.0
+# How long a session waits for a paused or failed worker to serve again before its messages go back.
+WEIGHTS_HOLD_SECONDS = 2.0
 
 
 @dataclass
@@ -41,6 +44,7 @@ class _Live:
     prompt: Any
     message_ids: list[str]
     started: float = field(default_factory=time.perf_counter)
+    stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
 
 
 class GenerateSession:
@@ -54,26 +58,53 @@ class GenerateSession:
         self._next_report = time.monotonic() + STATS_REPORT_SECONDS
         self._reported = self._counters()
 
-    def run(self, requests) -> None:
+    def run(self, requests) -> str | None:
+        """Run until nothing runs and nothing is buffered; returns ``REQUEUE`` when this worker may
+        not serve (paused, or the fleet's target failed to load here): the messages not yet
+        admitted then go back to the queue."""
+        sync = self.rt.weight_sync
+        pending = list(requests)
         try:
-            self._admit(requests)
             while True:
-                while self.scheduler.has_work:
-                    self._poll_cancels()
-                    finished = self.scheduler.step()
-                    if finished:
-                        self._end(finished)
-                    if self.scheduler.free_rows:
-                        more = self.batches.take(self.scheduler.free_rows)
-                        if more:
-                            self._admit(more)
-                    self._report(every=STATS_REPORT_SECONDS)
-                more = self.batches.take(self.batches.flush_every)
-                if not more:
-                    break
-                self._admit(more)
+                # One stretch on one set of weights: a pending target is loaded here, between
+                # stretches, never while a row decodes.
+                with sync.batch(WEIGHTS_HOLD_SECONDS) as may_serve:
+                    if not may_serve:
+                        return REQUEUE
+                    self._admit(pending)
+                    pending = []
+                    self._decode_until_idle_or_update(sync)
+                    if not sync.update_pending:
+                        pending = self.batches.take(self.batches.flush_every)
+                        if not pending:
+                            return None
         finally:
             self._report(every=0)
+
+    def _decode_until_idle_or_update(self, sync) -> None:
+        """Step while rows run. Rows join between steps unless a weight update (or pause) is
+        pending; one in mode abort or retract stops the rows in flight (see ``_interrupt``)."""
+        while self.scheduler.has_work:
+            mode = sync.interruption()  # no Redis call: the weight watcher keeps it fresh
+            if mode is not None:
+                self._interrupt(mode)
+            self._poll_cancels()
+            finished = self.scheduler.step()
+            if finished:
+                self._end(finished)
+            if self.scheduler.free_rows and not sync.update_pending:
+                more = self.batches.take(self.scheduler.free_rows)
+                if more:
+                    self._admit(more)
+            self._report(every=STATS_REPORT_SECONDS)
+
+    def _interrupt(self, mode: str) -> None:
+        """Stop every row in flight for a weight update: ``abort`` ends them with their tokens so
+        far; ``retract`` sends their jobs back to run again from the prompt on the new weights."""
+        for handle, live in self.live.items():
+            if live.stopped_by is None:
+                live.stopped_by = mode
+                self.scheduler.abort(handle)
 
     # --- joining -------------------------------------------------------------------------------
 
@@ -130,11 +161,14 @@ class GenerateSession:
 
     def _end(self, finished) -> None:
         rt = self.rt
-        endings, done = [], []
+        endings, done, retracted = [], [], []
         for item in finished:
             live = self.live.pop(item.handle)
-            done.append(live)
             job = live.job
+            if live.stopped_by == "retract" and item.error is None:
+                retracted.append(live)  # runs again on the new weights: its prompt stays held
+                continue
+            done.append(live)
             elapsed = time.perf_counter() - live.started
             observe_stage(rt.redis, "generate", elapsed)
             if item.error is not None:
@@ -144,12 +178,17 @@ class GenerateSession:
                 fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
             else:
                 endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
-                                      batch_size=item.batch_rows))
+                                      batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
         if endings:
             end_jobs(rt, endings)
         for live in done:
             release_prompt(rt.redis, live.prompt)
-        self.batches.acknowledge([mid for live in done for mid in live.message_ids])
+        for live in retracted:
+            requeue_generate(rt, live.job["id"], live.prompt)
+        self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])
+        interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
+        if interrupted:
+            rt.weight_sync.note_interrupted(interrupted)
 
     # --- metrics -------------------------------------------------------------------------------
 

@@ -148,6 +148,8 @@ class WorkerRuntime:
     def _load_model(self) -> None:
         try:
             _ = self.engine
+            # The fleet's current weights before any work (a worker that starts late or after a crash).
+            self.weight_sync.start()
         except BaseException as exc:  # reported by /healthz and re-raised to the first batch
             log.exception("model failed to load")
             self._model_error = exc
@@ -163,6 +165,16 @@ class WorkerRuntime:
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
         return Engine(loaded, scheduler_limits(s))
+
+    @cached_property
+    def weight_sync(self):
+        """This GPU worker's side of fleet-wide weight updates (workers/weight_sync.py)."""
+        from workers.weight_sync import WeightSync
+        from workers.weights_store import WeightStore
+
+        s = self.settings
+        return WeightSync(WeightStore(self.redis), self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,
+                          weights_root=s.weights_root)
 
     @property
     def model_ready(self) -> bool:

@@ -38,6 +38,13 @@ class Settings:
     dtype: str = "auto"
     weight_version: str | None = None
     api_keys: tuple[str, ...] = ()
+    # Keys that may update weights and pause generation (they are API keys too). None configured
+    # and no API keys either: the open demo, where anyone may (a warning says so at start).
+    admin_keys: tuple[str, ...] = ()
+    # Weight updates read model directories under this root only; None: weight updates are off.
+    weights_root: Path | None = None
+    # How long POST /v1/weights waits for every live GPU worker to serve the new weights.
+    weights_update_timeout: float = 300.0
     host: str = "127.0.0.1"
     port: int = 8000
     api_workers: int = 2
@@ -139,6 +146,7 @@ _RANGES = {
     "max_queued_per_key": (1, 10**9),
     "max_queued_total": (1, 10**9),
     "sync_timeout_max": (0, 3600),
+    "weights_update_timeout": (0, 3600),
     "task_soft_time_limit": (1, 10**6),
     "task_time_limit": (1, 10**6),
     "visibility_timeout": (1, 10**7),

@@ -31,7 +31,7 @@ def make_app(web_redis_url, demo_model_dir, tmp_path):
 
     def make(**overrides):
         redis.Redis.from_url(url).flushdb()
-        settings = Settings(state_dir=tmp_path, model=str(demo_model_dir), api_keys=(KEY_A, KEY_B), **overrides)
+        settings = Settings(state_dir=tmp_path, model=str(demo_model_dir), **{"api_keys": (KEY_A, KEY_B), **overrides})
         app = create_app(settings, url)
         app.config["TESTING"] = True
         return app

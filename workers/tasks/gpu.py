@@ -11,6 +11,13 @@ Time limit: Celery enforces none here (celery-batches hands the batch to the poo
 the threads pool cannot interrupt a thread anyway), so every job keeps its own deadline,
 ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joins: its rows stop then and it fails with
 ``job_time_limit_exceeded``, its batch mates go on.
+
+Weight updates (workers/weight_sync.py, driven by the session): a pending target stops new rows
+from joining; in mode ``finish`` the running rows end on the old weights, in ``abort`` they end
+now with ``finish_reason: "abort"`` and their tokens so far, in ``retract`` their jobs go back to
+the queue to run again from the prompt on the new weights. The batch then loads the target and
+goes on; a worker that may not serve (paused, or the target failed to load here) hands its
+messages back to the queue.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ def generate(self, requests) -> str | None:
             return None
         session = GenerateSession(rt, engine, self)
         try:
-            session.run(requests)
+            return session.run(requests)
         except REDIS_DOWN:
             log.warning("Redis unavailable during a GPU session of %d jobs; their messages go back to the queue",
                         len(session.live))

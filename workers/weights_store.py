@@ -1,0 +1,152 @@
+"""The fleet's weights in Redis: one target every GPU worker converges on, and what each one serves.
+
+Why a versioned target in Redis rather than a Celery broadcast (``app.control.broadcast``): a
+broadcast reaches only the workers connected at that moment, once. A GPU worker that starts later,
+or is restarting after a crash, or whose connection to Redis was down, never hears it and would
+serve the old weights for good. A target is state, not a message: every worker reads it when it
+starts (before it takes work), between batches and from a watcher thread, and converges whenever
+it looks, whatever it missed. It is one small hash per fleet, so it works the same for workers on
+many nodes against one Redis. Across a Redis restart it survives with Redis' own persistence (the
+embedded Redis keeps an append-only file); a worker that cannot reach Redis keeps serving what it
+has and looks again when Redis is back. Each worker reports its state under a key with a TTL, so a
+dead worker drops out of the report by itself.
+
+Keys:
+- ``rq:weights:target``: hash ``id`` (random, new per update), ``version``, ``model_path``,
+  ``mode`` (finish | abort | retract), ``set_at``. A worker compares ``id``, not ``version``: the
+  same version name set twice (a retry after a failure) is loaded again.
+- ``rq:weights:previous``: the target before the last one, to put back when every worker refused
+  the new one (a bad directory changes nothing).
+- ``rq:weights:pause``: JSON ``{"mode", "at"}`` while generation is paused.
+- ``rq:weights:worker:<name>``: JSON :class:`WorkerWeights`, TTL :data:`WORKER_TTL`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+TARGET_KEY = "rq:weights:target"
+PREVIOUS_KEY = "rq:weights:previous"
+PAUSE_KEY = "rq:weights:pause"
+WORKER_PREFIX = "rq:weights:worker:"
+WORKER_TTL = 6
+MODES = ("finish", "abort", "retract")
+PAUSE_MODES = ("finish", "abort", "retract", "in_place")
+
+# Worker states. serving: the worker takes work on ``version``. loading: it is swapping weights in.
+# failed: the target did not load; it keeps its old weights and takes no work until a new target.
+STATES = ("starting", "loading", "serving", "failed")
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    id: str
+    version: str
+    model_path: str
+    mode: str
+    set_at: float
+
+    @classmethod
+    def from_hash(cls, raw: dict) -> WeightTarget | None:
+        if not raw:
+            return None
+        values = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
+                  for k, v in raw.items()}
+        try:
+            return cls(values["id"], values["version"], values["model_path"], values["mode"], float(values["set_at"]))
+        except (KeyError, ValueError):
+            return None
+
+    def to_hash(self) -> dict[str, str]:
+        return {"id": self.id, "version": self.version, "model_path": self.model_path, "mode": self.mode,
+                "set_at": repr(self.set_at)}
+
+
+@dataclass(frozen=True)
+class WorkerWeights:
+    worker: str
+    node: str
+    state: str
+    version: str | None  # the weight version it serves (old weights while loading or after a failure)
+    target_id: str | None  # the target it last applied or tried
+    paused: bool = False
+    error: dict | None = None  # {code, message} of the last failed load
+    interrupted: int = 0  # rows stopped by the last update (abort / retract) or pause
+    at: float = field(default_factory=time.time)
+
+
+class WeightStore:
+    def __init__(self, client: redis.Redis):
+        self.redis = client
+
+    def target(self) -> WeightTarget | None:
+        return WeightTarget.from_hash(self.redis.hgetall(TARGET_KEY))
+
+    def set_target(self, *, version: str, model_path: str, mode: str) -> WeightTarget:
+        """Make this the fleet's target (keeping the one before as ``previous``)."""
+        new = WeightTarget(secrets.token_hex(8), version, model_path, mode, time.time())
+
+        def swap(pipe: redis.client.Pipeline) -> None:
+            current = pipe.hgetall(TARGET_KEY)
+            pipe.multi()
+            pipe.delete(PREVIOUS_KEY)
+            if current:
+                pipe.hset(PREVIOUS_KEY, mapping=current)
+            pipe.delete(TARGET_KEY)
+            pipe.hset(TARGET_KEY, mapping=new.to_hash())
+
+        self.redis.transaction(swap, TARGET_KEY)
+        return new
+
+    def restore_previous(self, replaced_id: str) -> bool:
+        """Put the previous target back, if ``replaced_id`` is still the target (nobody set a newer one)."""
+
+        def restore(pipe: redis.client.Pipeline) -> bool:
+            current = WeightTarget.from_hash(pipe.hgetall(TARGET_KEY))
+            if current is None or current.id != replaced_id:
+                return False
+            previous = pipe.hgetall(PREVIOUS_KEY)
+            pipe.multi()
+            pipe.delete(TARGET_KEY)
+            if previous:
+                pipe.hset(TARGET_KEY, mapping=previous)
+            pipe.delete(PREVIOUS_KEY)
+            return True
+
+        return bool(self.redis.transaction(restore, TARGET_KEY, value_from_callable=True))
+
+    def pause(self, mode: str) -> None:
+        self.redis.set(PAUSE_KEY, json.dumps({"mode": mode, "at": time.time()}))
+
+    def resume(self) -> None:
+        self.redis.delete(PAUSE_KEY)
+
+    def paused(self) -> str | None:
+        """The pause mode while generation is paused, else None."""
+        raw = self.redis.get(PAUSE_KEY)
+        return json.loads(raw)["mode"] if raw else None
+
+    def read(self) -> tuple[WeightTarget | None, str | None]:
+        """Target and pause mode in one round trip (what a worker's watcher reads)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(TARGET_KEY)
+        pipe.get(PAUSE_KEY)
+        raw_target, raw_pause = pipe.execute()
+        return WeightTarget.from_hash(raw_target), (json.loads(raw_pause)["mode"] if raw_pause else None)
+
+    def report(self, record: WorkerWeights) -> None:
+        self.redis.set(WORKER_PREFIX + record.worker, json.dumps(asdict(record)), ex=WORKER_TTL)
+
+    def workers(self) -> list[WorkerWeights]:
+        """Every live GPU worker's record (a dead one's expires within WORKER_TTL), by name."""
+        keys = sorted(self.redis.scan_iter(match=WORKER_PREFIX + "*", count=200))
+        records = []
+        for raw in self.redis.mget(keys) if keys else []:
+            if raw is not None:
+                records.append(WorkerWeights(**json.loads(raw)))
+        return records
