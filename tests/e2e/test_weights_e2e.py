@@ -167,6 +167,8 @@ def test_an_update_under_load(fleet, fresh_tokens, mode):
     assert all(job["status"] == "succeeded" for job in done), [(j["status"], j.get("error")) for j in done]
     assert [tokens_of(job) for job in later] == fresh_tokens["step-1"]
     assert {job["result"]["weight_version"] for job in later} == {f"{mode}-new"}
+    info = fleet.client.get("/get_model_info", headers=admin(fleet)).get_json()  # what SGLang's trainers read
+    assert info["weight_version"] == f"{mode}-new"
     # A job of the first group was either in a batch when the update came (what the mode decides)
     # or still waiting for one (then it ran on the new weights, like the later group).
     old, new = fresh_tokens["step-2"], fresh_tokens["step-1"]
