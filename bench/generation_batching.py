@@ -23,6 +23,7 @@ if __name__ == "__main__" and not __package__:
 
 import torch  # noqa: E402
 
+from bench.rows import print_rows  # noqa: E402
 from engine.generation import Engine, GenerationRequest  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.scoring import ScoreRequest  # noqa: E402
@@ -136,10 +137,7 @@ def run(model_dir: Path | None = None) -> list[dict]:
 
 
 def main() -> None:
-    rows = run()
-    width = max(len(row["name"]) for row in rows)
-    for row in rows:
-        print(f"{row['name']:<{width}}  {row['value']:>10}  {row['goal'] or ''}")
+    print_rows(run())
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import redis  # noqa: E402
 import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
+from bench.rows import print_rows  # noqa: E402
 from engine.demo_model import SERVED_ARCH, build_demo_model  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
 from processors.cache import MultimodalCache  # noqa: E402
@@ -123,11 +124,7 @@ def run() -> list[dict]:
 
 
 def main() -> None:
-    rows = run()
-    width = max(len(row["name"]) for row in rows)
-    print(f"{'figure':<{width}}  {'value':>10}  goal")
-    for row in rows:
-        print(f"{row['name']:<{width}}  {row['value']:>10}  {row['goal'] or ''}")
+    print_rows(run())
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from bench.rows import print_rows  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
 from processors.cache import MultimodalCache  # noqa: E402
@@ -118,11 +119,7 @@ def run(sizes: tuple[int, ...] = SIZES) -> list[dict]:
 
 
 def main() -> None:
-    rows = run()
-    width = max(len(row["name"]) for row in rows)
-    print(f"{'figure':<{width}}  {'value':>10}  goal")
-    for row in rows:
-        print(f"{row['name']:<{width}}  {row['value']:>10}  {row['goal'] or ''}")
+    print_rows(run())
 
 
 if __name__ == "__main__":

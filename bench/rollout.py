@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from bench.rows import print_rows
+
 PROMPTS, SAMPLES, BATCH = 8, 8, 16
 QUESTIONS = ("Describe the image in one sentence.", "What colour is the square in the picture?",
              "Count the objects in the picture and answer with a number.", "How many cats are on the sofa?")
@@ -206,8 +208,7 @@ def _row(name: str, value: float, goal: str | None = None) -> dict:
 
 
 def main() -> None:
-    for row in run():
-        print(f"{row['name']:<110}  {row['value']:>10}  {row['goal'] or ''}")
+    print_rows(run())
 
 
 if __name__ == "__main__":

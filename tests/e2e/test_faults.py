@@ -31,6 +31,7 @@ import pytest
 from PIL import Image
 
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, settings_from_env
+from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, wait_until, webhook_counts
 from web.app import create_app
 from workers.celery_app import create_celery
 from workers.names import SHARED_GENERATE_QUEUE
@@ -100,43 +101,11 @@ def reference(faults):
     return bodies, tokens
 
 
-def submit_all(stack, bodies) -> list[str]:
-    hook = {"url": stack.host.url(HOOK_PATH)}
-    return [stack.submit({**body, "webhook": hook})["id"] for body in bodies]
-
-
-def statuses(stack, ids) -> list[str]:
-    return [job["status"] for job in stack.services.jobs.get_many(ids)]
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def webhook_counts(host, ids) -> Counter:
-    wanted = set(ids)
-    counts = Counter()
-    for _method, _headers, body in list(host.requests[HOOK_PATH]):
-        job_id = json.loads(body)["data"]["id"]
-        if job_id in wanted:
-            counts[job_id] += 1
-    return counts
-
-
 def assert_ended_once_as_before(stack, ids, expected_tokens, timeout: float = 90.0) -> None:
     done = [stack.wait(job_id, timeout=timeout) for job_id in ids]
     assert [job["status"] for job in done] == ["succeeded"] * len(ids), [(j["status"], j.get("error")) for j in done]
     assert [job["result"]["choices"][0]["token_ids"] for job in done] == expected_tokens
-    wait_until(lambda: len(webhook_counts(stack.host, ids)) == len(ids), 30, "one webhook per job")
-    time.sleep(1.0)  # a duplicate would follow within the retry schedule's first steps
-    counts = webhook_counts(stack.host, ids)
-    assert counts == Counter(dict.fromkeys(ids, 1)), counts
+    assert_one_webhook_each(stack.host, ids, HOOK_PATH)
 
 
 def use_cpu_concurrency(stack, concurrency: int) -> None:
@@ -150,13 +119,13 @@ def use_cpu_concurrency(stack, concurrency: int) -> None:
 
 def test_gpu_worker_killed_mid_generation(faults, reference):
     bodies, tokens = reference
-    running = submit_all(faults, bodies["text"])
+    running = submit_all(faults, bodies["text"], HOOK_PATH)
     wait_until(lambda: "generating" in (now := statuses(faults, running)) and not {"queued", "preprocessing"} & set(now),
                30, "a batch decoding")
     # More jobs while the batch decodes: the worker's event loop reserves them (they leave the queue)
     # and they join the running batch between decode steps (or wait reserved for free rows). A
     # SIGKILL must lose none of them, joined or not: messages are acknowledged as their jobs end.
-    waiting = submit_all(faults, bodies["text"])
+    waiting = submit_all(faults, bodies["text"], HOOK_PATH)
     wait_until(lambda: faults.services.redis.llen(SHARED_GENERATE_QUEUE) == 0, 10, "the next batch reserved")
     faults.kill("gpu")  # kill -9: no warm shutdown, its reserved messages stay unacknowledged
     at_kill = statuses(faults, running + waiting)
@@ -167,7 +136,7 @@ def test_gpu_worker_killed_mid_generation(faults, reference):
 
 def test_cpu_worker_killed_mid_preprocessing(faults, reference):
     bodies, tokens = reference
-    ids = submit_all(faults, bodies["image"])
+    ids = submit_all(faults, bodies["image"], HOOK_PATH)
     # Each fetch takes MEDIA_DELAY_S: the kill lands inside a task, with more jobs still queued.
     wait_until(lambda: statuses(faults, ids).count("preprocessing") == 1 and "queued" in statuses(faults, ids),
                30, "a job in preprocessing")
@@ -182,10 +151,10 @@ def test_cpu_worker_killed_mid_preprocessing(faults, reference):
 
 def test_redis_restart_loses_no_job(faults, fault_redis, reference):
     bodies, tokens = reference
-    running = submit_all(faults, bodies["text"])
+    running = submit_all(faults, bodies["text"], HOOK_PATH)
     wait_until(lambda: "generating" in (now := statuses(faults, running)) and not {"queued", "preprocessing"} & set(now),
                30, "every text job handed to the GPU worker")
-    queued = submit_all(faults, bodies["image"][:4])  # slow fetches: one in a CPU task, three queued
+    queued = submit_all(faults, bodies["image"][:4], HOOK_PATH)  # slow fetches: one in a CPU task, three queued
     wait_until(lambda: "preprocessing" in statuses(faults, queued), 10, "an image job in preprocessing")
     fault_redis.stop()
     try:
@@ -221,7 +190,7 @@ def test_killed_prefork_child_is_redelivered_at_once(faults, reference):
     bodies, tokens = reference
     use_cpu_concurrency(faults, 2)
     main = psutil.Process(faults.workers["cpu"].pid)
-    ids = submit_all(faults, bodies["image"][:2])
+    ids = submit_all(faults, bodies["image"][:2], HOOK_PATH)
     wait_until(lambda: "preprocessing" in statuses(faults, ids), 30, "a job in preprocessing")
     pool_children = [child for child in main.children() if "resource_tracker" not in " ".join(child.cmdline())]
     assert pool_children
@@ -242,16 +211,16 @@ def test_time_limits_fail_the_job_with_its_code_and_free_the_worker(faults, refe
     # A full batch of rows to the context limit: far longer than the soft limit on any CPU.
     slow_gpu = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4000, "n": 16, "temperature": 0,
                                                                   "ignore_eos": True}}
-    ids = submit_all(faults, [slow_cpu, slow_gpu])
+    ids = submit_all(faults, [slow_cpu, slow_gpu], HOOK_PATH)
     started = time.monotonic()
     done = [faults.wait(job_id, timeout=HARD_LIMIT_S + 10) for job_id in ids]
     assert [job["status"] for job in done] == ["failed", "failed"], done
     assert [job["error"]["code"] for job in done] == ["job_time_limit_exceeded"] * 2, done
     assert time.monotonic() - started < HARD_LIMIT_S + 3
     # Both workers are free again: the next jobs succeed promptly.
-    next_ids = submit_all(faults, [bodies["text"][0], bodies["image"][0]])
+    next_ids = submit_all(faults, [bodies["text"][0], bodies["image"][0]], HOOK_PATH)
     assert_ended_once_as_before(faults, next_ids, [tokens["text"][0], tokens["image"][0]], timeout=15)
-    assert webhook_counts(faults.host, ids) == Counter(dict.fromkeys(ids, 1))
+    assert webhook_counts(faults.host, ids, HOOK_PATH) == Counter(dict.fromkeys(ids, 1))
 
 
 def test_batch_survives_a_cpu_worker_killed_midway(faults, reference):

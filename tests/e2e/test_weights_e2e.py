@@ -14,16 +14,15 @@ target, and a Redis restart in the middle of an update loses neither the target 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections import Counter
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from engine.demo_model import build_demo_model
 from tests.e2e.conftest import OTHER_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, wait_until
 from workers.redis_server import EmbeddedRedis, free_port
 
 ADMIN = "e2e-admin-key"
@@ -103,40 +102,10 @@ def update(stack, name: str, version: str, mode: str = "finish", expect: int = 2
     return response.get_json()
 
 
-def submit_all(stack, bodies) -> list[str]:
-    hook = {"url": stack.host.url(HOOK_PATH)}
-    return [stack.submit({**body, "webhook": hook})["id"] for body in bodies]
-
-
-def statuses(stack, ids) -> list[str]:
-    return [job["status"] for job in stack.services.jobs.get_many(ids)]
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def ended_once(stack, ids, timeout: float = 120.0) -> list[dict]:
     """The jobs once ended, asserting each ended exactly once (one webhook delivery each)."""
     done = [stack.wait(job_id, timeout=timeout) for job_id in ids]
-    wanted = set(ids)
-
-    def counts():
-        found = Counter()
-        for _method, _headers, body in list(stack.host.requests[HOOK_PATH]):
-            job_id = json.loads(body)["data"]["id"]
-            if job_id in wanted:
-                found[job_id] += 1
-        return found
-
-    wait_until(lambda: len(counts()) == len(ids), 30, "one webhook per job")
-    time.sleep(1.0)  # a duplicate would follow within the retry schedule's first steps
-    assert counts() == Counter(dict.fromkeys(ids, 1))
+    assert_one_webhook_each(stack.host, ids, HOOK_PATH)
     return done
 
 
@@ -154,11 +123,11 @@ def test_an_update_under_load(fleet, fresh_tokens, mode):
     start = update(fleet, "step-2", f"{mode}-old")  # a known start: both workers on step-2
     assert start["success"] and {w["version"] for w in start["workers"]} == {f"{mode}-old"}
     assert len(start["workers"]) == 2
-    in_flight = submit_all(fleet, LONG)
+    in_flight = submit_all(fleet, LONG, HOOK_PATH)
     wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
 
     report = update(fleet, "step-1", f"{mode}-new", mode)
-    after = submit_all(fleet, LONG)  # submitted once the call answered: new weights only
+    after = submit_all(fleet, LONG, HOOK_PATH)  # submitted once the call answered: new weights only
 
     assert report["success"] and serving(fleet) == {"wnode-a": ("serving", f"{mode}-new"),
                                                     "wnode-b": ("serving", f"{mode}-new")}
@@ -204,13 +173,13 @@ def test_a_bad_directory_changes_nothing(fleet, fresh_tokens):
     assert state["target"]["version"] == "good"
     wait_until(lambda: serving(fleet) == {"wnode-a": ("serving", "good"), "wnode-b": ("serving", "good")}, 10,
                "both workers serving the previous weights")
-    [job] = ended_once(fleet, submit_all(fleet, LONG[:1]))
+    [job] = ended_once(fleet, submit_all(fleet, LONG[:1], HOOK_PATH))
     assert tokens_of(job) == fresh_tokens["step-1"][0] and job["result"]["weight_version"] == "good"
 
 
 def test_a_gpu_worker_killed_during_an_update_comes_back_on_the_target(fleet, fresh_tokens):
     update(fleet, "step-2", "before-kill")
-    in_flight = submit_all(fleet, LONG)
+    in_flight = submit_all(fleet, LONG, HOOK_PATH)
     wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
     answer = {}
     call = threading.Thread(target=lambda: answer.update(update(fleet, "step-1", "after-kill", "finish")))
@@ -232,7 +201,7 @@ def test_a_gpu_worker_killed_during_an_update_comes_back_on_the_target(fleet, fr
 
 def test_a_redis_restart_in_the_middle_of_an_update(fleet, weights_redis, fresh_tokens):
     update(fleet, "step-1", "before-restart")
-    in_flight = submit_all(fleet, LONG)
+    in_flight = submit_all(fleet, LONG, HOOK_PATH)
     wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
     answer = {}
     call = threading.Thread(target=lambda: answer.update(update(fleet, "step-2", "after-restart", "retract")))
