@@ -66,8 +66,9 @@ def build_demo_model(directory: Path, *, arch: str = "qwen2_vl", seed: int = 0) 
     """Build (or reuse) a tiny random-weight ``arch`` model in ``directory`` and return it.
 
     ``arch`` is one of :data:`ARCHS`. ``seed`` draws the random weights: another seed gives the same
-    architecture, config and tokenizer with other weights (what an RL step's checkpoint looks like). The build is written to a temporary sibling directory and
-    moved into place, so a concurrent builder or a crash never leaves a half-written model behind.
+    architecture, config and tokenizer with other weights (what an RL step's checkpoint looks like).
+    The build is written to a temporary sibling directory and moved into place, so a concurrent
+    builder or a crash never leaves a half-written model behind.
     """
     if arch not in _SPECS:
         raise ValueError(f"unknown demo arch {arch!r}; choose one of {', '.join(ARCHS)}")
