@@ -30,6 +30,7 @@ that is the lowest layer: every other layer may import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 
@@ -37,6 +38,25 @@ class RolloutError(Exception):
     code: ClassVar[str] = "internal_error"
     http_status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
+    # code -> the first class that declares it: a stored error's type (and so its status) comes back
+    # from its code alone (see from_record).
+    _by_code: ClassVar[dict[str, type[RolloutError]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:
+            RolloutError._by_code.setdefault(cls.code, cls)
+
+    @staticmethod
+    def from_record(error: Mapping[str, Any]) -> RolloutError:
+        """The typed error a stored ``{code, message, errors}`` (a failed job's ``error``) stands
+        for: its class is found by its code, so ``http_status`` and ``retryable`` are the type's own.
+        Only the base fields come back (``message``, ``errors``); a code no class declares (a
+        newer worker's) is an :class:`InternalError`."""
+        kind = RolloutError._by_code.get(error.get("code"), InternalError)
+        restored = Exception.__new__(kind)
+        RolloutError.__init__(restored, str(error.get("message") or "job failed"), errors=error.get("errors"))
+        return restored
 
     def __init__(self, message: str, *, errors: Any = None, headers: dict[str, str] | None = None):
         super().__init__(message)

@@ -182,6 +182,7 @@ class SyncGenerateRequestSchema(JobRequestSchema):
 class ErrorInfoSchema(Schema):
     code = fields.String()
     message = fields.String()
+    errors = fields.Raw(metadata={"description": "Details, when the error has them (e.g. field and index)"})
 
 
 TopLogprobs = fields.List(fields.List(fields.Raw(), validate=validate.Length(equal=2)),

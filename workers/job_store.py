@@ -177,8 +177,8 @@ class JobStore:
         return keys, args
 
     def fail(self, job_id: str, error: RolloutError) -> bool:
-        return self.advance(job_id, "failed", error={"code": error.code, "message": error.message},
-                            error_http_status=error.http_status)
+        # The code alone says the type (and its HTTP status): RolloutError.from_record.
+        return self.advance(job_id, "failed", error=error.to_dict())
 
     def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
         """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""

@@ -87,7 +87,6 @@ def test_fail_stores_the_typed_error(store):
     ended = store.get(job["id"])
     assert ended["status"] == "failed"
     assert ended["error"] == {"code": "internal_error", "message": "internal error while generating"}
-    assert ended["error_http_status"] == "500"
 
 
 def test_the_prompt_lives_until_the_job_ends(store):

@@ -41,16 +41,9 @@ class StreamingNotServedError(InvalidRequestError):
     code = "streaming_not_supported"
 
 
-class JobFailedError(RolloutError):
-    """The job ended failed; carries the job's own error code and status."""
-
-
 def job_error(job: dict) -> RolloutError:
-    error = job.get("error") or {}
-    failed = JobFailedError(error.get("message", "job failed"))
-    failed.code = error.get("code", "internal_error")
-    failed.http_status = int(job.get("error_http_status") or 500)
-    return failed
+    """The typed error a failed job ended with (its type, and so its status, by its code)."""
+    return RolloutError.from_record(job.get("error") or {})
 
 
 def refuse_stream(stream: Any) -> None:
