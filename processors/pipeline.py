@@ -13,43 +13,28 @@ and the first part that fails stops the others.
 
 Placeholders: ``token_ids`` carry one collapsed placeholder per media item or its already expanded
 run; ``prompt`` text may use ``<image>``/``<video>``/``<audio>`` sentinels or the model's native
-forms. Items pair with placeholders in order, whatever their modality. When a textprompt's placeholders do not pair up with the media, the full HF processor over the raw prompt
-decides (the authoritative path); if that fails too, or for token prompts,
+forms. Items pair with placeholders per modality, in order (the second video part is the
+second video placeholder). When a text prompt's placeholders do not pair up with the media, the
+full HF processor over the raw prompt decides (the authoritative path); if that fails too, or for token prompts,
 :class:`~engine.errors.PlaceholderMismatchError` (422) states both counts.
 
-Precomputed ``features`` (instead of ``content_parts``), one entry per image, in prompt order::
-
-    {"modality": "image",
-     "tensors": {NAME: {"dtype": "float32" | "float16" | "bfloat16" | "int64" | "int32",
-                        "shape": [int, ...],
-                        "data": base64 of the raw little-endian bytes, C order}}}
-
-``NAME`` is exactly the model's feature names (:attr:`MultimodalProcessor.feature_names`, e.g.
-``pixel_values`` and ``image_grid_thw`` for Qwen-VL), shaped for one image as the model's image
-processor makes them. Anything else is an :class:`InvalidFeaturesError` (422) naming the field.
-:func:`encode_features` writes the format.
+Precomputed ``features`` (instead of ``content_parts``) are decoded and checked by
+:mod:`processors.features_codec`, which also documents their format.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import math
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.errors import (
     ContextLengthError,
     InvalidRequestError,
     MediaError,
-    PayloadTooLargeError,
     PlaceholderMismatchError,
     check_token_ids,
 )
@@ -57,16 +42,13 @@ from engine.items import MultimodalItem
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
 from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
-from processors.errors import InvalidFeaturesError, PlaceholderCountError, UnsupportedModalityError
+from processors.errors import PlaceholderCountError, UnsupportedModalityError
+from processors.features_codec import decode_features
 from processors.finalize import Wrapper, bundle_item, finalize
 from processors.placeholders import expand_tokens
 
 MIB = 1024 * 1024
 _PART_MODALITY = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32,
-}
 
 
 @dataclass(frozen=True)
@@ -170,7 +152,8 @@ class _Run:
         if has_features:
             media = [
                 _Media(part=i, modality="image", features=f)
-                for i, f in enumerate(decode_features(request["features"], self.processor, self.limits))
+                for i, f in enumerate(decode_features(request["features"], self.processor, max_items=self.limits.max_items,
+                                                       max_bytes=self.limits.max_feature_bytes))
             ]
         else:
             media = self._collect(request.get("content_parts") or [])
@@ -428,109 +411,4 @@ def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     return token_ids
 
 
-# --- precomputed features ------------------------------------------------------------------------
-
-
-def encode_features(features: Mapping[str, torch.Tensor], modality: str = "image") -> dict[str, Any]:
-    """One image's features in the request format (see the module docstring)."""
-    names = {dtype: name for name, dtype in DTYPES.items()}
-    return {
-        "modality": modality,
-        "tensors": {
-            name: {
-                "dtype": names[tensor.dtype],
-                "shape": list(tensor.shape),
-                "data": base64.b64encode(_le_bytes(tensor)).decode("ascii"),
-            }
-            for name, tensor in features.items()
-        },
-    }
-
-
-def decode_features(
-    entries: Any, processor: MultimodalProcessor, limits: PreprocessLimits
-) -> list[Features]:
-    """Decode and validate precomputed ``features`` strictly; one feature dict per image."""
-    if not isinstance(entries, list) or not entries:
-        raise InvalidFeaturesError("features must be a non-empty list", errors={"path": "features"})
-    if len(entries) > limits.max_items:
-        raise InvalidRequestError(f"{len(entries)} feature entries, more than the limit of {limits.max_items}")
-    budget = limits.max_feature_bytes
-    decoded = []
-    for i, entry in enumerate(entries):
-        path = f"features[{i}]"
-        _require(isinstance(entry, dict) and set(entry) == {"modality", "tensors"}, path,
-                 "must be an object with exactly the keys modality and tensors")
-        if entry["modality"] != "image":
-            raise UnsupportedModalityError(
-                f"{path}.modality: precomputed features are taken for images only; send videos and "
-                "audio as content_parts", errors={"path": f"{path}.modality"},
-            )
-        if entry["modality"] not in processor.modalities:
-            raise UnsupportedModalityError(
-                f"{path}.modality: this model takes {', '.join(sorted(processor.modalities))}",
-                errors={"path": f"{path}.modality"},
-            )
-        tensors = entry["tensors"]
-        _require(isinstance(tensors, dict) and set(tensors) == set(processor.feature_names), f"{path}.tensors",
-                 f"must hold exactly {', '.join(sorted(processor.feature_names))}")
-        features = {}
-        for name in sorted(tensors):
-            features[name] = _decode_tensor(tensors[name], f"{path}.tensors.{name}", budget)
-            budget -= features[name].nbytes
-        try:
-            processor.validate_features(features)
-        except InvalidFeaturesError as exc:
-            raise InvalidFeaturesError(f"{path}: {exc.message}", errors={"path": path}) from None
-        decoded.append(features)
-    return decoded
-
-
-def _decode_tensor(spec: Any, path: str, budget: int) -> torch.Tensor:
-    _require(isinstance(spec, dict) and set(spec) == {"dtype", "shape", "data"}, path,
-             "must be an object with exactly the keys dtype, shape and data")
-    dtype = DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
-    _require(dtype is not None, f"{path}.dtype", f"must be one of {', '.join(DTYPES)}")
-    shape = spec["shape"]
-    _require(isinstance(shape, list) and 1 <= len(shape) <= 8
-             and all(type(d) is int and 0 <= d for d in shape), f"{path}.shape",
-             "must be a list of 1 to 8 non-negative integers")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > budget:
-        raise PayloadTooLargeError(f"{path}: the precomputed features exceed the size limit")
-    _require(isinstance(spec["data"], str), f"{path}.data", "must be a base64 string")
-    try:
-        raw = base64.b64decode(spec["data"], validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidFeaturesError(f"{path}.data: not valid base64", errors={"path": f"{path}.data"}) from None
-    _require(len(raw) == nbytes, f"{path}.data", f"holds {len(raw)} bytes, the dtype and shape need {nbytes}")
-    tensor = _from_le_bytes(raw, dtype).reshape(shape)
-    if tensor.is_floating_point():
-        _require(bool(torch.isfinite(tensor).all()), path, "holds NaN or infinite values")
-    return tensor
-
-
-def _require(ok: bool, path: str, what: str) -> None:
-    if not ok:
-        raise InvalidFeaturesError(f"{path}: {what}", errors={"path": path})
-
-
-def _le_bytes(tensor: torch.Tensor) -> bytes:
-    raw = tensor.detach().cpu().contiguous().reshape(-1)
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        raise NotImplementedError("feature encoding assumes a little-endian host")
-    return raw.view(torch.uint8).numpy().tobytes()
-
-
-def _from_le_bytes(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
-    if sys.byteorder != "little":  # pragma: no cover
-        raise NotImplementedError("feature decoding assumes a little-endian host")
-    if not raw:
-        return torch.empty(0, dtype=dtype)
-    # bytearray: a writable private copy, so the tensor owns its memory.
-    return torch.frombuffer(bytearray(raw), dtype=dtype)
-
-
-__all__ = [
-    "DTYPES", "PreprocessLimits", "ProcessedPrompt", "decode_features", "encode_features", "preprocess",
-]
+__all__ = ["PreprocessLimits", "ProcessedPrompt", "preprocess"]

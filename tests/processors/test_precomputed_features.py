@@ -12,7 +12,8 @@ from engine.demo_model import IMAGE_ARCHS
 from engine.errors import PayloadTooLargeError, PlaceholderMismatchError
 from processors.decode import decode_image
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
-from processors.pipeline import PreprocessLimits, encode_features, preprocess
+from processors.features_codec import encode_features
+from processors.pipeline import PreprocessLimits, preprocess
 
 
 def per_image_features(processor, fetcher, urls):
