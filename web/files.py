@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from flask import Response, request
+from flask import Response, request, stream_with_context
 from flask.views import MethodView
 from marshmallow import Schema, fields, validate
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -165,7 +165,8 @@ class FileContent(MethodView):
         """The file's content, streamed."""
         record = file_store(services()).get(file_id, owner=current_owner())
         headers = {"Content-Disposition": f'attachment; filename="{record["filename"]}"'}
-        return Response(_content(record), mimetype="application/jsonl", headers=headers)
+        # Rendering results needs the app (the tokenizer) while the response streams.
+        return Response(stream_with_context(_content(record)), mimetype="application/jsonl", headers=headers)
 
 
 def public_file(record: dict[str, Any]) -> dict[str, Any]:
