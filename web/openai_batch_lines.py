@@ -66,6 +66,11 @@ class OpenAILineSchema(Schema):
     body = fields.Dict(required=True)
 
 
+# Built once: a marshmallow schema costs more to build than to load one line.
+_LINE, _JOB = OpenAILineSchema(), JobRequestSchema()
+_BODIES = {CHAT_URL: openai.ChatCompletionRequestSchema(), COMPLETIONS_URL: openai.CompletionRequestSchema()}
+
+
 def is_openai_line(obj: Any) -> bool:
     return isinstance(obj, dict) and "url" in obj
 
@@ -82,7 +87,7 @@ def read_line(obj: dict, endpoint: str | None) -> tuple[str, dict[str, Any], dic
     line. Raises ``LineShapeError`` for a line that is no request, marshmallow's
     ``ValidationError`` or a ``RolloutError`` for a body its route would refuse."""
     try:
-        line = OpenAILineSchema().load(obj)
+        line = _LINE.load(obj)
     except ValidationError as exc:
         raise LineShapeError("the line must be {custom_id, method: POST, url, body}", errors=exc.messages) from None
     url, body = line["url"], line["body"]
@@ -92,12 +97,11 @@ def read_line(obj: dict, endpoint: str | None) -> tuple[str, dict[str, Any], dic
     check_endpoint(url, endpoint)
     try:
         if url == JOBS_URL:
-            return line["custom_id"], JobRequestSchema().load(body), None
+            return line["custom_id"], _JOB.load(body), None
+        loaded = _BODIES[url].load(body)
         if url == CHAT_URL:
-            loaded = openai.ChatCompletionRequestSchema().load(body)
             request = openai.chat_request(loaded)
         else:
-            loaded = openai.CompletionRequestSchema().load(body)
             prompts, _ = openai.prompts_of(loaded["prompt"])
             if len(prompts) != 1:
                 # One line, one job, one result: a list of prompts is one line per prompt.
