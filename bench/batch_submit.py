@@ -7,12 +7,20 @@ valid lines in Redis and queue one Celery message per chunk. Then, separately, t
 task's body takes to create every job and queue its preprocessing (what the ``batches`` worker
 does afterwards, in the background), run here in-process.
 
-Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200]`` from the repository root.
+``--format openai`` sends the same rows in the OpenAI Batch format the way the official client
+does: upload to ``/v1/files``, then ``POST /v1/batches`` naming the file; "accept" is both calls.
+``chat`` lines (``/v1/chat/completions``, a message of about ``tokens`` words, mapped through the
+chat template and tokenizer like the synchronous route) or ``jobs`` lines (``/v1/jobs``: the rows
+above as our own requests, a quarter scoring lines).
+
+Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200] [--format native openai]``
+from the repository root.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -23,6 +31,7 @@ from pathlib import Path
 if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+import requests  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
 
 from client import RolloutClient  # noqa: E402
@@ -41,7 +50,7 @@ KEY = "bench-key"
 def make_file(lines: int, tokens: int) -> bytes:
     rows = []
     for n in range(lines):
-        body = {"token_ids": [(n + i) % 1000 + 1 for i in range(tokens)],
+        body = {"token_ids": [(n + i) % 600 + 1 for i in range(tokens)],  # within the demo vocabulary (640)
                 "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": n}}
         kind = "generate"
         if n % 4 == 3:  # a quarter are scoring lines
@@ -50,7 +59,34 @@ def make_file(lines: int, tokens: int) -> bytes:
     return ("\n".join(rows) + "\n").encode()
 
 
-def run(lines: int, token_counts: list[int], create_jobs: bool) -> list[tuple]:
+def make_openai_file(lines: int, tokens: int, url: str, model: str) -> bytes:
+    rows = []
+    for n in range(lines):
+        if url == "/v1/chat/completions":
+            text = " ".join(f"w{(n + i) % 97}" for i in range(tokens))
+            body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 16,
+                    "temperature": 1.0, "seed": n}
+        else:
+            token_ids = [(n + i) % 600 + 1 for i in range(tokens)]  # the rows of the native file
+            body = {"kind": "generate", "token_ids": token_ids,
+                    "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": n}}
+            if n % 4 == 3:
+                body = {"kind": "score", "token_ids": token_ids, "completion_token_ids": [5, 6, 7, 8]}
+        rows.append(json.dumps({"custom_id": f"row-{n}", "method": "POST", "url": url, "body": body}))
+    return ("\n".join(rows) + "\n").encode()
+
+
+def submit_openai(http, data: bytes, url: str) -> dict:
+    """What ``openai.files.create`` then ``openai.batches.create`` send."""
+    uploaded = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+    assert uploaded.status_code == 200, uploaded.text
+    made = http.post("/v1/batches", json={"input_file_id": uploaded.json()["id"], "endpoint": url,
+                                          "completion_window": "24h"})
+    assert made.status_code == 202, made.text
+    return made.json()
+
+
+def run(lines: int, token_counts: list[int], create_jobs: bool, formats: tuple[str, ...] = ("native",)) -> list[tuple]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp)
@@ -65,12 +101,26 @@ def run(lines: int, token_counts: list[int], create_jobs: bool) -> list[tuple]:
             threading.Thread(target=server.serve_forever, daemon=True).start()
             client = RolloutClient(f"http://127.0.0.1:{server.server_port}", api_key=KEY, timeout=120)
             client.batch_submit(make_file(10, 8))  # warm-up: first-request costs are not the figure
-            for tokens in token_counts:
-                data = make_file(lines, tokens)
-                started = time.perf_counter()
-                batch = client.batch_submit(data)
+            http = requests.Session()
+            http.headers["Authorization"] = f"Bearer {KEY}"
+            base = f"http://127.0.0.1:{server.server_port}"
+            model = requests.get(f"{base}/v1/models", headers=http.headers).json()["data"][0]["id"]
+            cases = [("native", None)] * ("native" in formats) + [
+                ("openai", url) for url in ("/v1/chat/completions", "/v1/jobs") if "openai" in formats]
+            for (kind, url), tokens in itertools.product(cases, token_counts):
+                if kind == "native":
+                    data = make_file(lines, tokens)
+                    started = time.perf_counter()
+                    batch = client.batch_submit(data)
+                    invalid = batch["errors"]["invalid_lines"]
+                else:
+                    data = make_openai_file(lines, tokens, url, model)
+                    submit_openai(_Based(http, base), make_openai_file(10, 8, url, model), url)  # warm-up
+                    started = time.perf_counter()
+                    batch = submit_openai(_Based(http, base), data, url)
+                    invalid = len((batch["errors"] or {}).get("data") or [])
                 accepted = time.perf_counter() - started
-                assert batch["request_counts"]["total"] == lines and batch["errors"]["invalid_lines"] == 0
+                assert batch["request_counts"]["total"] == lines and invalid == 0, batch
                 created = None
                 if create_jobs:
                     svc = app.extensions["rollout"]
@@ -79,11 +129,22 @@ def run(lines: int, token_counts: list[int], create_jobs: bool) -> list[tuple]:
                     made = sum(submit_chunk(svc, batch["id"], index) for index in range(chunks))
                     created = time.perf_counter() - started
                     assert made == lines
-                rows.append((lines, tokens, len(data) / 2**20, accepted, created))
+                rows.append((kind if url is None else f"openai {url}", lines, tokens, len(data) / 2**20,
+                             accepted, created))
             server.shutdown()
         finally:
             redis_server.stop()
     return rows
+
+
+class _Based:
+    """A session with the service's base URL (the bench's stand-in for the openai client)."""
+
+    def __init__(self, session: requests.Session, base: str):
+        self.session, self.base = session, base
+
+    def post(self, path: str, **kwargs) -> requests.Response:
+        return self.session.post(self.base + path, timeout=120, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,16 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lines", type=int, default=10_000)
     parser.add_argument("--tokens", type=int, nargs="+", default=[50, 200], help="prompt token ids per line")
     parser.add_argument("--no-jobs", action="store_true", help="skip timing the job creation")
+    parser.add_argument("--format", nargs="+", choices=["native", "openai"], default=["native", "openai"])
     args = parser.parse_args(argv)
-    rows = run(args.lines, args.tokens, not args.no_jobs)
-    print(f"{'lines':>7} {'tokens/line':>11} {'MiB':>6} {'accept s':>9} {'lines/s':>8} {'goal':>6} "
+    rows = run(args.lines, args.tokens, not args.no_jobs, tuple(args.format))
+    print(f"{'file':<28} {'lines':>7} {'tokens/line':>11} {'MiB':>6} {'accept s':>9} {'lines/s':>8} {'goal':>6} "
           f"{'jobs created s':>15} {'jobs/s':>7}")
     ok = True
-    for lines, tokens, mib, accepted, created in rows:
+    for kind, lines, tokens, mib, accepted, created in rows:
         met = accepted < GOAL_SECONDS
         ok &= met
         jobs = f"{created:15.2f} {lines / created:7.0f}" if created else f"{'-':>15} {'-':>7}"
-        print(f"{lines:>7} {tokens:>11} {mib:6.1f} {accepted:9.2f} {lines / accepted:8.0f} "
+        print(f"{kind:<28} {lines:>7} {tokens:>11} {mib:6.1f} {accepted:9.2f} {lines / accepted:8.0f} "
               f"{'met' if met else 'MISSED':>6} {jobs}")
     return 0 if ok else 1
 

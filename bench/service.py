@@ -13,7 +13,9 @@ process, with one torch thread like the workers. Everything shares the machine's
 - added latency: jobs one at a time (max_tokens 1-4): submit, wait, GET the result, minus the
   engine's time for the same single request; p50 (goal <= 15 ms), with where the time goes;
 - bulk scoring: a JSONL batch of score rows through ``POST /v1/batches`` until ``completed``,
-  vs ``bench.generation_batching.score_in_process`` on the same rows (goal >= 0.8).
+  vs ``bench.generation_batching.score_in_process`` on the same rows (goal >= 0.8); then the same
+  rows in the OpenAI Batch format (``/v1/jobs`` lines uploaded to ``/v1/files``, a JSON create
+  naming the file, the results downloaded from its ``output_file_id``), as the openai client runs it.
 
 Waiting for a job means the job store's wake-up list (``JobStore.wait``, as ``POST /generate``
 waits) and then ``GET /v1/jobs/{id}``, not a polling loop. Rows marked ``·`` explain the figure
@@ -27,6 +29,7 @@ Run: ``python -m bench.service [--score-rows 2000]`` from the repository root.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -226,30 +229,47 @@ def _stages(job: dict, wall_started: float, *, submit_s: float, wall_s: float, e
     }
 
 
-def bulk_scoring(service: Service, engine: Engine, rows: int) -> dict:
+def bulk_scoring(service: Service, engine: Engine, rows: int, *, openai_format: bool = False) -> dict:
     completion = prompt(10_000, NEW_TOKENS)
-    lines = [json.dumps({"custom_id": f"row-{i}", "kind": "score",
-                         "body": {"token_ids": prompt(i), "completion_token_ids": completion}}) for i in range(rows)]
+    bodies = [{"token_ids": prompt(i), "completion_token_ids": completion} for i in range(rows)]
+    if openai_format:
+        lines = [json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/jobs",
+                             "body": {"kind": "score", **body}}) for i, body in enumerate(bodies)]
+    else:
+        lines = [json.dumps({"custom_id": f"row-{i}", "kind": "score", "body": body}) for i, body in enumerate(bodies)]
+    data = ("\n".join(lines) + "\n").encode()
     requests = [ScoreRequest(prompt(i), completion) for i in range(rows)]
     in_process = score_in_process(engine, requests, batch_size=BATCH)["seconds"]
 
     cpu = CpuMeter(service)
     cpu.start()
     started = time.perf_counter()
-    response = service.client.post("/v1/batches", data=("\n".join(lines) + "\n").encode(),
-                                   headers={**HEADERS, "Content-Type": "application/jsonl"})
+    if openai_format:  # what openai.files.create and openai.batches.create send
+        uploaded = service.client.post("/v1/files", data={"file": (io.BytesIO(data), "rows.jsonl"), "purpose": "batch"},
+                                       content_type="multipart/form-data", headers=HEADERS)
+        assert uploaded.status_code == 200, uploaded.get_json()
+        response = service.client.post("/v1/batches", headers=HEADERS, json={
+            "input_file_id": uploaded.get_json()["id"], "endpoint": "/v1/jobs", "completion_window": "24h"})
+    else:
+        response = service.client.post("/v1/batches", data=data, headers={**HEADERS, "Content-Type": "application/jsonl"})
     assert response.status_code == 202, response.get_json()
     accepted = time.perf_counter() - started
-    batch_url = response.get_json()["links"]["self"]
+    batch_url = f"/v1/batches/{response.get_json()['id']}"
     while (batch := service.client.get(batch_url, headers=HEADERS).get_json())["status"] not in (
             "completed", "failed", "cancelled", "expired"):
         time.sleep(0.1)
     elapsed = time.perf_counter() - started
     cpu.stop()
+    if openai_format:
+        output = service.client.get(f"/v1/files/{batch['output_file_id']}/content", headers=HEADERS)
+    else:
+        output = service.client.get(f"{batch_url}/output", headers=HEADERS)
+    output = output.get_data(as_text=True).splitlines()
+    download = time.perf_counter() - started - elapsed
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == rows, batch
-    output = service.client.get(f"{batch_url}/output", headers=HEADERS).get_data(as_text=True).splitlines()
     sizes = [json.loads(line)["response"]["body"]["timings"]["batch_size"] for line in output]
-    return {"in_process_s": in_process, "service_s": elapsed, "accept_s": accepted,
+    assert len(sizes) == rows
+    return {"in_process_s": in_process, "service_s": elapsed, "accept_s": accepted, "download_s": download,
             "mean_batch": statistics.mean(sizes), "cpu_ms_per_job": cpu.per_item_ms(rows)}
 
 
@@ -315,6 +335,7 @@ def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int
             flow = throughput(service, engine, jobs, rounds)
             latency = added_latency(service, engine, latency_jobs)
             scoring = bulk_scoring(service, engine, score_rows)
+            openai_scoring = bulk_scoring(service, engine, score_rows, openai_format=True)
         finally:
             service.close()
     rows = [
@@ -337,6 +358,12 @@ def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int
         _row("· service: mean GPU batch size while scoring", scoring["mean_batch"]),
         _row("· in-process scoring loop: CPU ms per row", scoring["in_process_s"] / score_rows * 1e3),
         *(_row(f"· service: CPU ms per row, {name}", ms) for name, ms in scoring["cpu_ms_per_job"].items()),
+        _row(f"bulk scoring, OpenAI Batch format (/v1/files + JSON create + output file) / in-process loop "
+             f"({score_rows} rows)", openai_scoring["in_process_s"] / openai_scoring["service_s"], ">= 0.8"),
+        _row(f"· service: upload, create, until completed, {score_rows} rows (s)",
+             openai_scoring["service_s"]),
+        _row("· service: of which /v1/files + POST /v1/batches accepting the file (s)", openai_scoring["accept_s"]),
+        _row("· then downloading the output file, rendered as OpenAI lines (s)", openai_scoring["download_s"]),
         _row(f"submit throughput, POST /v1/jobs per s (test client, no workers; {submits} jobs)", rate),
     ]
     return rows

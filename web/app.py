@@ -7,7 +7,7 @@ import logging
 from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
-from web import batches, deliveries, generate, health, jobs, metrics, render, weights
+from web import batches, deliveries, files, generate, health, jobs, metrics, render, weights
 from web.body_limit import BoundedRequest
 from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, batches.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp,
+    for blueprint in (jobs.blp, batches.blp, files.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp,
                       sglang_views.blp, openai_views.blp, vllm_views.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
@@ -53,8 +53,8 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
     @app.before_request
     def authenticate():
         # Batch uploads have their own, larger cap (checked by that view).
-        cap = (settings.batch_max_bytes + batches.MULTIPART_OVERHEAD if request.endpoint == "batches.Batches"
-               else settings.max_body_bytes)
+        cap = (settings.batch_max_bytes + batches.MULTIPART_OVERHEAD
+               if request.endpoint in ("batches.Batches", "files.Files") else settings.max_body_bytes)
         if request.content_length is not None and request.content_length > cap:
             raise PayloadTooLargeError(f"request body exceeds {cap} bytes")
         if request.endpoint not in PUBLIC_ENDPOINTS:

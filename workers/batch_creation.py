@@ -38,9 +38,10 @@ class ParsedBatch:
 
 
 def create_batch(rt, owner: str, parsed: ParsedBatch, *, completion_window: int,
-                 metadata: dict | None, webhook: dict | None) -> dict[str, Any]:
+                 metadata: dict | None, webhook: dict | None, source: dict[str, str] | None = None) -> dict[str, Any]:
     """Store the batch and its lines, then queue its chunks; the public batch object. ``rt``: the
-    API's services or a worker runtime (``redis``, ``settings``, ``celery``)."""
+    API's services or a worker runtime (``redis``, ``settings``, ``celery``). ``source``: how the
+    batch was made, kept in its record (OpenAI's batches: ``api``, ``endpoint``, ``input_file_id``)."""
     store = batch_store(rt)
     cap = rt.settings.batch_max_stored_bytes_per_key
     size = sum(len(line) for line in parsed.valid)  # ASCII JSON: characters are bytes
@@ -49,7 +50,7 @@ def create_batch(rt, owner: str, parsed: ParsedBatch, *, completion_window: int,
     batch = store.create(owner=owner, total=parsed.total, chunk_size=rt.settings.batch_chunk_size,
                          completion_window=completion_window, metadata=metadata, webhook=webhook,
                          validation_errors=parsed.invalid[:REPORTED_LINE_ERRORS],
-                         invalid_lines=len(parsed.invalid))
+                         invalid_lines=len(parsed.invalid), source=source)
     batch_id = batch["id"]
     held = store.reserve_input(batch, size, cap=cap)
     if held is not None:

@@ -12,11 +12,14 @@ Whoever counts the last line calls :func:`finish`, which moves the batch to its 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from engine.errors import NotFoundError
 from workers.batch_store import BatchStore, public_batch
+from workers.file_store import file_store
+from workers.job_store import new_id
 from workers.webhook_events import emit_batch_event
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ def job_entry(job: dict[str, Any], cancelled_as: tuple[str, str] = JOB_CANCELLED
     """(line, succeeded, the line's output or error entry) for an ended job."""
     line = int(job["line"])
     entry: dict[str, Any] = {"custom_id": job.get("custom_id"), "line": line, "job_id": job["id"]}
+    if job.get("reply"):
+        entry["reply"] = json.loads(job["reply"])
     if job["status"] == "succeeded":
         entry["response"] = {"status_code": 200, "body": job.get("result")}
         return line, True, entry
@@ -76,6 +81,9 @@ def job_entry(job: dict[str, Any], cancelled_as: tuple[str, str] = JOB_CANCELLED
     else:
         error = job.get("error") or {}
         entry["error"] = {"code": error.get("code", "internal_error"), "message": error.get("message", "job failed")}
+        # The status the request would have been answered with: OpenAI's results tell a request
+        # that got an error response from one that never ran.
+        entry["status_code"] = int(job.get("error_http_status") or 500)
     return line, False, entry
 
 
@@ -97,18 +105,40 @@ def finish(rt, batch_id: str) -> None:
             if status != "finalizing" and not store.move(batch_id, "finalizing", from_=(status,)):
                 continue
             store.release(batch_id)
+            publish_results(rt, batch_id)
             final = "failed" if batch.get("broken") else "completed"
             if store.move(batch_id, final, from_=("finalizing",)):
                 emit(rt, batch_id, f"batch.{final}")
             return
         if status == "cancelling":
+            publish_results(rt, batch_id)  # all lines are counted: the results are final
             if not store.move(batch_id, "cancelled", from_=("cancelling",)):
                 continue
             store.release(batch_id)
             emit(rt, batch_id, "batch.cancelled")
             return
         store.release(batch_id)  # already ended (expired): only the clean-up is left
+        publish_results(rt, batch_id)
         return
+
+
+# Batch fields naming its results files (OpenAI's names).
+RESULTS_FILES = (("output", "output_file_id"), ("errors", "error_file_id"))
+
+
+def publish_results(rt, batch_id: str) -> None:
+    """Make the ended batch's results files for ``/v1/files`` (once; only for results it has).
+
+    They hold no copy of the results: the API renders them from the batch's lists on download.
+    """
+    store = batch_store(rt)
+    batch = store.get(batch_id)
+    for which, field in RESULTS_FILES:
+        if batch.get(field) or not store.results_count(batch_id, which):
+            continue
+        file_id = new_id("file")
+        if store.claim(batch_id, field, file_id):
+            file_store(rt).add_results(batch, which, file_id=file_id, expires_at=batch["keys_expire_at"])
 
 
 def emit(rt, batch_id: str, event: str) -> None:

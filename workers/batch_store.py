@@ -5,7 +5,7 @@ A batch is a JSONL file of job requests run offline. Every key of batch ``<id>``
 
     rq:batch:<id>           hash: the record (fields below), counters ``total`` / ``completed`` /
                             ``failed``, ``chunk_size`` and ``chunks``
-    rq:batch:<id>:lines     list: the valid input lines as JSON ``{line, custom_id, request}``, in
+    rq:batch:<id>:lines     list: the valid input lines as JSON ``{line, custom_id, request, reply?}`` in
                             file order; chunk ``i`` is the slice ``[i * chunk_size, (i + 1) * chunk_size)``.
                             Deleted when the batch ends.
     rq:batch:<id>:jobs      hash: line number -> job id, for the lines that have a job. A redelivered
@@ -16,12 +16,16 @@ A batch is a JSONL file of job requests run offline. Every key of batch ``<id>``
     rq:batch:<id>:errors    list: one JSON line per failed request (invalid lines included)
     rq:batches:<owner>      sorted set: the owner's batch ids by creation time (listing)
     rq:batch-input:<owner>  hash: batch id -> bytes of its stored input lines, counted against
-                            ``batch_max_stored_bytes_per_key``; a batch whose lines are gone
-                            (released or expired) is dropped from it at the next reservation
+                            ``batch_max_stored_bytes_per_key`` with the owner's uploaded files
+                            (``workers.stored_input``)
 
 Results stay in lists of one entry per line, so no Redis value grows with the batch and downloads
 read them in pages. While a batch runs its keys live until ``expires_at + result_ttl``
 (``keys_expire_at``); when it ends they are given ``result_ttl`` from then.
+
+A batch made from an uploaded file (OpenAI's way) also records ``api``, ``endpoint`` and
+``input_file_id``; every batch gets ``output_file_id`` / ``error_file_id`` when it ends with
+results (``workers.batch_progress.publish_results``).
 
 Statuses: ``validating`` → ``in_progress`` → ``finalizing`` → ``completed``; or ``failed`` (the
 service lost some of its lines); ``cancelling`` → ``cancelled``; ``expired``. Moves are a Lua
@@ -41,6 +45,7 @@ from engine.errors import NotFoundError
 from workers import finite_json
 from workers.job_store import new_id
 from workers.redis_records import decode_record, encode_field, iter_list, page_newest_first, plausible_id
+from workers.stored_input import StoredInput
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
             "cancelled", "expired")
@@ -90,27 +95,6 @@ end
 return 0
 """
 
-# KEYS: the owner's input hash. ARGV: batch id, its input bytes, the owner's cap, seconds the
-# hash must live at least (the new batch's keys). Returns -1 when the bytes fit (and counts them),
-# else the bytes the owner's other batches hold. It reads each listed batch's keys by name (not
-# declared in KEYS): fine on one Redis, as this service runs it, not on Redis Cluster.
-_RESERVE_INPUT = """
-local held = 0
-local entries = redis.call('HGETALL', KEYS[1])
-for i = 1, #entries, 2 do
-  local batch = 'rq:batch:' .. entries[i]
-  if redis.call('EXISTS', batch .. ':lines') == 1 or redis.call('HGET', batch, 'status') == 'validating' then
-    held = held + tonumber(entries[i + 1])
-  else
-    redis.call('HDEL', KEYS[1], entries[i])
-  end
-end
-if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return held end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if redis.call('TTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('EXPIRE', KEYS[1], ARGV[4]) end
-return -1
-"""
-
 # The job id recorded for a line scored directly by ``rollout.batches.score_lines``: it has no job.
 DIRECT_LINE = "direct"
 
@@ -143,24 +127,22 @@ def owner_index_key(owner: str) -> str:
     return f"rq:batches:{owner}"
 
 
-def owner_input_key(owner: str) -> str:
-    return f"rq:batch-input:{owner}"
-
-
 class BatchStore:
     def __init__(self, client: redis.Redis, *, result_ttl: int):
         self.redis = client
         self.result_ttl = result_ttl
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
-        self._reserve_input = client.register_script(_RESERVE_INPUT)
+        self._input = StoredInput(client)
 
     # --- Creating -------------------------------------------------------------------------------
 
     def create(self, *, owner: str, total: int, chunk_size: int, completion_window: int,
                metadata: dict | None = None, webhook: dict | None = None,
-               validation_errors: list[dict] | None = None, invalid_lines: int = 0) -> dict[str, Any]:
-        """A new batch in ``validating``, expecting ``total`` lines (invalid ones included)."""
+               validation_errors: list[dict] | None = None, invalid_lines: int = 0,
+               source: dict[str, str] | None = None) -> dict[str, Any]:
+        """A new batch in ``validating``, expecting ``total`` lines (invalid ones included);
+        ``source``: text fields saying how it was made, kept as they are."""
         now = time.time()
         batch_id = new_id("batch")
         expires_at = now + completion_window
@@ -170,6 +152,7 @@ class BatchStore:
             "keys_expire_at": int(expires_at + self.result_ttl), "total": total, "completed": 0,
             "failed": 0, "chunk_size": chunk_size, "chunks": 0, "invalid_lines": invalid_lines,
             "metadata": metadata, "webhook": webhook, "validation_errors": validation_errors or [],
+            **(source or {}),
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(batch_key(batch_id), mapping={name: _encode(name, value) for name, value in fields.items()})
@@ -182,16 +165,15 @@ class BatchStore:
         """Count ``size`` bytes of input lines of ``batch`` (still ``validating``) against its
         owner's ``cap``. None when they fit; else nothing is counted and the answer is the bytes
         the owner's other unfinished batches hold."""
-        ttl = max(1, int(batch["keys_expire_at"] - time.time()))
-        held = self._reserve_input(keys=[owner_input_key(batch["owner"])], args=[batch["id"], size, cap, ttl])
-        return None if held == -1 else int(held)
+        ttl = int(batch["keys_expire_at"] - time.time())
+        return self._input.reserve(batch["owner"], batch["id"], size, cap=cap, ttl=ttl)
 
     def discard(self, batch: dict[str, Any]) -> None:
         """Forget a batch that was refused before any of its lines was stored."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(batch_key(batch["id"]))
         pipe.zrem(owner_index_key(batch["owner"]), batch["id"])
-        pipe.hdel(owner_input_key(batch["owner"]), batch["id"])
+        self._input.forget(batch["owner"], batch["id"], pipe)
         pipe.execute()
 
     def add_lines(self, batch_id: str, lines: Iterable[str]) -> int:
@@ -298,6 +280,13 @@ class BatchStore:
         if moved and fields:
             self.redis.hset(batch_key(batch_id), mapping={k: _encode(k, v) for k, v in fields.items()})
         return moved
+
+    def claim(self, batch_id: str, field: str, value: str) -> bool:
+        """Set ``field`` unless it is set already; True for the one caller that set it."""
+        return bool(self.redis.hsetnx(batch_key(batch_id), field, value))
+
+    def results_count(self, batch_id: str, which: str) -> int:
+        return self.redis.llen(output_key(batch_id) if which == "output" else errors_key(batch_id))
 
     def mark_broken(self, batch_id: str) -> None:
         """Some lines could not be run by the service: the batch will end ``failed``."""

@@ -20,6 +20,7 @@ from workers.batch_progress import (
     finish,
     job_entry,
     line_error,
+    publish_results,
     record_lines,
 )
 from workers.batch_store import DIRECT_LINE
@@ -57,6 +58,7 @@ def expire(rt, batch_id: str) -> float | None:
         return None
     _sweep(rt, batch, EXPIRED, wait_for_running=False)
     store.release(batch_id)
+    publish_results(rt, batch_id)
     emit(rt, batch_id, "batch.expired")
     return None
 

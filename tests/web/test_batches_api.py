@@ -156,8 +156,11 @@ def test_size_caps_are_413(make_batch_app):
 
 
 def test_wrong_content_type_is_415_and_a_missing_file_is_422(client):
-    response = client.post("/v1/batches", json=[line("a")], headers=auth())
+    response = client.post("/v1/batches", data="a,b\n", content_type="text/csv", headers=auth())
     assert response.status_code == 415 and response.get_json()["code"] == "unsupported_media_type"
+    # JSON is OpenAI's way in: an object naming an uploaded file, not the lines themselves.
+    response = client.post("/v1/batches", json=[line("a")], headers=auth())
+    assert response.status_code == 422 and response.get_json()["code"] == "invalid_request"
     response = client.post("/v1/batches", data={"metadata": "{}"}, content_type="multipart/form-data", headers=auth())
     assert response.status_code == 422 and "file" in response.get_json()["errors"]
 

@@ -19,6 +19,7 @@ line run twice; the batch counts whichever run ends first.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import redis
@@ -129,6 +130,8 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
             if line["line"] in skip:
                 continue
             extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
+            if line.get("reply"):  # how the API renders this line's result (OpenAI-format lines)
+                extra["reply"] = json.dumps(line["reply"], separators=(",", ":"))
             job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=line["request"], extra=extra,
                              model=rt.model_facts)
             store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
