@@ -11,7 +11,6 @@ from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.services import services
 from workers.batch_progress import batch_store
-from workers.webhooks import store_for_redis
 
 blp = Blueprint("deliveries", __name__, url_prefix="/v1", description="Webhook deliveries")
 
@@ -53,7 +52,7 @@ class JobDeliveries(MethodView):
         """The job's webhook events and their delivery attempts."""
         svc = services()
         svc.jobs.get(job_id, owner=current_owner())
-        return {"data": store_for_redis(svc.redis, svc.settings).deliveries("job", job_id)}
+        return {"data": svc.webhooks.deliveries("job", job_id)}
 
 
 @blp.route("/batches/<string:batch_id>/deliveries")
@@ -66,4 +65,4 @@ class BatchDeliveries(MethodView):
         """The batch's webhook events and their delivery attempts."""
         svc = services()
         batch_store(svc).get(batch_id, owner=current_owner())
-        return {"data": store_for_redis(svc.redis, svc.settings).deliveries("batch", batch_id)}
+        return {"data": svc.webhooks.deliveries("batch", batch_id)}

@@ -50,6 +50,13 @@ class Services:
         return load_processor(self.model_path, model_id=model_id(self.settings))
 
     @cached_property
+    def webhooks(self):
+        """Webhook deliveries, as the API shows them."""
+        from workers.webhooks import WebhookStore
+
+        return WebhookStore(self.redis, self.settings.result_ttl)
+
+    @cached_property
     def mm_cache(self):
         return multimodal_cache(self.settings, self.redis)
 

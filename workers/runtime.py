@@ -86,6 +86,30 @@ class WorkerRuntime:
         return GuardedFetcher(fetch_policy(self.settings))
 
     @cached_property
+    def webhooks(self):
+        """Webhook events and their attempts in Redis."""
+        from workers.webhooks import WebhookStore
+
+        return WebhookStore(self.redis, self.settings.result_ttl)
+
+    @cached_property
+    def webhook_fetcher(self) -> GuardedFetcher:
+        """The fetcher webhook attempts go through: its policy differs from ``fetcher``'s."""
+        from workers.webhooks import webhook_policy
+
+        return GuardedFetcher(webhook_policy(self.settings))
+
+    @cached_property
+    def webhook_signer(self):
+        from workers.webhooks import Signer
+
+        signer = Signer(self.settings.webhook_secrets)
+        if not signer.signs:
+            log.warning("no ROLLOUT_WEBHOOK_SECRETS set: webhooks are sent without a webhook-signature "
+                        "header, and receivers cannot tell them from forgeries")
+        return signer
+
+    @cached_property
     def model_path(self) -> str:
         return resolve_model_path(self.settings)
 

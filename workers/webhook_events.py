@@ -14,7 +14,7 @@ from workers.batch_store import BatchStore
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.names import DELIVER_TASK, WEBHOOKS_QUEUE
-from workers.webhooks import BATCH_EVENTS, PENDING, store_for, target_url, wanted
+from workers.webhooks import BATCH_EVENTS, PENDING, target_url, wanted
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict |
     url = target_url(webhook, owner, rt.settings)
     if not url:
         return None
-    store = store_for(rt)
+    store = rt.webhooks
     event_id, made = store.create(object_kind=object_kind, object_id=object_id, owner=owner,
                                   event_type=event_type, url=url, data=data)
     if made:

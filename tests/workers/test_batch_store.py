@@ -22,7 +22,6 @@ from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.runtime import WorkerRuntime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk
-from workers.webhooks import store_for
 
 OWNER = "key_owner"
 RESULT = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [5], "finish_reason": "length"}]}
@@ -217,9 +216,9 @@ def test_the_end_of_a_batch_makes_one_webhook_event(rt):
     for job in submit_all(rt, batch["id"]):
         end_job(rt, job["id"], "succeeded", result=RESULT)
     record_job_lines(rt, [rt.jobs.get(job["id"])])
-    events = store_for(rt).deliveries("batch", batch["id"])
+    events = rt.webhooks.deliveries("batch", batch["id"])
     assert [(event["type"], event["url"]) for event in events] == [("batch.completed", "https://hooks.example.com/rq")]
-    payload = json.loads(store_for(rt).get(events[0]["id"])["payload"])
+    payload = json.loads(rt.webhooks.get(events[0]["id"])["payload"])
     assert payload["data"]["id"] == batch["id"]
     assert payload["data"]["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 

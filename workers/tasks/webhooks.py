@@ -32,12 +32,8 @@ from workers.webhooks import (
     FINAL_STATES,
     RETRYING,
     SUCCEEDED,
-    event_key,
     retry_delay,
     send_attempt,
-    store_for,
-    webhook_fetcher,
-    webhook_signer,
 )
 
 log = logging.getLogger(__name__)
@@ -65,10 +61,9 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     def queue_next(next_attempt: int, countdown: float) -> None:
         queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
 
-    owner = rt.redis.hget(event_key(event_id), "owner")
+    owner = rt.webhooks.owner(event_id)
     if owner is None:
         return None  # no such event (expired)
-    owner = owner.decode()
     # Fairness: one key's hanging receivers may hold only its share of the delivery threads; an
     # attempt over the share is parked until one of the key's attempts ends (workers/fair_share.py).
     share, member = rt.share("webhooks"), f"{event_id}:{attempt}"
@@ -89,7 +84,7 @@ def run_attempt(rt, event_id: str, attempt: int, *, token: str,
     ``token`` identifies the message (the Celery task id, which a redelivery keeps); ``queue_next``
     queues attempt n after a countdown in seconds.
     """
-    store = store_for(rt)
+    store = rt.webhooks
     event = store.get(event_id)
     if event is None or event["state"] in FINAL_STATES:
         return None if event is None else event["state"]
@@ -111,7 +106,7 @@ def run_attempt(rt, event_id: str, attempt: int, *, token: str,
         return event["state"]  # another message owns this attempt
 
     at = time.time()
-    outcome, latency = send_attempt(webhook_fetcher(rt), webhook_signer(rt), event)
+    outcome, latency = send_attempt(rt.webhook_fetcher, rt.webhook_signer, event)
     schedule = tuple(rt.settings.webhook_retry_schedule)
     delay = retry_delay(attempt, schedule, outcome.retry_after) if outcome.state == RETRYING else None
     state = store.record(event_id, attempt, outcome, latency, at=at, next_delay=delay)
