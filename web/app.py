@@ -8,6 +8,7 @@ from flask import Flask, g, request
 
 from engine.errors import PayloadTooLargeError
 from web import batches, deliveries, files, generate, health, jobs, metrics, render, weights
+from web.batch_upload import MULTIPART_OVERHEAD
 from web.body_limit import BoundedRequest
 from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
     @app.before_request
     def authenticate():
         # Batch uploads have their own, larger cap (checked by that view).
-        cap = (settings.batch_max_bytes + batches.MULTIPART_OVERHEAD
+        cap = (settings.batch_max_bytes + MULTIPART_OVERHEAD
                if request.endpoint in ("batches.Batches", "files.Files") else settings.max_body_bytes)
         if request.content_length is not None and request.content_length > cap:
             raise PayloadTooLargeError(f"request body exceeds {cap} bytes")

@@ -23,6 +23,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from engine.errors import InvalidRequestError, NotFoundError
 from web.auth import current_owner
+from web.batch_upload import MULTIPART_OVERHEAD
 from web.blueprint import Blueprint
 from web.dialects.errors import install, openai_shape
 from web.openai_batch_lines import render_results
@@ -34,8 +35,6 @@ from workers.file_store import PURPOSES, file_store
 blp = Blueprint("files", __name__, url_prefix="/v1/files", description="Files for batches (OpenAI's Files API)")
 install(blp, openai_shape)
 
-# Room for the multipart boundaries and the purpose field around the file.
-MULTIPART_OVERHEAD = 64 * 1024
 _UPLOAD_DOC = {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"], "properties": {
         "file": {"type": "string", "format": "binary", "description": "The JSONL file"},

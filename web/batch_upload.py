@@ -1,0 +1,212 @@
+"""Reading a batch upload: the request body (multipart, JSONL, or a file named by id), its
+parameters and completion window, and each line checked into valid lines and line errors."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from typing import Any
+
+from flask import request
+from marshmallow import ValidationError
+from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
+
+from engine.errors import InvalidRequestError, RolloutError
+from web.auth import current_owner
+from web.batch_schemas import BatchLineSchema, BatchParamsSchema, FileBatchSchema
+from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
+from web.openai_batch_lines import (
+    JOBS_URL,
+    LineShapeError,
+    check_endpoint,
+    is_openai_line,
+    read_line,
+)
+from web.services import services
+from web.submit import check_limits
+from workers.batch_creation import BatchTooLargeError, ParsedBatch
+from workers.file_store import file_store
+
+JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
+# Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
+MAX_COMPLETION_WINDOW = 7 * 24 * 3600
+MIN_COMPLETION_WINDOW = 60
+# Line errors shown in a 422 (the batch object shows workers.batch_creation.REPORTED_LINE_ERRORS).
+REFUSED_LINE_ERRORS = 5
+# Room for the multipart boundaries and the form fields around the file.
+MULTIPART_OVERHEAD = 64 * 1024
+# At most 9 digits: past that the window is out of range anyway, and int() of thousands of digits raises.
+_WINDOW = re.compile(r"^\s*(\d{1,9})\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class InvalidBatchError(InvalidRequestError):
+    """The file has no valid line (or none at all); ``errors`` lists the first line errors."""
+
+    code = "invalid_batch"
+
+
+# --- Schemas --------------------------------------------------------------------------------------
+
+def validate_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) -> ParsedBatch:
+    """Check every line (within a request context: limits come from the app's settings). Lines
+    may be ours or OpenAI's; with an ``endpoint`` (OpenAI's batches) each line's url must be it,
+    ours counting as ``/v1/jobs``."""
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    raw_lines = data.split(b"\n")
+    counted = sum(1 for raw in raw_lines if raw.strip())
+    if counted > max_lines:
+        raise BatchTooLargeError(f"the file has {counted} lines; at most {max_lines} are accepted")
+    schema = BatchLineSchema()
+    parsed = ParsedBatch(total=counted)
+    seen: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = parse_json(raw)
+        except InvalidJsonError:
+            parsed.invalid.append(_line_error(number, None, "invalid_json", "the line is not valid JSON"))
+            continue
+        except UnsupportedJsonValueError as exc:
+            parsed.invalid.append(_line_error(number, None, exc.code, exc.message))
+            continue
+        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+        custom_id = custom_id if isinstance(custom_id, str) else None
+        reply = None
+        try:
+            if is_openai_line(obj):
+                custom_id, body, reply = read_line(obj, endpoint)
+            else:
+                check_endpoint(JOBS_URL, endpoint)
+                line = schema.load(obj)
+                custom_id, body = line["custom_id"], line["body"]
+            body = check_limits(body)
+        except LineShapeError as exc:  # never a request: no status (web.openai_batch_lines)
+            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors))
+            continue
+        except ValidationError as exc:
+            parsed.invalid.append(_line_error(number, custom_id, "invalid_request", _describe(exc.messages),
+                                              errors=exc.messages, status_code=422))
+            continue
+        except RolloutError as exc:
+            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors,
+                                              status_code=exc.http_status))
+            continue
+        # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
+        if custom_id in seen:
+            parsed.invalid.append(_line_error(number, custom_id, "duplicate_custom_id",
+                                              "custom_id is used by an earlier valid line"))
+            continue
+        seen.add(custom_id)
+        stored = {"line": number, "custom_id": custom_id, "request": body}
+        if reply is not None:
+            stored["reply"] = reply
+        parsed.valid.append(json.dumps(stored, separators=(",", ":")))
+    return parsed
+
+
+def read_upload(limit: int) -> tuple[bytes, dict[str, str]]:
+    """The file's bytes and the parameters (query string, plus form fields for multipart)."""
+    params = request.args.to_dict()
+    mimetype = request.mimetype
+    try:
+        if mimetype == "multipart/form-data":
+            request.max_content_length = limit + MULTIPART_OVERHEAD
+            upload = request.files.get("file")
+            if upload is None:
+                raise InvalidRequestError("multipart upload without a 'file' field",
+                                          errors={"file": ["Missing data for required field."]})
+            params.update(request.form.to_dict())
+            data = upload.stream.read(limit + 1)
+        elif mimetype in JSONL_TYPES:
+            request.max_content_length = limit
+            data = request.get_data(cache=False)
+        else:
+            raise UnsupportedMediaType(
+                f"send the file as multipart/form-data (field 'file') or as {', '.join(JSONL_TYPES)}")
+    except RequestEntityTooLarge:
+        raise BatchTooLargeError(f"the file is larger than {limit} bytes") from None
+    if len(data) > limit:
+        raise BatchTooLargeError(f"the file is larger than {limit} bytes")
+    return data, params
+
+
+def read_file_batch(settings) -> tuple[bytes, dict[str, Any], str]:
+    """OpenAI's create body: the named file's bytes, the batch options, the endpoint."""
+    try:
+        body = FileBatchSchema().load(request.get_json(silent=False))
+    except ValidationError as exc:
+        raise InvalidRequestError(_describe(exc.messages), errors=exc.messages) from None
+    files = file_store(services())
+    record = files.get(body["input_file_id"], owner=current_owner())
+    if record["purpose"] != "batch":
+        raise InvalidRequestError(f"file {record['id']} has purpose {record['purpose']!r}; a batch reads files "
+                                  "uploaded with purpose 'batch'", errors={"input_file_id": ["not a batch file"]})
+    options = _check_options(settings, body.get("completion_window"), body.get("metadata"))
+    options.update(webhook=body.get("webhook"), input_file_id=record["id"])
+    return files.read(record["id"]), options, body["endpoint"]
+
+
+def load_params(params: dict[str, str], settings) -> dict[str, Any]:
+    try:
+        loaded = BatchParamsSchema().load(params)
+    except ValidationError as exc:
+        raise InvalidRequestError(_describe(exc.messages), errors=exc.messages) from None
+    options = _check_options(settings, loaded.get("completion_window"), loaded.get("metadata"))
+    options["webhook"] = loaded.get("webhook")
+    return options
+
+
+def _check_options(settings, window_text: str | None, metadata: dict | None) -> dict[str, Any]:
+    window = settings.batch_completion_window if window_text is None else _parse_window(window_text)
+    if metadata is not None and len(json.dumps(metadata)) > settings.max_metadata_bytes:
+        raise InvalidRequestError(f"metadata must be at most {settings.max_metadata_bytes} bytes as JSON",
+                                  errors={"metadata": ["too large"]})
+    return {"completion_window": window, "metadata": metadata}
+
+
+def _parse_window(text: str) -> int:
+    match = _WINDOW.match(text)
+    seconds = int(match.group(1)) * _UNITS[match.group(2)] if match else -1
+    if not MIN_COMPLETION_WINDOW <= seconds <= MAX_COMPLETION_WINDOW:
+        raise InvalidRequestError(
+            f"completion_window must be between {MIN_COMPLETION_WINDOW} s and {MAX_COMPLETION_WINDOW // 3600} h "
+            "(seconds, or a number with s, m, h or d)", errors={"completion_window": ["invalid"]})
+    return seconds
+
+
+def _line_error(number: int, custom_id: str | None, code: str, message: str, errors: Any = None,
+                status_code: int | None = None) -> dict[str, Any]:
+    """An invalid line's error entry; ``status_code``: what its route would have answered, for a
+    line that is a request (OpenAI's results write it as a response, the others as an error)."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if errors is not None:
+        error["errors"] = errors
+    entry: dict[str, Any] = {"custom_id": custom_id, "line": number, "error": error}
+    if status_code is not None:
+        entry["status_code"] = status_code
+    return entry
+
+
+def _describe(messages: Any) -> str:
+    """'body.token_ids: Missing data for required field.' for the first few invalid fields."""
+    flat: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}.{key}" if path else str(key))
+        elif isinstance(node, list) and node and all(isinstance(item, str) for item in node):
+            flat.append(f"{path or 'line'}: {node[0]}")
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, path)
+        else:
+            flat.append(f"{path or 'line'}: {node}")
+
+    walk(messages, "")
+    shown = "; ".join(flat[:3])
+    return shown + (f" (and {len(flat) - 3} more)" if len(flat) > 3 else "")
