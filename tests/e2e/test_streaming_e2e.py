@@ -1,0 +1,90 @@
+"""Streaming over real HTTP against the whole stack: the native events of a job and each
+dialect's ``stream: true``, compared with the non-streamed result of the same request."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.e2e.conftest import API_KEY, OTHER_KEY
+from tests.e2e.dialect_server import serve
+from tests.e2e.sse import messages
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    with serve(stack, stream_keepalive_seconds=0.2) as (url, _):
+        yield url
+
+
+def follow(server, job_id, headers=HEADERS, **kwargs):
+    with requests.get(f"{server}/v1/jobs/{job_id}/events", headers=headers, stream=True, timeout=60,
+                      **kwargs) as response:
+        assert response.status_code == 200, response.text
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        return list(messages(response))
+
+
+def test_job_events_carry_every_token_once_then_the_result(stack, server):
+    job = requests.post(f"{server}/v1/jobs", headers=HEADERS, timeout=30, json={
+        "token_ids": [100, 140, 150], "sampling_params": {**GREEDY, "logprobs": True}}).json()
+    events = follow(server, job["id"])
+    kinds = [m.event for m in events]
+    assert kinds[0] == "status" and kinds[-1] == "result", kinds
+    assert [m.json()["status"] for m in events if m.event == "status"] == [
+        "queued", "generating", "succeeded"]
+    tokens = [m.json() for m in events if m.event == "tokens"]
+    streamed = [t for entry in tokens for c in entry["choices"] for t in c["token_ids"]]
+    logprobs = [lp for entry in tokens for c in entry["choices"] for lp in c["logprobs"]]
+    text = "".join(c.get("text", "") for entry in tokens for c in entry["choices"])
+    result = events[-1].json()["result"]
+    [choice] = result["choices"]
+    assert streamed == choice["token_ids"] and len(streamed) == 24
+    assert logprobs == pytest.approx(choice["logprobs"])
+    assert text == choice["text"]
+    assert all(m.id for m in events[:-1])
+
+
+def test_last_event_id_resumes_after_that_event(stack, server):
+    job = stack.submit({"token_ids": [101, 140, 150], "sampling_params": GREEDY})
+    stack.wait(job["id"])
+    everything = follow(server, job["id"])
+    middle = everything[3]
+    resumed = follow(server, job["id"], headers={**HEADERS, "Last-Event-ID": middle.id})
+    assert [(m.event, m.data) for m in resumed] == [(m.event, m.data) for m in everything[4:]]
+    by_query = follow(server, job["id"], params={"last_event_id": middle.id})
+    assert [m.data for m in by_query] == [m.data for m in resumed]
+
+
+def test_another_keys_job_is_a_404_and_a_bad_event_id_a_422(stack, server):
+    job = stack.submit({"token_ids": [102], "sampling_params": {"max_tokens": 2}})
+    other = requests.get(f"{server}/v1/jobs/{job['id']}/events", headers={"Authorization": f"Bearer {OTHER_KEY}"},
+                         timeout=10)
+    assert other.status_code == 404 and other.json()["code"] == "not_found"
+    bad = requests.get(f"{server}/v1/jobs/{job['id']}/events", headers={**HEADERS, "Last-Event-ID": "x"}, timeout=10)
+    assert bad.status_code == 422
+
+
+def test_sglang_stream_chunks_are_cumulative_and_end_as_the_plain_reply(stack, server):
+    body = {"input_ids": [103, 140, 150], "sampling_params": {"max_new_tokens": 16, "temperature": 0,
+                                                             "ignore_eos": True}, "return_logprob": True}
+    plain = requests.post(f"{server}/generate", headers=HEADERS, json=body, timeout=60).json()
+    with requests.post(f"{server}/generate", headers=HEADERS, json={**body, "stream": True}, stream=True,
+                       timeout=60) as response:
+        assert response.status_code == 200
+        chunks = [m.data for m in messages(response)]
+    assert chunks[-1] == "[DONE]"
+    import json
+
+    parsed = [json.loads(c) for c in chunks[:-1]]
+    ids = [p["output_ids"] for p in parsed]
+    assert all(a == b[:len(a)] for a, b in zip(ids, ids[1:], strict=False)), "cumulative"
+    assert len(parsed) > 2
+    last = parsed[-1]
+    assert last["output_ids"] == plain["output_ids"] and last["text"] == plain["text"]
+    assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+    assert [e[1] for e in last["meta_info"]["output_token_logprobs"]] == plain["output_ids"]
+    assert parsed[0]["meta_info"]["finish_reason"] is None
