@@ -88,3 +88,84 @@ def test_sglang_stream_chunks_are_cumulative_and_end_as_the_plain_reply(stack, s
     assert last["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
     assert [e[1] for e in last["meta_info"]["output_token_logprobs"]] == plain["output_ids"]
     assert parsed[0]["meta_info"]["finish_reason"] is None
+
+
+def test_vllm_generate_streams_token_id_deltas(stack, server):
+    body = {"token_ids": [104, 140, 150], "sampling_params": {"max_tokens": 12, "temperature": 0,
+                                                             "ignore_eos": True, "logprobs": 0}}
+    plain = requests.post(f"{server}/inference/v1/generate", headers=HEADERS, json=body, timeout=60).json()
+    with requests.post(f"{server}/inference/v1/generate", headers=HEADERS, json={**body, "stream": True},
+                       stream=True, timeout=60) as response:
+        chunks = [m.data for m in messages(response)]
+    assert chunks[-1] == "[DONE]"
+    import json
+
+    parsed = [json.loads(c) for c in chunks[:-1]]
+    deltas = [t for p in parsed for t in p["choices"][0]["token_ids"]]
+    assert deltas == plain["choices"][0]["token_ids"]
+    assert [p["choices"][0]["finish_reason"] for p in parsed][-1] == plain["choices"][0]["finish_reason"]
+    assert all(p["choices"][0]["finish_reason"] is None for p in parsed[:-1])
+    assert parsed[-1]["usage"] == plain["usage"]
+    streamed_lps = [e["logprob"] for p in parsed for e in (p["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert streamed_lps == pytest.approx([e["logprob"] for e in plain["choices"][0]["logprobs"]["content"]])
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def test_openai_completions_stream_with_the_official_client(openai_client):
+    model = openai_client.models.list().data[0].id
+    args = {"model": model, "prompt": "a cat sat", "max_tokens": 16, "temperature": 0, "seed": 7,
+            "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    plain = openai_client.completions.create(**args)
+    chunks = list(openai_client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    ids = [t for c in chunks[:-1] for t in c.choices[0].model_extra["token_ids"]]
+    assert text == plain.choices[0].text
+    assert ids == plain.choices[0].model_extra["token_ids"]
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+
+
+def test_openai_chat_stream_with_the_official_client(openai_client):
+    model = openai_client.models.list().data[0].id
+    args = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12,
+            "temperature": 0.8, "seed": 11, "logprobs": True, "extra_body": {"ignore_eos": True}}
+    plain = openai_client.chat.completions.create(**args)
+    chunks = list(openai_client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert content == plain.choices[0].message.content
+    streamed = [e.logprob for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in plain.choices[0].logprobs.content])
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_a_client_that_leaves_a_dialect_stream_cancels_its_job(stack, server):
+    body = {"input_ids": [105, 140, 150], "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}
+    response = requests.post(f"{server}/generate", headers=HEADERS, json=body, stream=True, timeout=60)
+    lines = response.iter_lines()
+    first = next(line for line in lines if line.startswith(b"data:"))
+    import json
+
+    job_id = json.loads(first[5:])["meta_info"]["job_id"]
+    response.close()  # the client goes away mid-stream
+    job = stack.wait(job_id, timeout=30)
+    assert job["status"] == "cancelled"
+    assert len(job["result"]["choices"][0]["token_ids"]) < 1500
+
+
+def test_leaving_the_events_stream_cancels_nothing(stack, server):
+    job = stack.submit({"token_ids": [106, 140], "sampling_params": {"max_tokens": 300, "temperature": 0,
+                                                                     "ignore_eos": True}})
+    response = requests.get(f"{server}/v1/jobs/{job['id']}/events", headers=HEADERS, stream=True, timeout=60)
+    next(m for m in messages(response) if m.event == "tokens")
+    response.close()
+    assert stack.wait(job["id"], timeout=60)["status"] == "succeeded"

@@ -37,10 +37,6 @@ class SyncTimeoutError(RolloutError):
     retryable = True
 
 
-class StreamingNotServedError(InvalidRequestError):
-    code = "streaming_not_supported"
-
-
 class JobFailedError(RolloutError):
     """The job ended failed; carries the job's own error code and status."""
 
@@ -51,12 +47,6 @@ def job_error(job: dict) -> RolloutError:
     failed.code = error.get("code", "internal_error")
     failed.http_status = int(job.get("error_http_status") or 500)
     return failed
-
-
-def refuse_stream(stream: Any) -> None:
-    if stream:
-        raise StreamingNotServedError("stream: true is not served yet; send stream: false (or leave it out)",
-                                      errors={"stream": ["streaming is not served yet"]})
 
 
 def native_request(body: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
