@@ -14,7 +14,7 @@ from workers.celery_app import create_celery
 from workers.job_events import JobEvents
 from workers.job_store import JobStore, Limits
 from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
-from workers.redis_client import connect
+from workers.redis_client import connect, with_pool_size
 from workers.runtime import multimodal_cache
 from workers.settings import Settings
 
@@ -59,7 +59,9 @@ class Services:
 
     @cached_property
     def events(self) -> JobEvents:
-        return JobEvents(self.redis, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
+        # Every stream blocks in a read on its own connection: a pool sized for the stream slots.
+        client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
+        return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
 
     @cached_property
     def mm_cache(self):
