@@ -169,3 +169,23 @@ def test_leaving_the_events_stream_cancels_nothing(stack, server):
     next(m for m in messages(response) if m.event == "tokens")
     response.close()
     assert stack.wait(job["id"], timeout=60)["status"] == "succeeded"
+
+
+def test_the_python_client_streams_a_job_and_the_cli_follows_one(stack, server, capsys):
+    from client import RolloutClient
+    from client.follow_cli import follow_command
+
+    with RolloutClient(server, API_KEY) as client:
+        stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": GREEDY})
+        kinds = [event["event"] for event in stream]
+    assert kinds[0] == "status" and kinds[-1] == "result" and "tokens" in kinds
+    [choice] = stream.result["result"]["choices"]
+    assert stream.token_ids[0] == choice["token_ids"] and stream.text[0] == choice["text"]
+
+    import argparse
+
+    args = argparse.Namespace(url=server, api_key=API_KEY, job_id=stream.job_id, tokens=True, last_event_id=None)
+    assert follow_command(args) == 0
+    printed = capsys.readouterr()
+    assert [int(t) for t in printed.out.split()] == choice["token_ids"]
+    assert "[succeeded: finish_reason length]" in printed.err
