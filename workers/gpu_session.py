@@ -71,6 +71,10 @@ class GenerateSession:
         self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
         self._by_job: dict[str, _Live] = {}
+        # Tokens not yet written, by (job id, attempt) then choice (see _publish).
+        self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        self._flush_every = rt.settings.stream_flush_ms / 1000
+        self._next_flush = 0.0
         self._next_poll = 0.0
         self._next_report = time.monotonic() + STATS_REPORT_SECONDS
         self._reported = self._counters()
@@ -96,6 +100,10 @@ class GenerateSession:
                         if not pending:
                             return None
         finally:
+            try:
+                self._flush_tokens()
+            except redis.RedisError:
+                log.warning("Redis unavailable: the last tokens of this session were not streamed")
             self._report(every=0)
 
     def _decode_until_idle_or_update(self, sync) -> None:
@@ -170,13 +178,16 @@ class GenerateSession:
         self._step_tokens.extend(rows)
 
     def _publish(self, finished) -> None:
-        """This step's tokens, one entry per job, in one round trip. A choice's text is sent as
-        it commits; its last delta comes from the result (cut at a stop string), when its job ends."""
+        """This step's tokens, one entry per job, all jobs in one round trip. A choice's text is
+        sent as it commits; its last delta comes from the result (cut at a stop string) when its
+        job ends. Steps faster than ``ROLLOUT_STREAM_FLUSH_MS`` are coalesced (one entry carries
+        several tokens per choice): a first token, and every step in which a job ends (its tokens
+        must precede its terminal status), flush at once."""
         tokens, self._step_tokens = self._step_tokens, []
-        entries: dict[str, dict[int, dict[str, Any]]] = {}
+        entries = self._unflushed
 
         def entry(job_id: str, live: _Live, index: int) -> dict[str, Any]:
-            choices = entries.setdefault(job_id, {})
+            choices = entries.setdefault((job_id, live.attempt), {})
             if index not in choices:
                 stream = live.streams[index]
                 choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
@@ -210,9 +221,19 @@ class GenerateSession:
                     out = entry(item.tag, live, choice.index)
                     out["text"] += tail
                     out["finish_reason"] = choice.finish_reason
+        if not entries:
+            return
+        now = time.monotonic()
+        first = any(out["offset"] == 0 for choices in entries.values() for out in choices.values())
+        if finished or first or now >= self._next_flush:
+            self._flush_tokens()
+            self._next_flush = now + self._flush_every
+
+    def _flush_tokens(self) -> None:
+        entries, self._unflushed = self._unflushed, {}
         if entries:
-            self.rt.events.publish_tokens([(job_id, self._by_job[job_id].attempt, list(choices.values()))
-                                           for job_id, choices in entries.items()])
+            self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
+                                           for (job_id, attempt), choices in entries.items()])
 
     def _poll_cancels(self) -> None:
         now = time.monotonic()

@@ -14,8 +14,9 @@ Entries (field ``t`` is the type, ``d`` its JSON):
   was killed and the message was redelivered, or a weight update retracted it). Tokens of every
   earlier attempt are void: the new attempt generates from the prompt again.
 - ``tokens`` ``{"attempt": N, "choices": [{"index", "offset", "token_ids", "logprobs"?,
-  "text"?, "finish_reason"}]}``: one entry per job per decode step (all of its rows), ``offset``
-  the index of the first token in the choice's output. ``text`` is the committed text delta
+  "text"?, "finish_reason"}]}``: one entry per job per flush (all of its rows; a flush per decode
+  step, or per ``ROLLOUT_STREAM_FLUSH_MS`` when steps are faster), ``offset`` the index of the
+  choice's first token in the entry. ``text`` is the committed text delta
   where the row detokenizes (held back near a possible stop string; see ``workers.stream_text``).
 
 Redo after a kill -9 (the guarantee: delivered tokens equal the final result's, in order, none
@@ -25,7 +26,7 @@ tokens back, so it continues only where it can prove equality: the new attempt's
 already delivered must equal them (they are skipped) and only later ones are sent; a mismatch
 ends the stream with a ``stream_diverged`` error (``workers.job_follow.TokenLedger``).
 
-Cost: the GPU session writes one pipeline per decode step for all of its rows (one round trip,
+Cost: the GPU session writes one pipeline per flush for all of its rows (one round trip,
 ``XADD ... MAXLEN ~``), listener or not: a late reader must be able to replay. ``bench/streaming.py``
 measures what it costs.
 """
@@ -40,7 +41,7 @@ import redis
 
 from workers.redis_records import plausible_id
 
-# Roughly (MAXLEN ~) the entries kept per job: one per decode step, so a job longer than this
+# Roughly (MAXLEN ~) the entries kept per job: one per flush, so a job longer than this
 # loses its first tokens from the stream (a reader then sees a gap and says so; the result keeps all).
 DEFAULT_MAXLEN = 20_000
 

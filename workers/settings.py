@@ -61,11 +61,14 @@ class Settings:
     # Streaming (workers/job_events.py, web/streams.py): each gunicorn worker serves up to
     # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
     # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
-    # event stream keeps about stream_events_maxlen entries (one per decode step).
+    # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
     api_threads: int = 16
     api_stream_slots: int = 256
     stream_keepalive_seconds: float = 5.0
     stream_events_maxlen: int = 20_000
+    # The GPU session writes a job's new tokens at most this often (a first token and a job's end
+    # at once): faster decode steps share one entry. 0: every step.
+    stream_flush_ms: float = 10.0
     # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
     served_model_name: str | None = None
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
@@ -159,6 +162,7 @@ _RANGES = {
     # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
     "stream_keepalive_seconds": (0.05, 8),
     "stream_events_maxlen": (100, 10**8),
+    "stream_flush_ms": (0, 10_000),
     "weights_update_timeout": (0, 3600),
     "task_soft_time_limit": (1, 10**6),
     "task_time_limit": (1, 10**6),

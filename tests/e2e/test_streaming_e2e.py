@@ -189,3 +189,17 @@ def test_the_python_client_streams_a_job_and_the_cli_follows_one(stack, server, 
     printed = capsys.readouterr()
     assert [int(t) for t in printed.out.split()] == choice["token_ids"]
     assert "[succeeded: finish_reason length]" in printed.err
+
+
+def test_streamed_text_adds_up_to_the_result_text_cut_at_a_stop_string(stack, server):
+    body = {"token_ids": [108, 140, 150], "sampling_params": {"max_tokens": 40, "temperature": 0, "ignore_eos": True}}
+    free = stack.wait(stack.submit(body)["id"])["result"]["choices"][0]["text"]
+    # Long enough to span several tokens: its first ones are decoded before the match is known.
+    stop = free[len(free) // 2:len(free) // 2 + 12]
+    assert len(stop) == 12
+    job = stack.submit({**body, "sampling_params": {**body["sampling_params"], "stop": [stop]}})
+    events = follow(server, job["id"])
+    [choice] = events[-1].json()["result"]["choices"]
+    assert choice["finish_reason"] == "stop" and stop not in choice["text"]
+    streamed = "".join(c.get("text", "") for m in events if m.event == "tokens" for c in m.json()["choices"])
+    assert streamed == choice["text"]
