@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "latest.md"
 # In DESIGN §7 order: the service module carries the end-to-end, latency and bulk-scoring figures.
 MODULES = ("service", "preprocess_cache", "media_cache", "transport", "generation_batching", "rollout",
-           "batch_submit", "weights")
+           "streaming", "batch_submit", "weights")
 MODULE_TIMEOUT_S = 600
 
 

@@ -4,6 +4,8 @@
 
     with RolloutClient("http://127.0.0.1:8000", api_key="...") as rq:
         out = rq.generate({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 8}})
+        for event in (stream := rq.stream({"token_ids": [1, 2, 3]})):
+            print(event["event"], event["data"])   # status, tokens, ..., result; stream.token_ids[0]
         batch = rq.batch_submit("rollouts.jsonl")
         rq.batch_wait(batch["id"], progress=print)
         rq.batch_download(batch["id"], "output.jsonl", "errors.jsonl")
@@ -16,12 +18,14 @@ exponential backoff that honours ``Retry-After`` (``RetryPolicy``).
 from .client import BATCH_DONE, JOB_DONE, RolloutClient
 from .errors import ClientError, ConnectionFailedError, WaitTimeoutError
 from .retry import RetryPolicy
+from .streaming import JobStream
 
 __all__ = [
     "BATCH_DONE",
     "JOB_DONE",
     "ClientError",
     "ConnectionFailedError",
+    "JobStream",
     "RetryPolicy",
     "RolloutClient",
     "WaitTimeoutError",

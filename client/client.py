@@ -13,6 +13,7 @@ import requests
 
 from .errors import ClientError, ConnectionFailedError, WaitTimeoutError, error_from_response
 from .retry import RetryPolicy
+from .streaming import JobStream
 
 JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
 BATCH_DONE = frozenset({"completed", "failed", "cancelled", "expired"})
@@ -70,6 +71,14 @@ class RolloutClient:
             if job["status"] in JOB_DONE:
                 return job
             _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
+
+    def stream(self, job: str | Mapping[str, Any], *, last_event_id: str | None = None) -> JobStream:
+        """Follow a job's events (a job id, or a request to submit first): iterate the returned
+        :class:`JobStream` for ``status``, ``restart``, ``tokens`` and the final ``result`` events
+        (a failed job raises ``ClientError`` with its code); it keeps ``token_ids`` and ``text`` by
+        choice and reconnects with ``Last-Event-ID``. Leaving it cancels nothing."""
+        job_id = job if isinstance(job, str) else self.submit(job)["id"]
+        return JobStream(self, job_id, last_event_id=last_event_id)
 
     def generate(self, request: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:
         """Generate (or score) and return the result (``POST /v1/generate``): ``{request_id, job_id,

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_batch_commands = None
     if add_batch_commands:
         add_batch_commands(commands)
+    try:
+        from client.follow_cli import add_follow_command
+    except ImportError:  # only when the client package is not installed
+        add_follow_command = None
+    if add_follow_command:
+        add_follow_command(commands)
     return parser
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from flask import request as http_request
 from flask.views import MethodView
 
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schemas import JobListQuerySchema, JobListSchema, JobRequestSchema, JobSchema
 from web.services import services
+from web.streams import job_events, last_event_id, stream_response
 from web.submit import submit
 from workers.job_view import public_job
 from workers.lifecycle import cancel_job
@@ -60,3 +62,21 @@ class Job(MethodView):
     def delete(self, job_id):
         """Cancel a job. Idempotent; a finished job is returned unchanged."""
         return public_job(cancel_job(services(), job_id, owner=current_owner()))
+
+
+@blp.route("/<string:job_id>/events")
+class JobEventStream(MethodView):
+    @blp.response(200, description="Server-Sent Events: ``status``, ``restart``, ``tokens``, then ``result`` or "
+                                   "``error``; each stored event has an ``id`` that Last-Event-ID resumes after",
+                  content_type="text/event-stream")
+    @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(404, schema=None, description="No such job for this key")
+    @blp.alt_response(422, schema=None, description="Last-Event-ID is not an event id")
+    @blp.alt_response(503, schema=None, description="Job store unavailable, or too many streams")
+    def get(self, job_id):
+        """Follow a job: its events as they happen, from the start or after ``Last-Event-ID`` (the
+        header, or ``?last_event_id=``). A view of a durable job: disconnecting cancels nothing."""
+        svc = services()
+        svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job
+        after = last_event_id(http_request.headers.get("Last-Event-ID"), http_request.args.get("last_event_id"))
+        return stream_response(svc, job_events(svc, job_id, after))

@@ -77,8 +77,13 @@ class ApiServer(BaseApplication):
         self.cfg.set("workers", s.api_workers)
         # Threads: POST /v1/generate and the dialect routes wait for their jobs, and a waiting request
         # must not hold a process. JsonErrorWorker: gunicorn's own errors in our JSON shape.
+        # SSE streams (web/streams.py) run on threads of their own: api_stream_slots more threads,
+        # each parked in a blocking Redis read that releases the GIL, and a stream past the slots
+        # is refused (503), so streams never take the api_threads ordinary requests run on. gthread
+        # times a worker by its main loop's heartbeat, not by request, so a stream of minutes is fine.
         self.cfg.set("worker_class", JsonErrorWorker)
-        self.cfg.set("threads", 16)
+        self.cfg.set("threads", s.api_threads + s.api_stream_slots)
+        self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)
         self.cfg.set("graceful_timeout", 5)
         self.cfg.set("accesslog", None)

@@ -11,9 +11,10 @@ from flask import current_app
 
 from web.auth import KeyRing
 from workers.celery_app import create_celery
+from workers.job_events import JobEvents
 from workers.job_store import JobStore, Limits
 from workers.models import ModelFacts, model_facts, model_id, resolve_model_path
-from workers.redis_client import connect
+from workers.redis_client import connect, with_pool_size
 from workers.runtime import multimodal_cache
 from workers.settings import Settings
 
@@ -31,7 +32,8 @@ class Services:
     @classmethod
     def build(cls, settings: Settings, redis_url: str) -> Services:
         client = connect(redis_url)
-        limits = Limits(settings.max_queued_per_key, settings.max_queued_total, settings.result_ttl)
+        limits = Limits(settings.max_queued_per_key, settings.max_queued_total, settings.result_ttl,
+                        settings.stream_events_maxlen)
         model_path = resolve_model_path(settings)
         return cls(settings, client, JobStore(client, limits), create_celery(settings, redis_url),
                    KeyRing(settings.api_keys, settings.admin_keys), model_path, model_facts(model_path))
@@ -55,6 +57,18 @@ class Services:
         from workers.webhooks import WebhookStore
 
         return WebhookStore(self.redis, self.settings.result_ttl)
+
+    @cached_property
+    def stream_slots(self):
+        from web.streams import StreamSlots
+
+        return StreamSlots(self.settings.api_stream_slots)
+
+    @cached_property
+    def events(self) -> JobEvents:
+        # Every stream blocks in a read on its own connection: a pool sized for the stream slots.
+        client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
+        return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
 
     @cached_property
     def mm_cache(self):

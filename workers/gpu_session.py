@@ -10,6 +10,12 @@ messages as the batch has free rows; Celery's event loop goes on reserving messa
 Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
 stop then and it fails with ``job_time_limit_exceeded`` while the others go on. A request that
 fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
+
+Streaming: the scheduler's per-step hook collects every row's new token; after the step the
+session writes them to the jobs' event streams in one pipeline (``workers/job_events.py``), before
+the jobs that ended in that step are moved (so a stream's tokens always precede its ``ended``
+status). Each job's run here is numbered (an attempt); a redo of a job whose worker died writes a
+``restart`` event first.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from workers.gpu_jobs import ending, open_jobs, requeue_generate, run_score_jobs
 from workers.lifecycle import end_jobs, fail_job
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import release_prompt
+from workers.stream_text import StreamText
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +46,35 @@ WEIGHTS_HOLD_SECONDS = 2.0
 
 
 @dataclass
+class _ChoiceStream:
+    sent: int = 0  # tokens published so far
+    text: StreamText | None = None  # None: the row does not detokenize
+
+
+@dataclass
 class _Live:
     job: dict[str, Any]
     prompt: Any
     message_ids: list[str]
+    attempt: int = 1
+    streams: dict[int, _ChoiceStream] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
 
 
 class GenerateSession:
     def __init__(self, rt, engine, batches):
+        self._step_tokens: list = []  # RowTokens of the step in progress (the scheduler's hook adds them)
         self.rt = rt
         self.engine = engine
         self.batches = batches
-        self.scheduler = engine.scheduler()
+        self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
+        self._by_job: dict[str, _Live] = {}
+        # Tokens not yet written, by (job id, attempt) then choice (see _publish).
+        self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        self._flush_every = rt.settings.stream_flush_ms / 1000
+        self._next_flush = 0.0
         self._next_poll = 0.0
         self._next_report = time.monotonic() + STATS_REPORT_SECONDS
         self._reported = self._counters()
@@ -79,6 +100,10 @@ class GenerateSession:
                         if not pending:
                             return None
         finally:
+            try:
+                self._flush_tokens()
+            except redis.RedisError:
+                log.warning("Redis unavailable: the last tokens of this session were not streamed")
             self._report(every=0)
 
     def _decode_until_idle_or_update(self, sync) -> None:
@@ -90,6 +115,7 @@ class GenerateSession:
                 self._interrupt(mode)
             self._poll_cancels()
             finished = self.scheduler.step()
+            self._publish(finished)
             if finished:
                 self._end(finished)
             if self.scheduler.free_rows and not sync.update_pending:
@@ -124,9 +150,9 @@ class GenerateSession:
                     release_prompt(rt.redis, prompt)
                 self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
         deadline = time.monotonic() + rt.settings.task_soft_time_limit
-        for job, prompt in ready:
-            if job["kind"] != "generate":
-                continue
+        generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
+        attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
+        for (job, prompt), attempt in zip(generating, attempts, strict=True):
             request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                                         sampling=sampling_params(job["request"]["sampling_params"]),
                                         enqueued_at=job["created_at"])
@@ -138,9 +164,76 @@ class GenerateSession:
                 self.batches.acknowledge(messages[job["id"]])
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
-            self.live[handle] = _Live(job, prompt, messages[job["id"]])
+            live = _Live(job, prompt, messages[job["id"]], attempt=attempt)
+            tokenizer = self.engine.loaded.tokenizer
+            for choice in range(request.sampling.n):
+                text = StreamText(tokenizer, request.sampling) if request.sampling.detokenize and tokenizer else None
+                live.streams[choice] = _ChoiceStream(text=text)
+            self.live[handle] = live
+            self._by_job[job["id"]] = live
 
     # --- between steps -------------------------------------------------------------------------
+
+    def _on_step(self, rows) -> None:
+        self._step_tokens.extend(rows)
+
+    def _publish(self, finished) -> None:
+        """This step's tokens, one entry per job, all jobs in one round trip. A choice's text is
+        sent as it commits; its last delta comes from the result (cut at a stop string) when its
+        job ends. Steps faster than ``ROLLOUT_STREAM_FLUSH_MS`` are coalesced (one entry carries
+        several tokens per choice): a first token, and every step in which a job ends (its tokens
+        must precede its terminal status), flush at once."""
+        tokens, self._step_tokens = self._step_tokens, []
+        entries = self._unflushed
+
+        def entry(job_id: str, live: _Live, index: int) -> dict[str, Any]:
+            choices = entries.setdefault((job_id, live.attempt), {})
+            if index not in choices:
+                stream = live.streams[index]
+                choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
+                if stream.text is not None:
+                    choices[index]["text"] = ""
+            return choices[index]
+
+        for row in tokens:
+            live = self._by_job.get(row.tag)
+            if live is None:
+                continue
+            stream = live.streams[row.choice]
+            out = entry(row.tag, live, row.choice)
+            out["token_ids"].append(row.token_id)
+            stream.sent += 1
+            if row.logprob is not None:
+                out.setdefault("logprobs", []).append(row.logprob)
+            if stream.text is not None and row.finish_reason is None:
+                out["text"] += stream.text.push(row.token_id)
+            out["finish_reason"] = row.finish_reason
+        for item in finished:
+            live = self._by_job.get(item.tag)
+            if live is None or item.result is None or live.stopped_by == "retract":
+                continue
+            for choice in item.result.choices:
+                stream = live.streams.get(choice.index)
+                if stream is None or stream.text is None or stream.text.finished:
+                    continue
+                tail = stream.text.finish(choice.text)
+                if tail:
+                    out = entry(item.tag, live, choice.index)
+                    out["text"] += tail
+                    out["finish_reason"] = choice.finish_reason
+        if not entries:
+            return
+        now = time.monotonic()
+        first = any(out["offset"] == 0 for choices in entries.values() for out in choices.values())
+        if finished or first or now >= self._next_flush:
+            self._flush_tokens()
+            self._next_flush = now + self._flush_every
+
+    def _flush_tokens(self) -> None:
+        entries, self._unflushed = self._unflushed, {}
+        if entries:
+            self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
+                                           for (job_id, attempt), choices in entries.items()])
 
     def _poll_cancels(self) -> None:
         now = time.monotonic()
@@ -164,6 +257,7 @@ class GenerateSession:
         endings, done, retracted = [], [], []
         for item in finished:
             live = self.live.pop(item.handle)
+            self._by_job.pop(item.tag, None)
             job = live.job
             if live.stopped_by == "retract" and item.error is None:
                 retracted.append(live)  # runs again on the new weights: its prompt stays held

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
+from workers.job_events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key
 from workers.redis_records import decode_record, encode_field, page_newest_first, plausible_id
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -28,8 +29,9 @@ _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
 
-# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag. ARGV: new status, its rank, now, ttl,
-# then field/value pairs to set with the move. Returns 1 when the job moved.
+# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events.
+# ARGV: new status, its rank, now, ttl, events maxlen, then field/value pairs to set with the move.
+# Returns 1 when the job moved; the move's status event goes to the job's stream in the same call.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
@@ -38,7 +40,8 @@ local from = ranks[current]
 local to = tonumber(ARGV[2])
 if from >= 3 or to <= from then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
 if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
 if to == 3 then
   redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
@@ -49,17 +52,20 @@ if to == 3 then
   redis.call('RPUSH', KEYS[4], ARGV[1])
   redis.call('EXPIRE', KEYS[4], 300)
   redis.call('DEL', KEYS[5], KEYS[6])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
 end
 return 1
 """
 
-# KEYS: job, owner index, owner active counter, total active counter, prompt.
-# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, then the job's
-# field/value pairs.
+# KEYS: job, owner index, owner active counter, total active counter, prompt, events.
+# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, events maxlen, then
+# the job's field/value pairs. The job's event stream starts with its ``queued`` event.
 _CREATE = """
 if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
 if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
+redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
 redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
 redis.call('INCR', KEYS[3])
 redis.call('INCR', KEYS[4])
@@ -77,6 +83,7 @@ class Limits:
     max_active_per_owner: int
     max_active_total: int
     result_ttl: int
+    events_maxlen: int = DEFAULT_MAXLEN
 
 
 def new_id(prefix: str) -> str:
@@ -122,10 +129,11 @@ class JobStore:
         }
         encoded = {name: _encode(name, value) for name, value in fields.items()}
         args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, prompt or "",
-                           self.limits.result_ttl]
+                           self.limits.result_ttl, self.limits.events_maxlen]
         for pair in encoded.items():
             args += pair
-        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.prompt_key(job_id)]
+        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
+                events_key(job_id)]
         outcome = self._create(keys=keys, args=args)
         if outcome == -1:
             raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
@@ -169,11 +177,11 @@ class JobStore:
         return [moved == 1 for moved in pipe.execute()]
 
     def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
-        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl]
+        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
         keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id),
-                self.prompt_key(job_id), self.cancel_key(job_id)]
+                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id)]
         return keys, args
 
     def fail(self, job_id: str, error: RolloutError) -> bool:

@@ -23,3 +23,13 @@ def connect(url: str) -> redis.Redis:
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
+
+
+def with_pool_size(client: redis.Redis, connections: int) -> redis.Redis:
+    """A client to the same Redis, with the same options, on a pool of its own of ``connections``
+    (redis-py's pools hold at most 100 by default): blocking stream reads each hold a connection
+    for their wait, and must neither run out nor take the connections of ordinary calls."""
+    pool = client.connection_pool
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
+                                                            max_connections=connections,
+                                                            **pool.connection_kwargs))

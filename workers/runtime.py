@@ -18,6 +18,7 @@ import torch
 
 from processors.fetch import FetchPolicy, GuardedFetcher
 from workers.gpu_limits import scheduler_limits
+from workers.job_events import JobEvents
 from workers.job_store import JobStore, Limits
 from workers.models import model_id, resolve_model_path
 from workers.redis_client import connect
@@ -79,7 +80,12 @@ class WorkerRuntime:
     @cached_property
     def jobs(self) -> JobStore:
         s = self.settings
-        return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl))
+        return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
+                                           s.stream_events_maxlen))
+
+    @cached_property
+    def events(self) -> JobEvents:
+        return JobEvents(self.redis, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
 
     @cached_property
     def fetcher(self) -> GuardedFetcher:

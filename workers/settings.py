@@ -58,6 +58,17 @@ class Settings:
     max_queued_per_key: int = 10_000
     max_queued_total: int = 100_000
     sync_timeout_max: float = 300.0
+    # Streaming (workers/job_events.py, web/streams.py): each gunicorn worker serves up to
+    # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
+    # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
+    # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
+    api_threads: int = 16
+    api_stream_slots: int = 256
+    stream_keepalive_seconds: float = 5.0
+    stream_events_maxlen: int = 20_000
+    # The GPU session writes a job's new tokens at most this often (a first token and a job's end
+    # at once): faster decode steps share one entry. 0: every step.
+    stream_flush_ms: float = 10.0
     # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
     served_model_name: str | None = None
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
@@ -146,6 +157,12 @@ _RANGES = {
     "max_queued_per_key": (1, 10**9),
     "max_queued_total": (1, 10**9),
     "sync_timeout_max": (0, 3600),
+    "api_threads": (1, 1024),
+    "api_stream_slots": (0, 10_000),
+    # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
+    "stream_keepalive_seconds": (0.05, 8),
+    "stream_events_maxlen": (100, 10**8),
+    "stream_flush_ms": (0, 10_000),
     "weights_update_timeout": (0, 3600),
     "task_soft_time_limit": (1, 10**6),
     "task_time_limit": (1, 10**6),

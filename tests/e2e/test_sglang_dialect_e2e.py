@@ -133,9 +133,6 @@ def test_nulls_mean_defaults_and_unserved_knobs_are_named(base):
     assert post(base, "/generate", body).status_code == 200
     refused = post(base, "/generate", {**body, "sampling_params": {**body["sampling_params"], "regex": "a+"}})
     assert refused.status_code == 422 and "sampling_params.regex" in refused.json()["error"]["message"]
-    stream = post(base, "/generate", {**body, "stream": True})
-    assert stream.status_code == 422 and stream.json()["error"]["code"] == "streaming_not_supported"
-    assert "stream" in stream.json()["error"]["message"]
     unknown = post(base, "/generate", {**body, "input_idz": [1]})
     assert unknown.status_code == 422 and "input_idz" in unknown.json()["error"]["message"]
     assert post(base, "/generate", body, key="wrong").json()["error"]["code"] == "unauthorized"

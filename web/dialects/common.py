@@ -37,19 +37,9 @@ class SyncTimeoutError(RolloutError):
     retryable = True
 
 
-class StreamingNotServedError(InvalidRequestError):
-    code = "streaming_not_supported"
-
-
 def job_error(job: dict) -> RolloutError:
     """The typed error a failed job ended with (its type, and so its status, by its code)."""
     return RolloutError.from_record(job.get("error") or {})
-
-
-def refuse_stream(stream: Any) -> None:
-    if stream:
-        raise StreamingNotServedError("stream: true is not served yet; send stream: false (or leave it out)",
-                                      errors={"stream": ["streaming is not served yet"]})
 
 
 def native_request(body: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from web.dialects.common import (
     TokenTexts,
     media_url,
     native_request,
-    refuse_stream,
     served_model_name,
     tokenizer,
 )
@@ -61,7 +60,7 @@ _Knobs = type("_Knobs", (NullMeansDefault,), sampling_fields())
 class _Common(_Knobs):
     model = fields.String(required=True, metadata={"description": "The served model (GET /v1/models)"})
     max_tokens = fields.Integer(strict=True)
-    stream = StrictBoolean(metadata={"description": "Not served yet: true is an error"})
+    stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
     stream_options = fields.Dict()
     user = fields.String(metadata={"description": "An end-user id; recorded nowhere"})
     return_token_ids = StrictBoolean()
@@ -146,7 +145,8 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
-    refuse_stream(body.get("stream"))
+    if body.get("stream") and body.get("echo"):
+        raise InvalidRequestError("echo is not served with stream: true", errors={"echo": ["not with stream"]})
     check_model(body["model"])
     prompts, _ = prompts_of(body["prompt"])
     tok = tokenizer()
@@ -223,7 +223,6 @@ def _completion_logprobs(choice: dict, result: dict, prompt_ids: list[int], body
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
-    refuse_stream(body.get("stream"))
     check_model(body["model"])
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):

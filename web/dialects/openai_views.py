@@ -14,6 +14,8 @@ from web.dialects import openai
 from web.dialects.common import run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.fields import NullMeansDefault
+from web.dialects.openai_stream import ChatChunks, CompletionChunks
+from web.dialects.streaming import dialect_stream
 from web.schemas import StrictBoolean
 from web.services import services
 
@@ -54,6 +56,8 @@ class Completions(MethodView):
     def post(self, body):
         """Text completions; each prompt is a job visible in /v1/jobs."""
         requests = openai.completion_requests(body)
+        if body.get("stream"):
+            return dialect_stream(requests, CompletionChunks(body, requests))
         jobs = run_jobs(requests)
         return openai.completion_reply(body, requests, jobs, int(time.time()))
 
@@ -66,6 +70,8 @@ class ChatCompletions(MethodView):
     def post(self, body):
         """Chat through the model's chat template; media parts go through the guarded fetcher."""
         request = openai.chat_request(body)
+        if body.get("stream"):
+            return dialect_stream([request], ChatChunks(body, [request]))
         (job,) = run_jobs([request])
         return openai.chat_reply(body, request, job, int(time.time()))
 

@@ -20,7 +20,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.errors import InvalidRequestError
-from web.dialects.common import TokenTexts, media_url, native_request, refuse_stream
+from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.schemas import StrictBoolean, StrictFloat
 
@@ -86,7 +86,8 @@ class SglangGenerateSchema(NullMeansDefault):
     logprob_start_len = OneOrMany(fields.Integer(strict=True, validate=validate.Range(-1, 10**7)))
     top_logprobs_num = OneOrMany(fields.Integer(strict=True, validate=validate.Range(0, 20)))
     return_text_in_logprobs = StrictBoolean()
-    stream = StrictBoolean(metadata={"description": "Not served yet: true is a 422"})
+    stream = StrictBoolean(metadata={"description": "true: Server-Sent Events, cumulative chunks as SGLang sends "
+                                                    "them, then data: [DONE]"})
     log_metrics = StrictBoolean()
     modalities = fields.Raw()
     return_hidden_states = fields.Raw()
@@ -111,7 +112,6 @@ class SglangGenerateSchema(NullMeansDefault):
 def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[dict[str, Any]], list[dict], bool]:
     """The native requests of a loaded SGLang body (one per prompt), each prompt's reply options
     (which logprobs to show) and whether it was a batch."""
-    refuse_stream(body.get("stream"))
     prompts, key = (body["text"], "prompt") if "text" in body else (body["input_ids"], "token_ids")
     batch = isinstance(prompts, list) and (key == "prompt" or isinstance(prompts[0], list))
     prompts = prompts if batch else [prompts]
@@ -198,6 +198,11 @@ def replies(requests: list[dict[str, Any]], options: list[dict], jobs: list[dict
     for request, option, job in zip(requests, options, jobs, strict=True):
         out.extend(_job_replies(request, option, job, texts))
     return out
+
+
+def job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
+    """The replies of one job, one per choice (the non-streamed reply, and a stream's last chunks)."""
+    return _job_replies(request, options, job, texts)
 
 
 def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:

@@ -17,6 +17,8 @@ from web.dialects import sglang
 from web.dialects.abort import abort_jobs
 from web.dialects.common import native_request, run_jobs, served_model_name
 from web.dialects.errors import install, sglang_shape
+from web.dialects.sglang_stream import SglangChunks
+from web.dialects.streaming import dialect_stream
 from web.schemas import StrictBoolean
 from web.services import services
 from workers.heartbeats import alive_workers
@@ -54,6 +56,9 @@ class Generate(MethodView):
         """SGLang's GenerateReqInput in, its reply out; each prompt is a job visible in /v1/jobs."""
         svc = services()
         requests, options, batch = sglang.to_requests(body, vocab_size=svc.model_facts.vocab_size)
+        if body.get("stream"):
+            return dialect_stream(requests, SglangChunks(requests, options, batch,
+                                                         bool(body.get("return_text_in_logprobs"))))
         jobs = run_jobs(requests)
         out = sglang.replies(requests, options, jobs, return_text=bool(body.get("return_text_in_logprobs")))
         # A ready response: the 200 schema describes one reply, and a batch is a list of them.

@@ -20,7 +20,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
-from web.dialects.common import TokenTexts, native_request, refuse_stream
+from web.dialects.common import TokenTexts, native_request
 from web.dialects.fields import NullMeansDefault, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
@@ -75,7 +75,7 @@ class GenerateRequestSchema(NullMeansDefault):
     content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
     sampling_params = fields.Nested(VllmSamplingParamsSchema, required=True)
     model = fields.String()
-    stream = StrictBoolean(metadata={"description": "Not served yet: true is an error"})
+    stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
     stream_options = fields.Dict()
     cache_salt = fields.String(metadata={"description": "Accepted: no prompt cache is shared between keys"})
     priority = fields.Integer(strict=True)
@@ -89,7 +89,6 @@ class GenerateRequestSchema(NullMeansDefault):
 
 
 def generate_request(body: dict[str, Any]) -> dict[str, Any]:
-    refuse_stream(body.get("stream"))
     check_model(body.get("model"), required=False)
     sp = body["sampling_params"]
     params = native_sampling(sp)

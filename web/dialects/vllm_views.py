@@ -9,7 +9,9 @@ from web.blueprint import Blueprint
 from web.dialects import openai, vllm
 from web.dialects.common import media_url, run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
+from web.dialects.openai_stream import GenerateChunks
 from web.dialects.openai_views import documented
+from web.dialects.streaming import dialect_stream
 from web.render import render_on_worker
 from web.services import services
 
@@ -25,6 +27,8 @@ class Generate(MethodView):
     def post(self, body):
         """Token ids (and the features a render returned, or content parts) in, token ids out."""
         request = vllm.generate_request(body)
+        if body.get("stream"):
+            return dialect_stream([request], GenerateChunks(body, request))
         (job,) = run_jobs([request])
         return vllm.generate_reply(body, request, job)
 

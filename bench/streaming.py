@@ -1,0 +1,179 @@
+"""Streaming through the service: time to first token, what streaming costs, how early tokens come.
+
+A real stack (bench.service.Service: embedded Redis, CPU/GPU/batches worker subprocesses) with the
+API served over loopback HTTP (werkzeug, threaded), read by real HTTP clients:
+
+- time to first token of one greedy job through ``POST /generate`` with ``stream: true`` (submit
+  to first chunk at the client), beside the engine's prefill of the same prompt in-process
+  (``Engine.generate`` with ``max_tokens=1``): reported, no goal;
+- streamed / non-streamed throughput of the same 64 jobs (32 prompt ids, 32 new tokens): all
+  submitted at once and waited for, vs the same with one SSE reader per job on
+  ``/v1/jobs/{id}/events`` until its ``result`` (median of 3 rounds each). Goal >= 0.9;
+- the first token of a 128-token greedy job at the client, as a share of its total time (submit to
+  last chunk). Goal <= 25 %;
+- what the GPU session's publishing costs: one ``JobEvents.publish_tokens`` pipeline for a step of
+  16 rows against one decode step of 16 rows in-process (reported).
+
+Run: ``python -m bench.streaming`` from the repository root (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+from werkzeug.serving import make_server
+
+from bench.service import BATCH, HEADERS, Service, _row, engine_request, job_body
+from engine.demo_model import build_demo_model
+from engine.generation import Engine
+from engine.loading import load_model
+from workers.job_events import JobEvents
+
+
+def serve(service: Service):
+    server = make_server("127.0.0.1", 0, service.app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+def first_and_total(url: str, body: dict) -> tuple[float, float]:
+    """Seconds from the request to its first chunk with tokens, and to its last chunk."""
+    started = time.perf_counter()
+    first = None
+    with requests.post(f"{url}/generate", json={**body, "stream": True}, headers=HEADERS, stream=True,
+                       timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"data: {") and first is None:
+                first = time.perf_counter() - started
+    return first, time.perf_counter() - started
+
+
+def sglang_body(i: int, max_tokens: int) -> dict:
+    body = job_body(i, max_tokens)
+    params = body["sampling_params"]
+    return {"input_ids": body["token_ids"], "sampling_params": {"max_new_tokens": params["max_tokens"],
+                                                                "temperature": 0, "ignore_eos": True}}
+
+
+def plain_round(url: str, session: requests.Session, jobs: int, base: int) -> float:
+    started = time.perf_counter()
+    ids = [session.post(f"{url}/v1/jobs", json=job_body(base + i), headers=HEADERS, timeout=30).json()["id"]
+           for i in range(jobs)]
+    for job_id in ids:
+        while True:
+            job = session.get(f"{url}/v1/jobs/{job_id}", headers=HEADERS, timeout=30).json()
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(0.01)
+    return time.perf_counter() - started
+
+
+def streamed_round(url: str, session: requests.Session, jobs: int, base: int) -> float:
+    started = time.perf_counter()
+    ids = [session.post(f"{url}/v1/jobs", json=job_body(base + i), headers=HEADERS, timeout=30).json()["id"]
+           for i in range(jobs)]
+    tokens = []
+
+    def read(job_id: str) -> None:
+        count = 0
+        with requests.get(f"{url}/v1/jobs/{job_id}/events", headers=HEADERS, stream=True, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: {\"attempt\""):
+                    count += sum(len(c["token_ids"]) for c in json.loads(line[6:])["choices"])
+        tokens.append(count)
+
+    readers = [threading.Thread(target=read, args=(job_id,)) for job_id in ids]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert sum(tokens) == jobs * 32, sum(tokens)
+    return time.perf_counter() - started
+
+
+def publish_cost(service: Service, engine: Engine) -> tuple[float, float]:
+    """Median seconds of one publish pipeline for 16 rows, and of one 16-row decode step in-process."""
+    events = JobEvents(service.svc.redis, ttl=600)
+    deltas = [(f"job_bench{i}", 1, [{"index": 0, "offset": 0, "token_ids": [123], "text": "ab",
+                                     "finish_reason": None}]) for i in range(BATCH)]
+    publish = []
+    for _ in range(200):
+        started = time.perf_counter()
+        events.publish_tokens(deltas)
+        publish.append(time.perf_counter() - started)
+    steps = []
+    scheduler = engine.scheduler()
+    for i in range(BATCH):
+        scheduler.submit(engine_request(i, 64))
+    scheduler.step()  # prefill
+    for _ in range(30):
+        started = time.perf_counter()
+        scheduler.step()
+        steps.append(time.perf_counter() - started)
+    while scheduler.has_work:
+        scheduler.step()
+    return statistics.median(publish), statistics.median(steps)
+
+
+def run(jobs: int = 64, rounds: int = 3) -> list[dict]:
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="rq-bench-stream-") as tmp:
+        state = Path(tmp)
+        model_dir = build_demo_model(state / "model")
+        service = Service(state, model_dir)
+        server = None
+        try:
+            service.start_workers()
+            engine = Engine(load_model(str(model_dir), device="cpu"))
+            service.wait_ready()
+            server, url = serve(service)
+            session = requests.Session()
+            plain_round(url, session, BATCH, 10_000)  # warm-up: the first task after a start is slow
+            streamed_round(url, session, BATCH, 10_500)
+            ttft = statistics.median(first_and_total(url, sglang_body(20_000 + i, 8))[0] for i in range(5))
+            engine.generate([engine_request(0, 1)])
+            prefill = []
+            for i in range(5):
+                started = time.perf_counter()
+                engine.generate([engine_request(20_000 + i, 1)])
+                prefill.append(time.perf_counter() - started)
+            plain, streamed = [], []
+            for r in range(rounds):
+                plain.append(plain_round(url, session, jobs, 30_000 + 2 * r * jobs))
+                streamed.append(streamed_round(url, session, jobs, 30_000 + (2 * r + 1) * jobs))
+            shares = [first / total for first, total in (first_and_total(url, sglang_body(40_000 + i, 128))
+                                                         for i in range(3))]
+            publish_s, step_s = publish_cost(service, engine)
+        finally:
+            if server is not None:
+                server.shutdown()
+            service.close()
+    plain_s, streamed_s = statistics.median(plain), statistics.median(streamed)
+    return [
+        _row(f"streamed / non-streamed throughput ({jobs} jobs x 32 tokens, median of {rounds})",
+             plain_s / streamed_s, ">= 0.9"),
+        _row(f"· non-streamed: {jobs} jobs submitted, polled until all ended (s)", plain_s),
+        _row("· streamed: the same with one SSE reader per job until its result (s)", streamed_s),
+        _row("first token of a 128-token greedy job / its total time, at the client (median of 3)",
+             statistics.median(shares), "<= 0.25"),
+        _row("· time to first token through the service, SGLang stream (ms, median of 5)", ttft * 1e3),
+        _row("· the engine's prefill of the same prompt in-process (ms, median of 5)",
+             statistics.median(prefill) * 1e3),
+        _row("· GPU session: one publish pipeline for 16 rows (ms); written per step, or per "
+             "ROLLOUT_STREAM_FLUSH_MS (10) when steps are faster", publish_s * 1e3),
+        _row("· one 16-row decode step in-process (ms)", step_s * 1e3),
+        _row("· publishing / decoding time, GPU session, at 10 ms flushes (ratio)",
+             publish_s / max(step_s, 0.010)),
+    ]
+
+
+if __name__ == "__main__":
+    for row in run():
+        print(f"{row['name']}: {row['value']}" + (f" (goal {row['goal']})" if row["goal"] else ""))

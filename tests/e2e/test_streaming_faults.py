@@ -1,0 +1,87 @@
+"""Streams across a kill -9 of the GPU worker mid-job: the job is redone from its prompt (attempt 2),
+the native events say ``restart`` and the client drops the void attempt, and a dialect stream
+continues where the redo provably equals what it sent; either way the streamed tokens equal the
+final result's, in order, none twice."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from client import RolloutClient
+from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.dialect_server import serve
+from workers.names import SHARED_GENERATE_QUEUE
+from workers.redis_server import EmbeddedRedis, free_port
+
+VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 8, 7, 6
+
+
+@pytest.fixture(scope="module")
+def killable(demo_model_dir, loopback_host, tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("stream-fault-redis"), port=free_port()).start()
+    env = make_stack_env(redis_url=server.url, model_dir=demo_model_dir, loopback=loopback_host,
+                         state_dir=tmp_path_factory.mktemp("stream-fault-state"), node_id="stream-faults",
+                         ROLLOUT_VISIBILITY_TIMEOUT=str(VISIBILITY_S), ROLLOUT_TASK_TIME_LIMIT=str(HARD_LIMIT_S),
+                         ROLLOUT_TASK_SOFT_TIME_LIMIT=str(SOFT_LIMIT_S))
+    try:
+        with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "stream-faults"),
+                         workers=("gpu",)) as stack:
+            yield stack
+    finally:
+        server.stop()
+
+
+def test_streams_survive_a_gpu_worker_killed_mid_job(killable):
+    stack = killable
+    body = {"input_ids": [120, 140, 150], "stream": True,
+            "sampling_params": {"max_new_tokens": 700, "temperature": 0, "ignore_eos": True}}
+    with serve(stack, stream_keepalive_seconds=0.2) as (url, _):
+        chunks: list[dict] = []
+        native: dict = {}
+
+        def read_dialect():
+            with requests.post(f"{url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
+                               stream=True, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith(b"data:") and line != b"data: [DONE]":
+                        chunks.append(json.loads(line[5:]))
+
+        def read_native(job_id):
+            with RolloutClient(url, API_KEY) as client:
+                stream = client.stream(job_id)
+                native["events"] = [event["event"] for event in stream]
+                native["token_ids"] = stream.token_ids[0]
+
+        dialect = threading.Thread(target=read_dialect)
+        dialect.start()
+        deadline = time.monotonic() + 60
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert chunks, "no first chunk"
+        job_id = chunks[0]["meta_info"]["job_id"]
+        follower = threading.Thread(target=read_native, args=(job_id,))
+        follower.start()
+        assert stack.services.redis.llen(SHARED_GENERATE_QUEUE) == 0
+        stack.kill("gpu")  # kill -9 mid-job: its message is unacknowledged and comes back
+        sent_before_kill = len(chunks[-1]["output_ids"])
+        stack.start("gpu")
+        dialect.join(120)
+        follower.join(120)
+    job = stack.wait(job_id, timeout=60)
+    assert job["status"] == "succeeded", job
+    final = job["result"]["choices"][0]["token_ids"]
+    assert len(final) == 700 and 0 < sent_before_kill < 700
+    events = stack.services.events.all(job_id)
+    assert [e.data for e in events if e.type == "restart"] == [{"attempt": 2}]
+    # The dialect's chunks are cumulative and never went back: their last is the result.
+    ids = [c["output_ids"] for c in chunks]
+    assert all(a == b[:len(a)] for a, b in zip(ids, ids[1:], strict=False))
+    assert ids[-1] == final and "error" not in chunks[-1]
+    # The native stream said restart, and the client's tokens are the result's.
+    assert "restart" in native["events"] and native["events"][-1] == "result"
+    assert native["token_ids"] == final

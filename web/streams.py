@@ -1,0 +1,127 @@
+"""Server-Sent Events: the wire format, the per-process stream slots, and ``/v1/jobs/{id}/events``.
+
+How long-lived streams are served (gunicorn's gthread worker, ``web/server.py``): a stream is a
+WSGI response generator on a worker thread, and that thread spends its life blocked in one Redis
+XREAD (``workers/job_follow.py``), which releases the GIL: an idle stream costs a parked OS thread
+(its stack is virtual memory, mostly untouched) and no CPU. That is why threads and not gevent
+(monkey-patching Celery's publisher, redis-py and the rest of the API process for one route) nor a
+second async server (its own auth, error shapes and deployment for the same routes). What threads
+need is a bound so streams never take the threads ordinary requests run on: each process has
+``ROLLOUT_API_THREADS`` threads for requests plus ``ROLLOUT_API_STREAM_SLOTS`` for streams, and a
+stream beyond the slots is refused with ``503 too_many_streams`` (retryable) instead of queueing
+in front of ordinary requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import redis
+from flask import Response
+
+from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
+from workers.job_events import plausible_event_id
+from workers.job_follow import AttemptFilter, Ended, KeepAlive, follow
+from workers.job_view import public_job
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = b": keep-alive\n\n"
+
+
+class TooManyStreamsError(ServiceUnavailableError):
+    code = "too_many_streams"
+
+
+def sse(data: Any, *, event: str | None = None, event_id: str | None = None) -> bytes:
+    """One SSE message: ``data`` as compact JSON (a str as is, e.g. ``[DONE]``)."""
+    lines = []
+    if event_id is not None:
+        lines.append(f"id: {event_id}")
+    if event is not None:
+        lines.append(f"event: {event}")
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), allow_nan=False)
+    lines.append(f"data: {payload}")
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+class StreamSlots:
+    """The streams one API process serves at once (a semaphore that never blocks)."""
+
+    def __init__(self, slots: int):
+        self._free = threading.BoundedSemaphore(slots) if slots else None
+
+    def take(self) -> Callable[[], None]:
+        if self._free is None or not self._free.acquire(blocking=False):
+            raise TooManyStreamsError("this API process serves as many streams as it may "
+                                      "(ROLLOUT_API_STREAM_SLOTS); retry shortly", headers={"Retry-After": "1"})
+        released = threading.Event()
+
+        def release() -> None:
+            if not released.is_set():
+                released.set()
+                self._free.release()
+
+        return release
+
+
+def stream_response(svc, chunks: Iterable[bytes], *, on_close: tuple[Callable[[], None], ...] = (),
+                    release: Callable[[], None] | None = None) -> Response:
+    """An SSE response over ``chunks`` holding one stream slot (``release`` gives back one taken
+    already); ``on_close`` runs when the server closes the response: at its end, or when the
+    client went away (the next write failed)."""
+    release = release or svc.stream_slots.take()
+    response = Response(chunks, mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response.call_on_close(release)
+    for callback in on_close:
+        response.call_on_close(callback)
+    return response
+
+
+def last_event_id(header: str | None, query: str | None) -> str:
+    """Where a resumed stream starts: the Last-Event-ID header (EventSource sends it on reconnect)
+    or ``?last_event_id=``; the start of the stream without either."""
+    value = header or query
+    if not value:
+        return "0"
+    if not plausible_event_id(value):
+        raise InvalidRequestError("Last-Event-ID: not an event id of this stream",
+                                  errors={"Last-Event-ID": ["must be an id this stream sent"]})
+    return value
+
+
+def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
+    """The native events of one job: ``status``, ``restart`` and ``tokens`` as stored (each with its
+    id), keep-alive comments while idle, then ``result`` (the job as GET /v1/jobs/{id} shows it) or,
+    for a failed job, ``error``. A dead attempt's late tokens are left out (see job_events)."""
+    attempts = AttemptFilter()
+    try:
+        for item in follow(svc.events, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds):
+            if isinstance(item, KeepAlive):
+                yield KEEPALIVE
+                continue
+            _, event = item
+            if isinstance(event, Ended):
+                job = event.job
+                if job.get("status") == "failed":
+                    yield sse({**(job.get("error") or {"code": "internal_error", "message": "job failed"}),
+                               "job_id": job_id}, event="error")
+                else:
+                    yield sse(public_job(job), event="result")
+                return
+            if attempts.keep(job_id, event):
+                yield sse(event.data, event=event.type, event_id=event.id)
+    except RolloutError as error:
+        yield sse(error.to_dict(), event="error")
+    except redis.RedisError:
+        yield sse({"code": "service_unavailable", "message": "the job store is unavailable"}, event="error")
+    except GeneratorExit:
+        raise
+    except Exception:
+        log.exception("job %s: unexpected error while streaming its events", job_id)
+        yield sse({"code": "internal_error", "message": "internal error while streaming"}, event="error")
