@@ -7,62 +7,24 @@ some requests before the app sees them: both are checked here, where they happen
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.conftest import empty_db_url
-from tests.web.conftest import KEY_A, auth
+from tests.web.conftest import auth
+from tests.web.gunicorn_api import gunicorn_api
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_BODY = 4096
 BATCH_MAX = 8192
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def api_url(redis_url, demo_model_dir, tmp_path_factory):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-    env.update({
-        "ROLLOUT_REDIS_URL": empty_db_url(redis_url, 10),
-        "ROLLOUT_MODEL": str(demo_model_dir),
-        "ROLLOUT_STATE_DIR": str(tmp_path_factory.mktemp("api-state")),
-        "ROLLOUT_API_KEYS": KEY_A,
-        "ROLLOUT_PORT": str(port),
-        "ROLLOUT_API_WORKERS": "1",
-        "ROLLOUT_MAX_BODY_BYTES": str(MAX_BODY),
-        "ROLLOUT_BATCH_MAX_BYTES": str(BATCH_MAX),
-        "ROLLOUT_LOG_LEVEL": "WARNING",
-    })
-    log = tmp_path_factory.mktemp("api-log") / "api.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()
-        try:
-            requests.get(f"{url}/openapi.json", timeout=10)
-            break
-        except requests.RequestException:  # not listening yet, or the first request still loading
-            time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(timeout=30)
-    assert "Traceback" not in log.read_text()
+    with gunicorn_api(empty_db_url(redis_url, 10), demo_model_dir, tmp_path_factory.mktemp("api-state"),
+                      max_body_bytes=str(MAX_BODY), batch_max_bytes=str(BATCH_MAX)) as (url, _port):
+        yield url
 
 
 def chunked(data: bytes, size: int = 1000):

@@ -3,62 +3,24 @@ stay open do not starve ordinary requests, and a stream past the process's slots
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.conftest import empty_db_url
 from tests.web.conftest import KEY_A, auth
+from tests.web.gunicorn_api import gunicorn_api
 
-ROOT = Path(__file__).resolve().parents[2]
 STREAMS = 200
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def api_url(redis_url, demo_model_dir, tmp_path_factory):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
-    env.update({
-        "ROLLOUT_REDIS_URL": empty_db_url(redis_url, 25),
-        "ROLLOUT_MODEL": str(demo_model_dir),
-        "ROLLOUT_STATE_DIR": str(tmp_path_factory.mktemp("streams-state")),
-        "ROLLOUT_API_KEYS": KEY_A,
-        "ROLLOUT_PORT": str(port),
-        "ROLLOUT_API_WORKERS": "1",
-        "ROLLOUT_API_THREADS": "4",
-        "ROLLOUT_API_STREAM_SLOTS": str(STREAMS),
-        "ROLLOUT_STREAM_KEEPALIVE_SECONDS": "1",
-        "ROLLOUT_LOG_LEVEL": "WARNING",
-    })
-    log = tmp_path_factory.mktemp("streams-log") / "api.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()
-        try:
-            requests.get(f"{url}/healthz", timeout=10)
-            break
-        except requests.RequestException:
-            time.sleep(0.2)
-    yield url, port
-    process.terminate()
-    process.wait(timeout=30)
-    assert "Traceback" not in log.read_text()
+    with gunicorn_api(empty_db_url(redis_url, 25), demo_model_dir, tmp_path_factory.mktemp("streams-state"),
+                      api_threads="4", api_stream_slots=str(STREAMS), stream_keepalive_seconds="1") as served:
+        yield served
 
 
 def open_stream(port: int, job_id: str) -> tuple[socket.socket, bytes]:
