@@ -21,6 +21,7 @@ Two windows these tests once had to step around are closed, and the tests now go
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
@@ -117,6 +118,16 @@ def use_cpu_concurrency(stack, concurrency: int) -> None:
     stack.wait_ready(["cpu"])
 
 
+def unacked_job_ids(client) -> set[str]:
+    """The job ids of the messages kombu holds as delivered and not yet acknowledged."""
+    ids = set()
+    for raw in client.hvals("unacked"):
+        message = json.loads(raw)[0]  # kombu stores [message, exchange, routing key]
+        args = json.loads(base64.b64decode(message["body"]))[0]
+        ids.update(arg for arg in args if isinstance(arg, str))
+    return ids
+
+
 def test_gpu_worker_killed_mid_generation(faults, reference):
     bodies, tokens = reference
     running = submit_all(faults, bodies["text"], HOOK_PATH)
@@ -127,6 +138,11 @@ def test_gpu_worker_killed_mid_generation(faults, reference):
     # SIGKILL must lose none of them, joined or not: messages are acknowledged as their jobs end.
     waiting = submit_all(faults, bodies["text"], HOOK_PATH)
     wait_until(lambda: faults.services.redis.llen(SHARED_GENERATE_QUEUE) == 0, 10, "the next batch reserved")
+    # kombu pops a message before it records it as unacknowledged; while the decode loop holds the
+    # GIL that gap can last milliseconds, and a kill inside it loses the message (README,
+    # "Reliability settings"). Kill once every reserved message is recorded.
+    wait_until(lambda: set(running + waiting) <= unacked_job_ids(faults.services.redis), 10,
+               "the reserved messages recorded as unacknowledged")
     faults.kill("gpu")  # kill -9: no warm shutdown, its reserved messages stay unacknowledged
     at_kill = statuses(faults, running + waiting)
     assert "generating" in at_kill[:len(running)] and set(at_kill[len(running):]) <= {"queued", "generating"}, at_kill
