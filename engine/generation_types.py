@@ -23,6 +23,9 @@ class GenerationRequest:
     items: Sequence[MultimodalItem] = ()  # finalized items with real tensors, or
     mm_kwargs: Mapping[str, torch.Tensor] | None = None  # ready model kwargs (pixel_values, ...)
     enqueued_at: float | None = None  # time.time() when the job was queued, for timings
+    # Requests share a prompt's KV (a prompt group, the recent-prompt cache) only within one scope:
+    # the service passes the API key, so cached_tokens never tells one key what another sent.
+    cache_scope: str = ""
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Recent prompts' KV and last logits, so a prompt group whose requests arrive apart still
 computes its prompt once (a small LRU bounded in tokens).
 
-A key is the weight version, the prompt's token ids and its media keys: the same ids with other
-images are another prompt.
+A key is the request's cache scope (the API key in the service), the weight version, the prompt's
+token ids and its media keys: the same ids with other images are another prompt.
 """
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ class Scheduler:
         handle = self._next_handle
         self._next_handle += 1
         units = _media_units(loaded, request, features)
-        key = (loaded.weight_version, tuple(request.prompt_token_ids), tuple(unit.key for unit in units))
+        key = (request.cache_scope, loaded.weight_version, tuple(request.prompt_token_ids),
+               tuple(unit.key for unit in units))
         eos = frozenset(loaded.eos_token_ids)
         rows = [RowDecoder(handle, c, request.sampling, _generator(loaded, request.sampling, c),
                            prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)

@@ -155,7 +155,7 @@ class GenerateSession:
         for (job, prompt), attempt in zip(generating, attempts, strict=True):
             request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                                         sampling=sampling_params(job["request"]["sampling_params"]),
-                                        enqueued_at=job["created_at"])
+                                        enqueued_at=job["created_at"], cache_scope=job["owner"])
             try:
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone

@@ -233,6 +233,21 @@ def test_a_prompt_group_is_prefilled_once_and_reports_cached_tokens(models):
     assert without_lru.generate([group[1]])[0].cached_tokens == 0
 
 
+def test_prompts_are_shared_only_within_one_cache_scope(models):
+    """The service scopes by API key: another key's identical prompt is computed again, so its
+    cached_tokens (and timing) say nothing of what the first key sent."""
+    model = models("qwen2_vl")
+    engine = model.engine(max_rows=16)
+
+    def request(scope: str, seed: int) -> GenerationRequest:
+        return dataclasses.replace(model.request("Describe the image.", sampled(seed=seed)), cache_scope=scope)
+
+    together = engine.generate([request("key_a", 1), request("key_b", 2), request("key_a", 3)])
+    assert [r.cached_tokens for r in together] == [0, 0, len(together[0].prompt_token_ids)]
+    later = engine.generate([request("key_b", 4), request("key_c", 5)])  # the recent-prompt cache too
+    assert [r.cached_tokens for r in later] == [len(later[0].prompt_token_ids), 0]
+
+
 def test_the_vision_encoder_runs_once_per_image_and_a_second_epoch_hits_the_cache(models):
     from engine.items import MultimodalItem
 
