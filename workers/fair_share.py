@@ -162,6 +162,16 @@ class KeyShare:
             woken += self._wake(owner.decode(), "", publish)
         return woken
 
+    def entries(self) -> list[bytes]:
+        """Every message parked or being woken now (raw JSON), for the sweep that looks for the
+        jobs no message carries (``workers/job_reaper.py``). Parked first: a message moves from
+        parked to waking, so one that moves meanwhile is seen where it arrives."""
+        base = self._keys("")
+        found: list[bytes] = []
+        for owner in self.redis.smembers(base[2]):
+            found += self.redis.lrange(self._keys(owner.decode())[1], 0, -1)
+        return found + self.redis.zrange(base[3], 0, -1)
+
     def held(self, owner: str) -> int:
         return int(self.redis.zcount(self._keys(owner)[0], time.time(), "+inf"))
 

@@ -7,7 +7,9 @@ twice. Only the call that actually ends a job gets ``True`` back, and only that 
 job's webhook.
 
 Per-owner indexes: ``rq:jobs:<owner>`` (sorted by creation, for listing) and an active-job counter
-per owner and in total (for backpressure), kept exact by the same scripts.
+per owner and in total (for backpressure), kept exact by the same scripts. ``rq:unfinished`` holds
+every unfinished job scored by its last move, for the sweep that finds jobs no message carries
+(``workers/job_reaper.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
+UNFINISHED_KEY = "rq:unfinished"
 
-# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events.
+# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
+# unfinished index.
 # ARGV: new status, its rank, now, ttl, events maxlen, then field/value pairs to set with the move.
 # Returns 1 when the job moved; the move's status event goes to the job's stream in the same call.
 _TRANSITION = """
@@ -43,7 +47,9 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1])
 for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 """ + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
 if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
 if to == 3 then
+  redis.call('ZREM', KEYS[8], redis.call('HGET', KEYS[1], 'id'))
   redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
   redis.call('DECR', KEYS[2])
   redis.call('DECR', KEYS[3])
@@ -57,7 +63,7 @@ end
 return 1
 """
 
-# KEYS: job, owner index, owner active counter, total active counter, prompt, events.
+# KEYS: job, owner index, owner active counter, total active counter, prompt, events, unfinished index.
 # ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, events maxlen, then
 # the job's field/value pairs. The job's event stream starts with its ``queued`` event.
 _CREATE = """
@@ -67,6 +73,7 @@ for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 """ + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
 redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
 redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('ZADD', KEYS[7], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
 redis.call('INCR', KEYS[3])
 redis.call('INCR', KEYS[4])
 if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
@@ -133,7 +140,7 @@ class JobStore:
         for pair in encoded.items():
             args += pair
         keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
-                events_key(job_id)]
+                events_key(job_id), UNFINISHED_KEY]
         outcome = self._create(keys=keys, args=args)
         if outcome == -1:
             raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
@@ -181,7 +188,7 @@ class JobStore:
         for name, value in fields.items():
             args += [name, _encode(name, value)]
         keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id),
-                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id)]
+                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY]
         return keys, args
 
     def fail(self, job_id: str, error: RolloutError) -> bool:
@@ -221,6 +228,20 @@ class JobStore:
         """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
         return page_newest_first(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
                                  keep=lambda job: status is None or job["status"] == status)
+
+    def stalled(self, *, before: float, limit: int) -> list[str]:
+        """Unfinished jobs that last moved (were created or changed status) before ``before``, oldest first."""
+        return [job_id.decode() for job_id in self.redis.zrangebyscore(UNFINISHED_KEY, "-inf", before, 0, limit)]
+
+    def mark_moved(self, job_ids: list[str]) -> None:
+        """Count now as the last move of these unfinished jobs (their message was sent again)."""
+        if job_ids:
+            self.redis.zadd(UNFINISHED_KEY, dict.fromkeys(job_ids, time.time()), xx=True)
+
+    def forget_unfinished(self, job_ids: list[str]) -> None:
+        """Drop ids from the unfinished index (their records are gone, or ended before the index existed)."""
+        if job_ids:
+            self.redis.zrem(UNFINISHED_KEY, *job_ids)
 
     def active_counts(self) -> int:
         return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)

@@ -76,6 +76,9 @@ class Settings:
     task_soft_time_limit: int = 540
     task_time_limit: int = 600
     visibility_timeout: int = 3600
+    # A job that has not moved for this long is looked for in every queue (workers/job_reaper.py);
+    # one no message carries is queued again.
+    stalled_job_after: int = 120
     task_events: bool = False
     gpu_batch_size: int = 16
     gpu_batch_wait_ms: int = 20
@@ -167,6 +170,7 @@ _RANGES = {
     "task_soft_time_limit": (1, 10**6),
     "task_time_limit": (1, 10**6),
     "visibility_timeout": (1, 10**7),
+    "stalled_job_after": (1, 10**7),
     "gpu_batch_size": (1, 4096),
     "gpu_batch_wait_ms": (0, 10_000),
     "kv_cache_tokens": (1, 2**40),

@@ -89,6 +89,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             from workers.fair_share import start_sweeper
 
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
+        if kind in ("cpu", "gpu"):
+            from workers.job_reaper import start_reaper
+
+            start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: _gpu_status(rt) if kind == "gpu" else {})
 

@@ -36,9 +36,11 @@ from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, 
 from web.app import create_app
 from workers.celery_app import create_celery
 from workers.names import SHARED_GENERATE_QUEUE
+from workers.prompt_codec import text_prompt
 from workers.redis_server import EmbeddedRedis, free_port
 
 VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 10, 8, 6
+STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/job_reaper.py)
 HOOK_PATH = "/hooks/faults"
 # Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
 # 1,500 tokens: a batch still decodes when a test kills the worker or stops Redis under it.
@@ -72,6 +74,7 @@ def faults(fault_redis, demo_model_dir, loopback_host, tmp_path_factory):
         # One preprocessing process (the default is 4): the kills below aim at "one job inside a
         # task, the others queued", which more processes would blur.
         ROLLOUT_CPU_CONCURRENCY="1",
+        ROLLOUT_STALLED_JOB_AFTER=str(STALLED_S),
     )
     loopback_host.route(HOOK_PATH, (200, {}, b""))
     with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "faults"),
@@ -187,6 +190,21 @@ def test_redis_restart_loses_no_job(faults, fault_redis, reference):
     assert_ended_once_as_before(faults, running + queued, tokens["text"] + tokens["image"][:4])
     after = faults.submit(bodies["text"][0])
     assert faults.wait(after["id"], timeout=30)["result"]["choices"][0]["token_ids"] == tokens["text"][0]
+
+
+def test_jobs_whose_messages_were_lost_are_queued_again(faults, reference):
+    """As an API process killed between storing a job and publishing it leaves them (the same state
+    as a message popped by a worker, or Redis, killed before it was recorded): stored, unfinished,
+    and named by no message. The workers' sweep finds them and each runs once, as it would have."""
+    bodies, tokens = reference
+    jobs = faults.services.jobs
+    models = [jobs.get(faults.wait(faults.submit(bodies[name][0])["id"])["id"]) for name in ("text", "image")]
+    hook = {"url": faults.host.url(HOOK_PATH)}
+    text_prompt_json = json.dumps(text_prompt(models[0]["request"]["token_ids"]))
+    lost = [jobs.create(owner=model["owner"], kind="generate", request=model["request"], request_id=None,
+                        webhook=hook, prompt=prompt)["id"]
+            for model, prompt in zip(models, (text_prompt_json, None), strict=True)]
+    assert_ended_once_as_before(faults, lost, [tokens["text"][0], tokens["image"][0]], timeout=STALLED_S + 60)
 
 
 def test_unreachable_broker_answers_503(faults):

@@ -38,6 +38,10 @@ def test_no_input_causes_a_server_error(fuzz_schema):
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         def no_server_error(case):
             response = case.call()
+            if (response.status_code, _code(response)) == (503, "redis_unavailable"):
+                # The job store stalled (this Redis is shared with the whole session, on a loaded
+                # machine): that says nothing about the input. One an input causes comes back.
+                response = case.call()
             # By design here, with no worker running: the dialect routes answer 504 sync_timeout,
             # and renders (a CPU worker renders) 503 no_cpu_worker.
             if (response.status_code, _code(response)) in ((504, "sync_timeout"), (503, "no_cpu_worker")):
