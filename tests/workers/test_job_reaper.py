@@ -86,6 +86,7 @@ def test_a_job_whose_message_a_worker_holds_unacknowledged_is_left_alone(rt, rea
         channel = connection.channel()
         held = channel.basic_get(PREPROCESS_QUEUE, no_ack=False)  # recorded in kombu's unacked hash
         assert held is not None and queued(rt, PREPROCESS_QUEUE) == []
+        assert job_id.encode() in rt.redis.hvals("unacked")[0]
         assert reaper.sweep() == [] and reaper.sweep() == []
         assert queued(rt, PREPROCESS_QUEUE) == []
 
