@@ -38,7 +38,6 @@ from client import RolloutClient  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
 from web import batches  # noqa: E402
 from web.app import create_app  # noqa: E402
-from workers.batch_progress import batch_store  # noqa: E402
 from workers.redis_server import EmbeddedRedis  # noqa: E402
 from workers.settings import Settings  # noqa: E402
 from workers.tasks.batches import submit_chunk  # noqa: E402
@@ -124,7 +123,7 @@ def run(lines: int, token_counts: list[int], create_jobs: bool, formats: tuple[s
                 created = None
                 if create_jobs:
                     svc = app.extensions["rollout"]
-                    chunks = batch_store(svc).get(batch["id"])["chunks"]
+                    chunks = svc.batches.get(batch["id"])["chunks"]
                     started = time.perf_counter()
                     made = sum(submit_chunk(svc, batch["id"], index) for index in range(chunks))
                     created = time.perf_counter() - started

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from bench.rows import print_rows  # noqa: E402
 from engine.generation import Engine, GenerationRequest  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scoring import ScoreRequest  # noqa: E402
 
 CONCURRENT = 16

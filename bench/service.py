@@ -46,7 +46,7 @@ from bench.generation_batching import score_in_process
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 from web.app import create_app
 from workers.heartbeats import alive_workers

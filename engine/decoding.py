@@ -20,7 +20,8 @@ import torch
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
-from engine.sampling import SamplingParams, sample_row
+from engine.sampling import sample_row
+from engine.sampling_params import SamplingParams
 
 
 class RowDecoder:

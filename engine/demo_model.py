@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
@@ -162,6 +161,8 @@ _build_lock = threading.Lock()
 
 
 def _save_model(out: Path, model_cls, config) -> None:
+    import torch  # here, not at the top: the API resolves an already built demo model without torch
+
     torch.manual_seed(_weight_seed)
     model = model_cls(config).to(torch.float32).eval()
     model.save_pretrained(out)

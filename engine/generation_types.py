@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.items import MultimodalItem
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @dataclass

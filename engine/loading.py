@@ -7,7 +7,6 @@ the ``weight_version`` that every result carries so a trainer knows which weight
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import re
 import threading
@@ -17,11 +16,10 @@ from typing import Any
 
 import torch
 
+from engine.checkpoints import weight_version_of
 from engine.errors import ModelLoadError
 
 # Files whose bytes define what the model computes; tokenizer and processor files do not.
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-_CONFIG_FILES = ("config.json", "generation_config.json")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -214,20 +212,3 @@ def _weight_version(model_path: str, local: Path, config: Any) -> str:
     return weight_version_of(local)
 
 
-def weight_version_of(directory: Path) -> str:
-    """A 16-hex-digit blake2b of the weight and config files (names and bytes).
-
-    Content, not mtimes: a rebuilt identical checkpoint keeps its version, and an RL weight
-    update that keeps every shape still changes it. It reads every weight byte (~1 s per GB).
-    """
-    files = sorted(
-        {p for pattern in _WEIGHT_PATTERNS for p in directory.glob(pattern)}
-        | {directory / name for name in _CONFIG_FILES if (directory / name).is_file()}
-    )
-    digest = hashlib.blake2b(digest_size=8)
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class RowPenalties:

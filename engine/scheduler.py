@@ -68,7 +68,8 @@ from engine.generation_types import Choice, GenerationResult
 from engine.kv_batch import append_rows, keep_rows, split_rows
 from engine.loading import LoadedModel
 from engine.prompt_cache import PrefilledPrompt, PromptCache
-from engine.sampling import SamplingParams, choice_seed
+from engine.sampling import choice_seed
+from engine.sampling_params import SamplingParams
 from engine.scoring import teacher_forced
 
 

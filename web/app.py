@@ -39,7 +39,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
         JSON_SORT_KEYS=False,
     )
-    svc = Services.build(settings, redis_url)
+    svc = Services(settings, redis_url)
     app.extensions["rollout"] = svc
     api = ServiceApi(app, spec_kwargs={
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

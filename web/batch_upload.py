@@ -26,7 +26,6 @@ from web.openai_batch_lines import (
 from web.services import services
 from web.submit import check_limits
 from workers.batch_creation import BatchTooLargeError, ParsedBatch
-from workers.file_store import file_store
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
 # Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
@@ -140,7 +139,7 @@ def read_file_batch(settings) -> tuple[bytes, dict[str, Any], str]:
         body = FileBatchSchema().load(request.get_json(silent=False))
     except ValidationError as exc:
         raise InvalidRequestError(_describe(exc.messages), errors=exc.messages) from None
-    files = file_store(services())
+    files = services().files
     record = files.get(body["input_file_id"], owner=current_owner())
     if record["purpose"] != "batch":
         raise InvalidRequestError(f"file {record['id']} has purpose {record['purpose']!r}; a batch reads files "

@@ -40,7 +40,6 @@ from web.blueprint import Blueprint
 from web.openai_batch_object import batch_view
 from web.services import services
 from workers.batch_creation import create_batch
-from workers.batch_progress import batch_store
 from workers.tasks.batches import request_cancel
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
@@ -97,7 +96,7 @@ class Batches(MethodView):
                 "no valid line in the file" if parsed.total else "the file has no lines",
                 errors=parsed.invalid[:REFUSED_LINE_ERRORS],
             )
-        batch = batch_store(svc).get(create_batch(svc, current_owner(), parsed, source=source, **options)["id"])
+        batch = svc.batches.get(create_batch(svc, current_owner(), parsed, source=source, **options)["id"])
         return batch_view(batch), 202, {"Location": f"/v1/batches/{batch['id']}"}
 
     @blp.arguments(BatchListQuerySchema, location="query", unknown="raise")
@@ -107,7 +106,7 @@ class Batches(MethodView):
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def get(self, query):
         """The caller's own batches, newest first (each in its view); ``cursor`` or OpenAI's ``after``."""
-        store = batch_store(services())
+        store = services().batches
         owner = current_owner()
         cursor = query.get("cursor")
         if "after" in query:
@@ -127,7 +126,7 @@ class Batch(MethodView):
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def get(self, _query, batch_id):
         """A batch, with its request counts."""
-        return batch_view(batch_store(services()).get(batch_id, owner=current_owner()))
+        return batch_view(services().batches.get(batch_id, owner=current_owner()))
 
 
 @blp.route("/<string:batch_id>/cancel")
@@ -140,7 +139,7 @@ class BatchCancel(MethodView):
     def post(self, _query, batch_id):
         """Cancel a batch: lines not started are cancelled, lines done are kept. Idempotent."""
         svc = services()
-        store = batch_store(svc)
+        store = svc.batches
         store.get(batch_id, owner=current_owner())
         if store.move(batch_id, "cancelling", from_=("in_progress",)):
             request_cancel(svc.celery, batch_id)
@@ -172,7 +171,7 @@ class BatchErrors(MethodView):
 
 
 def _stream_results(batch_id: str, which: str) -> Response:
-    store = batch_store(services())
+    store = services().batches
     batch = store.get(batch_id, owner=current_owner())
 
     def pages():

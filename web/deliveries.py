@@ -10,7 +10,6 @@ from marshmallow import Schema, fields
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.services import services
-from workers.batch_progress import batch_store
 
 blp = Blueprint("deliveries", __name__, url_prefix="/v1", description="Webhook deliveries")
 
@@ -64,5 +63,5 @@ class BatchDeliveries(MethodView):
     def get(self, batch_id):
         """The batch's webhook events and their delivery attempts."""
         svc = services()
-        batch_store(svc).get(batch_id, owner=current_owner())
+        svc.batches.get(batch_id, owner=current_owner())
         return {"data": svc.webhooks.deliveries("batch", batch_id)}

@@ -29,8 +29,7 @@ from web.dialects.errors import install, openai_shape
 from web.openai_batch_lines import render_results
 from web.services import services
 from workers.batch_creation import BatchTooLargeError
-from workers.batch_progress import batch_store
-from workers.file_store import PURPOSES, file_store
+from workers.file_store import PURPOSES
 
 blp = Blueprint("files", __name__, url_prefix="/v1/files", description="Files for batches (OpenAI's Files API)")
 install(blp, openai_shape)
@@ -113,9 +112,8 @@ class Files(MethodView):
         if size > limit:
             raise BatchTooLargeError(f"the file is larger than {limit} bytes")
         filename = os.path.basename(upload.filename or "") or "input.jsonl"
-        return public_file(file_store(svc).upload(owner=current_owner(), filename=filename[:255], purpose=purpose,
-                                                  stream=stream, size=size,
-                                                  cap=svc.settings.batch_max_stored_bytes_per_key))
+        return public_file(svc.files.upload(owner=current_owner(), filename=filename[:255], purpose=purpose,
+                                            stream=stream, size=size, cap=svc.settings.batch_max_stored_bytes_per_key))
 
     @blp.arguments(FileListQuerySchema, location="query", unknown="raise")
     @blp.response(200, FileListSchema)
@@ -124,7 +122,7 @@ class Files(MethodView):
     @_errors
     def get(self, query):
         """The caller's files, newest first."""
-        files = file_store(services())
+        files = services().files
         owner = current_owner()
         cursor = None
         if "after" in query:
@@ -142,14 +140,14 @@ class File(MethodView):
     @_errors
     def get(self, file_id):
         """A file's record."""
-        return public_file(_sized(file_store(services()).get(file_id, owner=current_owner())))
+        return public_file(_sized(services().files.get(file_id, owner=current_owner())))
 
     @blp.response(200, FileDeletedSchema)
     @blp.alt_response(404, schema=None, description="No such file for this key")
     @_errors
     def delete(self, file_id):
         """Delete a file (a batch already made from it keeps running: it holds its own copy of the lines)."""
-        files = file_store(services())
+        files = services().files
         files.delete(files.get(file_id, owner=current_owner()))
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -162,7 +160,7 @@ class FileContent(MethodView):
     @_errors
     def get(self, file_id):
         """The file's content, streamed."""
-        record = file_store(services()).get(file_id, owner=current_owner())
+        record = services().files.get(file_id, owner=current_owner())
         headers = {"Content-Disposition": f'attachment; filename="{record["filename"]}"'}
         # Rendering results needs the app (the tokenizer) while the response streams.
         return Response(stream_with_context(_content(record)), mimetype="application/jsonl", headers=headers)
@@ -179,7 +177,7 @@ def public_file(record: dict[str, Any]) -> dict[str, Any]:
 def _content(record: dict[str, Any]) -> Iterator[bytes]:
     if record.get("batch_id"):
         return _results(record)
-    files = file_store(services())
+    files = services().files
     if not files.has_data(record["id"]):  # 404 now, not a cut stream later
         raise NotFoundError(f"no file {record['id']!r}")
     return files.iter_chunks(record["id"], record["bytes"])
@@ -187,7 +185,7 @@ def _content(record: dict[str, Any]) -> Iterator[bytes]:
 
 def _results(record: dict[str, Any]) -> Iterator[bytes]:
     """A results file: the batch's results, rendered in OpenAI's line format."""
-    store = batch_store(services())
+    store = services().batches
     try:
         batch = store.get(record["batch_id"])
     except NotFoundError:
@@ -203,7 +201,7 @@ def _sized(record: dict[str, Any]) -> dict[str, Any]:
             size = sum(len(part) for part in _results(record))
         except NotFoundError:
             return record
-        file_store(services()).set_size(record["id"], size)
+        services().files.set_size(record["id"], size)
         record = {**record, "bytes": size}
     return record
 

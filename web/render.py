@@ -13,7 +13,7 @@ from flask.views import MethodView
 from marshmallow import Schema, fields, validate
 
 from engine.errors import RateLimitedError
-from processors.render import template_messages
+from processors.chat_messages import template_messages
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schemas import ContentPartSchema

@@ -11,7 +11,7 @@ from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
-from engine.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 JOB_KINDS = ("generate", "score")
 JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -93,7 +93,7 @@ class SamplingParamsSchema(Schema):
     stop_token_ids = fields.List(TokenId, validate=validate.Length(max=256), load_default=list)
     ignore_eos = StrictBoolean(load_default=False)
     logprobs = StrictBoolean(load_default=True, metadata={"description": "Logprob of each sampled token"})
-    # The knobs below mirror engine.sampling.SamplingParams field for field (same names, same
+    # The knobs below mirror engine.sampling_params.SamplingParams field for field (same names, same
     # bounds); the engine checks them again, so nothing accepted here is dropped later.
     stop = fields.List(fields.String(validate=validate.Length(1, MAX_STOP_STRING_CHARS)),
                        validate=validate.Length(max=MAX_STOP_STRINGS), load_default=list,

@@ -15,14 +15,13 @@ from dataclasses import asdict
 from flask.views import MethodView
 from marshmallow import EXCLUDE, Schema, fields, validate
 
-from engine.loading import weight_version_of
-from engine.weights import check_checkpoint
+from engine.checkpoints import check_checkpoint, weight_version_of
 from web.auth import require_admin
 from web.blueprint import Blueprint
 from web.services import services
 from workers.weight_paths import resolve_weights_dir
 from workers.weight_updates import fleet_paused, update_weights
-from workers.weights_store import MODES, PAUSE_MODES, WeightStore
+from workers.weights_store import MODES, PAUSE_MODES
 
 blp = Blueprint("weights", __name__, description="Weight updates (admin keys only)")
 
@@ -105,7 +104,7 @@ def _update(model_path: str, version: str | None, mode: str, timeout: float | No
     check_checkpoint(directory, svc.model_path)
     version = version or weight_version_of(directory)
     timeout = svc.settings.weights_update_timeout if timeout is None else timeout
-    report = update_weights(WeightStore(svc.redis), version=version, model_path=str(directory), mode=mode,
+    report = update_weights(svc.weight_store, version=version, model_path=str(directory), mode=mode,
                             timeout=timeout)
     return report.to_dict()
 
@@ -130,7 +129,7 @@ class Weights(MethodView):
     def get(self):
         """The fleet's target weights and what each live GPU worker serves."""
         require_admin()
-        store = WeightStore(services().redis)
+        store = services().weight_store
         target, paused = store.read()
         return {"target": asdict(target) if target else None, "paused": paused,
                 "workers": [asdict(w) for w in store.workers()]}
@@ -165,7 +164,7 @@ class PauseGeneration(MethodView):
         """Workers take no new work until /continue_generation; rows in flight abort, are retracted
         (requeued) or finish (``in_place``: a static batch cannot pause mid-way, so it finishes)."""
         require_admin()
-        store = WeightStore(services().redis)
+        store = services().weight_store
         store.pause(body["mode"])
         workers = fleet_paused(store, PAUSE_REPORT_SECONDS)
         return {"success": True, "message": f"generation paused ({body['mode']}) on {len(workers)} GPU workers",
@@ -180,5 +179,5 @@ class ContinueGeneration(MethodView):
     def post(self):
         """Workers take work again."""
         require_admin()
-        WeightStore(services().redis).resume()
+        services().weight_store.resume()
         return {"success": True, "message": "generation continues", "num_paused_requests": 0}

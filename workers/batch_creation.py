@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import PayloadTooLargeError, RateLimitedError
-from workers.batch_progress import batch_store
 from workers.batch_store import public_batch
 from workers.tasks.batches import start_batch
 
@@ -42,7 +41,7 @@ def create_batch(rt, owner: str, parsed: ParsedBatch, *, completion_window: int,
     """Store the batch and its lines, then queue its chunks; the public batch object. ``rt``: the
     API's services or a worker runtime (``redis``, ``settings``, ``celery``). ``source``: how the
     batch was made, kept in its record (OpenAI's batches: ``api``, ``endpoint``, ``input_file_id``)."""
-    store = batch_store(rt)
+    store = rt.batches
     cap = rt.settings.batch_max_stored_bytes_per_key
     size = sum(len(line) for line in parsed.valid)  # ASCII JSON: characters are bytes
     if size > cap:

@@ -17,8 +17,7 @@ import logging
 from typing import Any
 
 from engine.errors import NotFoundError
-from workers.batch_store import BatchStore, public_batch
-from workers.file_store import file_store
+from workers.batch_store import public_batch
 from workers.job_store import new_id
 from workers.webhook_events import emit_batch_event
 
@@ -27,11 +26,6 @@ log = logging.getLogger(__name__)
 JOB_CANCELLED = ("cancelled", "the job was cancelled")
 CANCELLED = ("batch_cancelled", "the batch was cancelled before this line ran")
 EXPIRED = ("batch_expired", "the batch's completion window ended before this line finished")
-
-
-def batch_store(rt) -> BatchStore:
-    """The batch store for a worker runtime or the API's services (both carry .redis and .settings)."""
-    return BatchStore(rt.redis, result_ttl=rt.settings.result_ttl)
 
 
 def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
@@ -52,7 +46,7 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
         if any(job["status"] == "cancelled" for job in ended):
             # Cancelled with its batch, or on its own: the line's error says which.
             try:
-                status = batch_store(rt).get(batch_id)["status"]
+                status = rt.batches.get(batch_id)["status"]
             except NotFoundError:
                 continue
             cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(
@@ -62,7 +56,7 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
 
 def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:
     """Count lines as ended (see ``BatchStore.record``); ends the batch when they were the last."""
-    if batch_store(rt).record(batch_id, entries):
+    if rt.batches.record(batch_id, entries):
         finish(rt, batch_id)
 
 
@@ -97,7 +91,7 @@ def line_error(line: dict[str, Any], code: str, message: str, job_id: str | None
 
 def finish(rt, batch_id: str) -> None:
     """End a batch whose lines are all counted. Safe to call more than once; one call moves it."""
-    store = batch_store(rt)
+    store = rt.batches
     for _ in range(3):  # the status may change under us (a cancel racing the last line): re-read
         batch = store.get(batch_id)
         status = batch["status"]
@@ -131,19 +125,19 @@ def publish_results(rt, batch_id: str) -> None:
 
     They hold no copy of the results: the API renders them from the batch's lists on download.
     """
-    store = batch_store(rt)
+    store = rt.batches
     batch = store.get(batch_id)
     for which, field in RESULTS_FILES:
         if batch.get(field) or not store.results_count(batch_id, which):
             continue
         file_id = new_id("file")
         if store.claim(batch_id, field, file_id):
-            file_store(rt).add_results(batch, which, file_id=file_id, expires_at=batch["keys_expire_at"])
+            rt.files.add_results(batch, which, file_id=file_id, expires_at=batch["keys_expire_at"])
 
 
 def emit(rt, batch_id: str, event: str) -> None:
     """Send the batch webhook (``emit_batch_event`` decides whether the batch or its owner wants one)."""
-    batch = batch_store(rt).get(batch_id)
+    batch = rt.batches.get(batch_id)
     try:
         emit_batch_event(rt, public_batch(batch), event)
     except Exception:

@@ -15,7 +15,6 @@ from engine.errors import NotFoundError
 from workers.batch_progress import (
     CANCELLED,
     EXPIRED,
-    batch_store,
     emit,
     finish,
     job_entry,
@@ -32,7 +31,7 @@ from workers.lifecycle import cancel_job
 def cancel_lines(rt, batch_id: str) -> None:
     """For a ``cancelling`` batch: cancel its jobs not yet generating, count the lines without jobs."""
     try:
-        batch = batch_store(rt).get(batch_id)
+        batch = rt.batches.get(batch_id)
     except NotFoundError:
         return
     if batch["status"] == "cancelling":
@@ -41,7 +40,7 @@ def cancel_lines(rt, batch_id: str) -> None:
 
 def expire(rt, batch_id: str) -> float | None:
     """Expire the batch if its window has ended; else the seconds until it ends (None: nothing to do)."""
-    store = batch_store(rt)
+    store = rt.batches
     try:
         batch = store.get(batch_id)
     except NotFoundError:
@@ -66,7 +65,7 @@ def expire(rt, batch_id: str) -> float | None:
 def _sweep(rt, batch: dict[str, Any], reason: tuple[str, str], *, wait_for_running: bool) -> None:
     """Count every line not yet counted: cancel its job; a line whose job still runs is left to end
     by itself when ``wait_for_running`` (its job was asked to abort), else counted as ``reason``."""
-    store = batch_store(rt)
+    store = rt.batches
     batch_id, owner = batch["id"], batch["owner"]
     code, message = reason
     for page in store.iter_lines(batch_id):

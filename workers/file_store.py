@@ -53,10 +53,6 @@ def owner_files_key(owner: str) -> str:
     return f"rq:files:{owner}"
 
 
-def file_store(rt) -> FileStore:
-    """The file store of a worker runtime or the API's services (both carry .redis and .settings)."""
-    return FileStore(rt.redis, ttl=rt.settings.result_ttl)
-
 
 class FileStore:
     def __init__(self, client: redis.Redis, *, ttl: int):

@@ -120,7 +120,7 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
 def sampling_params(params: dict[str, Any]):
     """The engine's SamplingParams from a stored request's ``sampling_params``: every key the
     API accepts has a field (a job stored before a knob existed gets that knob's default)."""
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     return SamplingParams(
         max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params["top_p"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.demo_model import SERVED_ARCH, build_demo_model
 from engine.errors import ModelLoadError
 from workers.settings import Settings
 
@@ -20,6 +19,8 @@ def resolve_model_path(settings: Settings) -> str:
         if not local.is_dir() and (local.is_absolute() or settings.model.startswith(".") or local.exists()):
             raise ModelLoadError(f"ROLLOUT_MODEL={settings.model!r} is not a model directory")
         return settings.model
+    from engine.demo_model import SERVED_ARCH, build_demo_model  # reusing a built one imports no torch
+
     return str(build_demo_model(Path(settings.state_dir) / "models" / DEMO_MODEL_NAME, arch=SERVED_ARCH))
 
 
@@ -36,6 +37,8 @@ class ModelFacts:
     # Token ids that stand for media (placeholders, vision start/end): a prompt holding any of them
     # needs the processor.
     media_token_ids: frozenset[int]
+    # The token that stands for an image (the processor's ``image_token_id``); None without images.
+    image_token_id: int | None = None
 
     def is_plain_text(self, token_ids: list[int]) -> bool:
         """True when these ids need no preprocessing: in the vocabulary and no media tokens."""
@@ -56,5 +59,7 @@ def model_facts(model_path: str) -> ModelFacts:
     text_config = getattr(config, "text_config", None) or config
     media = {getattr(c, name) for c in (config, text_config) for name in _MEDIA_TOKEN_ATTRS
              if isinstance(getattr(c, name, None), int)}
+    image = next((getattr(c, name) for name in ("image_token_id", "image_token_index") for c in (config, text_config)
+                  if isinstance(getattr(c, name, None), int)), None)
     return ModelFacts(getattr(text_config, "max_position_embeddings", None), getattr(text_config, "vocab_size", None),
-                      frozenset(media))
+                      frozenset(media), image)

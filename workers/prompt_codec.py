@@ -4,18 +4,23 @@ The CPU worker stores it as JSON under the job (``JobStore.prompt_key``); featur
 transport handles (see ``engine.transport``), never tensor bytes in a Celery message. The GPU
 worker opens the handles back into tensors before the model sees them, and acknowledges them
 when the batch is done so the producer's pool can free the memory.
+
+The engine's tensor side is imported inside the functions that wrap, open and release handles:
+the API builds plain-text prompts (``text_prompt``) with this module and never imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.items import MultimodalItem
-from engine.transport import WrappedFeature, acknowledge, open_feature
+if TYPE_CHECKING:
+    from engine.items import MultimodalItem
 
 
 def encode_prompt(processed, *, preprocess_seconds: float, node_id: str) -> dict[str, Any]:
+    from engine.transport import WrappedFeature
+
     kinds = set()
     items = []
     for item in processed.items:
@@ -59,6 +64,9 @@ class OpenedPrompt:
 
 def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
     """Open every feature handle (HandleUnavailableError when the producer's memory is gone)."""
+    from engine.items import MultimodalItem
+    from engine.transport import open_feature
+
     items, handles = [], []
     for raw in payload["items"]:
         # Held open (zero-copy) until release_prompt acknowledges them after the batch.
@@ -72,5 +80,7 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
 
 def release_prompt(client, prompt: OpenedPrompt) -> None:
     """Tell the producer it may free this prompt's feature memory."""
+    from engine.transport import acknowledge
+
     if prompt.handles:
         acknowledge(client, prompt.handles)

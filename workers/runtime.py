@@ -1,9 +1,11 @@
-"""Per-process worker state, built once from settings on first use.
+"""One process's wiring, built from settings, each part on first use: the API and every worker alike.
 
 A Celery task is like a web view: it loads state by id, calls the real logic in ``processors/`` or
-``engine/`` and stores a small result. What those calls need (the Redis client, the job store,
-the guarded fetcher, the model's processor, the multimodal cache, the feature transport, the
-model) lives here, one instance per worker process.
+``engine/`` and stores a small result. What those calls need (the Redis client, the stores, the
+Celery app, the guarded fetchers, the model's processor, the multimodal cache, the feature
+transport, the model) lives in one :class:`Runtime` per process. The API's services
+(``web/services.py``) are this runtime plus what only the API serves. A part is built only when
+first used, so the API never loads the model or the processor.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import threading
 from functools import cached_property
 
 import redis
-import torch
 
 from processors.fetch import FetchPolicy, GuardedFetcher
 from workers.gpu_limits import scheduler_limits
@@ -63,15 +64,29 @@ def processing_limits(settings: Settings, context_length: int | None):
                             video=video, max_audio_seconds=s.max_audio_seconds, fetch_concurrency=s.fetch_concurrency)
 
 
-class WorkerRuntime:
-    def __init__(self, settings: Settings, redis_url: str, celery):
+def _use_torch_threads(settings: Settings) -> None:
+    # Set before a part that computes with torch is built (the processor, the model); two threads
+    # on two cores can make generation ten times slower.
+    import torch
+
+    torch.set_num_threads(settings.torch_threads)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, redis_url: str, celery=None):
         self.settings = settings
         self.redis_url = redis_url
-        self.celery = celery
+        if celery is not None:
+            self.celery = celery  # a worker's own app; the API's is built on first use
         self._model_ready = threading.Event()
         self._model_error: BaseException | None = None
         self._shares: dict = {}
-        torch.set_num_threads(settings.torch_threads)
+
+    @cached_property
+    def celery(self):
+        from workers.celery_app import create_celery
+
+        return create_celery(self.settings, self.redis_url)
 
     @cached_property
     def redis(self) -> redis.Redis:
@@ -82,6 +97,25 @@ class WorkerRuntime:
         s = self.settings
         return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
                                            s.stream_events_maxlen))
+
+    @cached_property
+    def batches(self):
+        from workers.batch_store import BatchStore
+
+        return BatchStore(self.redis, result_ttl=self.settings.result_ttl)
+
+    @cached_property
+    def files(self):
+        from workers.file_store import FileStore
+
+        return FileStore(self.redis, ttl=self.settings.result_ttl)
+
+    @cached_property
+    def weight_store(self):
+        """The fleet's weight target and each worker's report (workers/weights_store.py)."""
+        from workers.weights_store import WeightStore
+
+        return WeightStore(self.redis)
 
     @cached_property
     def events(self) -> JobEvents:
@@ -133,7 +167,15 @@ class WorkerRuntime:
     def processor(self):
         from processors.registry import load_processor
 
+        _use_torch_threads(self.settings)
         return load_processor(self.model_path, model_id=self.model_id)
+
+    @cached_property
+    def tokenizer(self):
+        """The model's tokenizer alone (the API decodes and counts tokens with it; no processor)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_path)
 
     @cached_property
     def mm_cache(self):
@@ -164,6 +206,8 @@ class WorkerRuntime:
     @cached_property
     def transport(self):
         """The producer side of feature transport (CPU workers): CUDA IPC with a GPU, else shm."""
+        import torch
+
         from engine.transport import choose_transport, make_transport
 
         kind = choose_transport(self.settings.transport, cuda_available=torch.cuda.is_available())
@@ -192,6 +236,7 @@ class WorkerRuntime:
         from engine.loading import load_model
 
         s = self.settings
+        _use_torch_threads(s)
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
         return Engine(loaded, scheduler_limits(s))
@@ -200,10 +245,9 @@ class WorkerRuntime:
     def weight_sync(self):
         """This GPU worker's side of fleet-wide weight updates (workers/weight_sync.py)."""
         from workers.weight_sync import WeightSync
-        from workers.weights_store import WeightStore
 
         s = self.settings
-        return WeightSync(WeightStore(self.redis), self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,
+        return WeightSync(self.weight_store, self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,
                           weights_root=s.weights_root)
 
     @property
@@ -217,13 +261,13 @@ class WorkerRuntime:
         return self.engine
 
 
-_runtimes: dict[tuple[int, int], WorkerRuntime] = {}
+_runtimes: dict[tuple[int, int], Runtime] = {}
 
 
-def runtime(app) -> WorkerRuntime:
+def runtime(app) -> Runtime:
     """This process's runtime for ``app`` (a forked pool child builds its own: sockets do not
     survive a fork)."""
     key = (os.getpid(), id(app))
     if key not in _runtimes:
-        _runtimes[key] = WorkerRuntime(app.rollout_settings, app.rollout_redis_url, app)
+        _runtimes[key] = Runtime(app.rollout_settings, app.rollout_redis_url, app)
     return _runtimes[key]

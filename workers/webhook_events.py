@@ -10,7 +10,6 @@ from typing import Any
 
 from celery import current_app
 
-from workers.batch_store import BatchStore
 from workers.job_store import TERMINAL
 from workers.job_view import public_job
 from workers.names import DELIVER_TASK, WEBHOOKS_QUEUE
@@ -39,7 +38,7 @@ def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) ->
         raise ValueError(f"{event_type!r} is not a batch event")
     owner, webhook = batch.get("owner"), batch.get("webhook")
     if owner is None or webhook is None:
-        stored_owner, stored_webhook = BatchStore(rt.redis, result_ttl=rt.settings.result_ttl).owner_and_webhook(
+        stored_owner, stored_webhook = rt.batches.owner_and_webhook(
             batch["id"])
         owner = owner if owner is not None else stored_owner or ""
         if webhook is None:

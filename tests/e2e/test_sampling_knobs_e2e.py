@@ -9,7 +9,7 @@ import torch
 
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 KNOBS = {"max_tokens": 16, "temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.2,
          "presence_penalty": -0.4, "min_tokens": 2, "top_logprobs": 3, "prompt_logprobs": 2}

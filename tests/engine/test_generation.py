@@ -11,7 +11,7 @@ import torch
 from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError
 from engine.generation import Engine, GenerationRequest
 from engine.items import MultimodalItem
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)
 

@@ -7,10 +7,11 @@ import shutil
 import pytest
 import torch
 
+from engine.checkpoints import weight_version_of
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.generation import Engine, GenerationRequest
-from engine.loading import load_model, weight_version_of
-from engine.sampling import SamplingParams
+from engine.loading import load_model
+from engine.sampling_params import SamplingParams
 
 
 def test_loaded_model_describes_the_demo_qwen2_vl(loaded):

@@ -17,7 +17,8 @@ from engine.decoding import RowDecoder
 from engine.detokenize import IncrementalText, decode_text
 from engine.errors import InvalidRequestError
 from engine.generation import Engine, GenerationRequest
-from engine.sampling import SamplingParams, choice_seed, sample_row
+from engine.sampling import choice_seed, sample_row
+from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 PROMPT = "User: what is in this photo?"

@@ -15,7 +15,7 @@ from engine.demo_model import IMAGE_ARCHS, build_demo_model
 from engine.errors import CapacityError
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerLimits, peak_cache_tokens
 from tests.engine.media_prompts import image_tokens
 

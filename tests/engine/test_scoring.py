@@ -7,7 +7,7 @@ import torch
 
 from engine.errors import ContextLengthError, InvalidRequestError
 from engine.generation import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 
 ATOL = 1e-4  # measured ~1e-6 on fp32 CPU

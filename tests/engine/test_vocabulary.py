@@ -8,7 +8,7 @@ import pytest
 
 from engine.errors import TokenIdOutOfRangeError
 from engine.generation import GenerationRequest
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 
 GREEDY = SamplingParams(max_tokens=2, temperature=0)

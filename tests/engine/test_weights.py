@@ -10,11 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.checkpoints import WeightsInvalidError
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
-from engine.sampling import SamplingParams
-from engine.weights import WeightsInvalidError, load_weights
+from engine.sampling_params import SamplingParams
+from engine.weights import load_weights
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from tests.web.conftest import KEY_B, auth
 from web import batches
-from workers.batch_progress import batch_store, record_lines
+from workers.batch_progress import record_lines
 from workers.batch_sweeps import cancel_lines
 from workers.lifecycle import end_job
 from workers.names import BATCHES_QUEUE
@@ -124,7 +124,7 @@ def test_invalid_lines_are_reported_by_number_and_do_not_fail_the_batch(make_bat
     assert errors[9]["error"]["code"] == "context_length_exceeded"
     assert errors[10]["error"]["code"] == "invalid_request"
     assert [e["line"] for e in batch["errors"]["data"]] == [2, 3, 4, 5, 6, 8, 9, 10, 12]
-    store = batch_store(client.application.extensions["rollout"])
+    store = client.application.extensions["rollout"].batches
     stored = [entry for page in store.iter_lines(batch["id"]) for entry in page]
     assert [(entry["line"], entry["custom_id"], entry["request"]["kind"]) for entry in stored] == [
         (1, "ok-1", "generate"), (11, "ok-2", "score")]
@@ -193,7 +193,7 @@ def test_partial_results_then_cancel_keeps_the_finished_lines(app, client, redis
     svc = app.extensions["rollout"]  # the API's services carry what a worker runtime does
     batch = upload(client, jsonl(*(line(f"r{n}") for n in range(1, 7)))).get_json()
     submit_chunk(svc, batch["id"], 0)
-    jobs = batch_store(svc).line_jobs(batch["id"], [1, 2, 3, 4, 5, 6])
+    jobs = svc.batches.line_jobs(batch["id"], [1, 2, 3, 4, 5, 6])
     end_job(svc, jobs[1], "succeeded", result=RESULT)
     end_job(svc, jobs[2], "succeeded", result=RESULT)
 
@@ -255,7 +255,7 @@ def test_only_a_valid_line_claims_its_custom_id(client):
     batch = upload(client, data).get_json()
     errors = {entry["line"]: entry["error"]["code"] for entry in download(client, batch["id"], "errors")}
     assert errors == {1: "invalid_request", 3: "duplicate_custom_id", 4: "invalid_request"}
-    store = batch_store(client.application.extensions["rollout"])
+    store = client.application.extensions["rollout"].batches
     stored = [(entry["line"], entry["custom_id"]) for page in store.iter_lines(batch["id"]) for entry in page]
     assert stored == [(2, "a"), (5, "b")]
 
@@ -275,5 +275,5 @@ def test_stored_batch_input_is_capped_per_key(make_batch_app):
     too_big = upload(client, jsonl(*(line(f"r{n}") for n in range(150))))
     assert too_big.status_code == 413 and too_big.get_json()["code"] == "batch_too_large"
 
-    batch_store(svc).release(first.get_json()["id"])  # the first batch ended: its input is gone
+    svc.batches.release(first.get_json()["id"])  # the first batch ended: its input is gone
     assert upload(client, file).status_code == 202

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from tests.web.conftest import auth
-from workers.batch_progress import batch_store, record_job_lines
+from workers.batch_progress import record_job_lines
 from workers.lifecycle import end_job
 from workers.names import PREPROCESS_QUEUE
 
@@ -180,7 +180,7 @@ def test_batch_output_lines_never_carry_nan(client):
     job = {"id": "job_x", "line": 1, "custom_id": "a", "batch_id": batch["id"], "status": "succeeded",
            "result": NAN_RESULT}
     record_job_lines(svc, [job])
-    [page] = list(batch_store(svc).iter_results(batch["id"], "output"))
+    [page] = list(svc.batches.iter_results(batch["id"], "output"))
     [entry] = [strict_loads(line) for line in page]
     assert entry["response"]["body"]["choices"][0]["logprobs"] == [None]
     listed = client.get(f"/v1/batches/{batch['id']}/output", headers=auth()).get_data(as_text=True)

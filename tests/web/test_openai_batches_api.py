@@ -9,7 +9,6 @@ import json
 
 from tests.web.conftest import auth
 from tests.web.test_batches_api import jsonl, line
-from workers.batch_progress import batch_store
 from workers.lifecycle import end_job
 from workers.tasks.batches import submit_chunk
 
@@ -74,7 +73,7 @@ def test_mixed_file_runs_valid_lines_and_writes_openai_results(client):
 
     svc = client.application.extensions["rollout"]
     submit_chunk(svc, batch["id"], 0)
-    jobs = batch_store(svc).line_jobs(batch["id"], [1, 8])
+    jobs = svc.batches.line_jobs(batch["id"], [1, 8])
     job = svc.jobs.get(jobs[1])
     assert job["request"]["sampling_params"]["max_tokens"] == 2 and job["request"]["sampling_params"]["logprobs"]
     end_job(svc, jobs[1], "succeeded", result=CHAT_RESULT)

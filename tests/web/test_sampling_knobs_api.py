@@ -29,7 +29,7 @@ def test_knobs_are_stored_and_reach_the_engines_params(client):
 
 
 def test_defaults_are_the_engines_defaults(client):
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     stored = client.application.extensions["rollout"].jobs.get(submit(client, {}).get_json()["id"])["request"]
     params, default = sampling_params(stored["sampling_params"]), SamplingParams()

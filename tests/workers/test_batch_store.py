@@ -12,14 +12,14 @@ import redis
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
 from workers.batch_creation import ParsedBatch, create_batch
-from workers.batch_progress import batch_store, record_job_lines
+from workers.batch_progress import record_job_lines
 from workers.batch_store import lines_key, output_key
 from workers.batch_sweeps import cancel_lines, expire
 from workers.celery_app import create_celery
 from workers.job_store import QueueFullError
 from workers.lifecycle import end_job, end_jobs, fail_job
 from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
-from workers.runtime import WorkerRuntime
+from workers.runtime import Runtime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk
 
@@ -41,10 +41,10 @@ def redis_client(batch_redis_url):
 
 @pytest.fixture
 def make_rt(batch_redis_url, redis_client, tmp_path):
-    def make(**overrides) -> WorkerRuntime:
+    def make(**overrides) -> Runtime:
         redis_client.flushdb()
         settings = Settings(state_dir=tmp_path, batch_chunk_size=4, **overrides)
-        return WorkerRuntime(settings, batch_redis_url, create_celery(settings, batch_redis_url))
+        return Runtime(settings, batch_redis_url, create_celery(settings, batch_redis_url))
 
     return make
 
@@ -65,20 +65,20 @@ def new_batch(rt, valid: int, invalid: int = 0, *, window: int = 3600, webhook=N
 
 
 def submit_all(rt, batch_id: str) -> list[dict]:
-    chunks = batch_store(rt).get(batch_id)["chunks"]
+    chunks = rt.batches.get(batch_id)["chunks"]
     for index in range(chunks):
         submit_chunk(rt, batch_id, index)
-    job_ids = batch_store(rt).line_jobs(batch_id, list(range(1, 1000)))
+    job_ids = rt.batches.line_jobs(batch_id, list(range(1, 1000)))
     return [rt.jobs.get(job_ids[n]) for n in sorted(job_ids)]
 
 
 def counts(rt, batch_id: str) -> tuple[str, int, int, int]:
-    batch = batch_store(rt).get(batch_id)
+    batch = rt.batches.get(batch_id)
     return batch["status"], batch["total"], batch["completed"], batch["failed"]
 
 
 def results(rt, batch_id: str, which: str) -> list[dict]:
-    return [json.loads(item) for page in batch_store(rt).iter_results(batch_id, which) for item in page]
+    return [json.loads(item) for page in rt.batches.iter_results(batch_id, which) for item in page]
 
 
 def test_create_stores_lines_and_queues_one_message_per_chunk(rt, redis_client):
@@ -88,7 +88,7 @@ def test_create_stores_lines_and_queues_one_message_per_chunk(rt, redis_client):
     assert batch["in_progress_at"] >= batch["created_at"] and batch["metadata"] == {"run": "t"}
     assert batch["expires_at"] == pytest.approx(batch["created_at"] + 3600)
     assert redis_client.llen(lines_key(batch["id"])) == 10
-    stored = batch_store(rt).get(batch["id"])
+    stored = rt.batches.get(batch["id"])
     assert stored["chunks"] == 3 and stored["chunk_size"] == 4
     # 3 chunk messages + the expiry check; no job exists yet.
     assert redis_client.llen(BATCHES_QUEUE) == 4
@@ -100,7 +100,7 @@ def test_chunk_creates_jobs_with_their_line_and_is_idempotent(rt, redis_client):
     assert submit_chunk(rt, batch["id"], 1) == 4
     assert submit_chunk(rt, batch["id"], 1) == 0  # a redelivered message creates nothing twice
     assert submit_chunk(rt, batch["id"], 2) == 2
-    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], list(range(1, 11))).values()]
+    jobs = [rt.jobs.get(job_id) for job_id in rt.batches.line_jobs(batch["id"], list(range(1, 11))).values()]
     assert sorted(int(job["line"]) for job in jobs) == [5, 6, 7, 8, 9, 10]
     job = next(job for job in jobs if job["line"] == "5")
     assert job["batch_id"] == batch["id"] and job["custom_id"] == "c5" and job["owner"] == OWNER
@@ -133,7 +133,7 @@ def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client)
     record_job_lines(rt, [rt.jobs.get(jobs[0]["id"])])
     assert counts(rt, batch["id"]) == ("in_progress", 7, 3, 3)
     assert end_job(rt, jobs[4]["id"], "succeeded", result=RESULT)
-    ended = batch_store(rt).get(batch["id"])
+    ended = rt.batches.get(batch["id"])
     assert (ended["status"], ended["completed"], ended["failed"]) == ("completed", 4, 3)
     assert ended["in_progress_at"] <= ended["finalizing_at"] <= ended["completed_at"]
     assert not redis_client.exists(lines_key(batch["id"]))
@@ -152,12 +152,12 @@ def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client)
 def test_cancel_keeps_finished_lines_and_waits_for_running_ones(rt, redis_client):
     batch = new_batch(rt, 10)
     submit_chunk(rt, batch["id"], 0)  # lines 1-4 get jobs; 5-10 never will
-    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4]).values()]
+    jobs = [rt.jobs.get(job_id) for job_id in rt.batches.line_jobs(batch["id"], [1, 2, 3, 4]).values()]
     jobs.sort(key=lambda job: int(job["line"]))
     end_job(rt, jobs[0]["id"], "succeeded", result=RESULT)
     rt.jobs.advance(jobs[1]["id"], "preprocessing")
     rt.jobs.advance(jobs[1]["id"], "generating")
-    assert batch_store(rt).move(batch["id"], "cancelling", from_=("in_progress",))
+    assert rt.batches.move(batch["id"], "cancelling", from_=("in_progress",))
 
     cancel_lines(rt, batch["id"])
     assert submit_chunk(rt, batch["id"], 1) == 0  # chunks that arrive later make no jobs
@@ -166,7 +166,7 @@ def test_cancel_keeps_finished_lines_and_waits_for_running_ones(rt, redis_client
     assert counts(rt, batch["id"]) == ("cancelling", 10, 1, 8)
 
     end_job(rt, jobs[1]["id"], "cancelled", result=RESULT)  # the GPU worker aborts it
-    ended = batch_store(rt).get(batch["id"])
+    ended = rt.batches.get(batch["id"])
     assert (ended["status"], ended["completed"], ended["failed"]) == ("cancelled", 1, 9)
     assert ended["cancelling_at"] <= ended["cancelled_at"]
     assert [line["custom_id"] for line in results(rt, batch["id"], "output")] == ["c1"]
@@ -184,7 +184,7 @@ def test_expiry_turns_unfinished_lines_into_errors(rt, redis_client):
     assert remaining is not None and 0 < remaining <= 1  # not due yet: check again later
     time.sleep(remaining + 0.05)
     assert expire(rt, batch["id"]) is None
-    ended = batch_store(rt).get(batch["id"])
+    ended = rt.batches.get(batch["id"])
     assert (ended["status"], ended["completed"], ended["failed"]) == ("expired", 1, 5)
     assert ended["expired_at"] >= ended["expires_at"]
     codes = {line["line"]: line["error"]["code"] for line in results(rt, batch["id"], "errors")}
@@ -203,12 +203,12 @@ def test_full_queue_pauses_a_chunk_without_failing_lines(make_rt):
     with pytest.raises(QueueFullError) as full:
         submit_chunk(rt, batch["id"], 0)
     assert full.value.headers["Retry-After"]
-    jobs = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4]).values()]
+    jobs = [rt.jobs.get(job_id) for job_id in rt.batches.line_jobs(batch["id"], [1, 2, 3, 4]).values()]
     assert len(jobs) == 3
     assert counts(rt, batch["id"]) == ("in_progress", 4, 0, 0)
     end_job(rt, jobs[0]["id"], "succeeded", result=RESULT)
     assert submit_chunk(rt, batch["id"], 0) == 1  # the retry carries on where it stopped
-    assert len(batch_store(rt).line_jobs(batch["id"], [1, 2, 3, 4])) == 4
+    assert len(rt.batches.line_jobs(batch["id"], [1, 2, 3, 4])) == 4
 
 
 def test_the_end_of_a_batch_makes_one_webhook_event(rt):
@@ -225,7 +225,7 @@ def test_the_end_of_a_batch_makes_one_webhook_event(rt):
 
 def test_listing_is_newest_first_with_a_cursor(rt):
     made = [new_batch(rt, 1)["id"] for _ in range(3)]
-    store = batch_store(rt)
+    store = rt.batches
     first, cursor = store.list(owner=OWNER, status=None, limit=2, cursor=None)
     rest, end = store.list(owner=OWNER, status=None, limit=2, cursor=cursor)
     assert [b["id"] for b in first + rest] == made[::-1] and end is None
@@ -239,9 +239,9 @@ def test_lines_the_service_cannot_run_end_the_batch_failed(rt, redis_client, cap
     assert submit_chunk(rt, batch["id"], 0) == 1
     assert "could not create jobs" in caplog.text
     assert counts(rt, batch["id"]) == ("in_progress", 2, 0, 1)
-    (job,) = [rt.jobs.get(job_id) for job_id in batch_store(rt).line_jobs(batch["id"], [1, 2]).values()]
+    (job,) = [rt.jobs.get(job_id) for job_id in rt.batches.line_jobs(batch["id"], [1, 2]).values()]
     end_job(rt, job["id"], "succeeded", result=RESULT)
-    ended = batch_store(rt).get(batch["id"])
+    ended = rt.batches.get(batch["id"])
     assert (ended["status"], ended["completed"], ended["failed"]) == ("failed", 1, 1)
     assert ended["failed_at"] >= ended["finalizing_at"]
     assert [line["error"]["code"] for line in results(rt, batch["id"], "errors")] == ["internal_error"]
@@ -250,7 +250,7 @@ def test_lines_the_service_cannot_run_end_the_batch_failed(rt, redis_client, cap
 def test_owner_and_webhook_read_without_the_whole_record(rt):
     hook = {"url": "https://hooks.example.com/batches", "events": ["batch.completed"]}
     with_hook, without = new_batch(rt, 1, webhook=hook), new_batch(rt, 1)
-    store = batch_store(rt)
+    store = rt.batches
     assert store.owner_and_webhook(with_hook["id"]) == (OWNER, hook)
     assert store.owner_and_webhook(without["id"]) == (OWNER, None)
     assert store.owner_and_webhook("batch_gone") == (None, None)

@@ -21,7 +21,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from workers.celery_app import create_celery
 from workers.job_store import JobStore, Limits
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
-from workers.runtime import WorkerRuntime
+from workers.runtime import Runtime
 from workers.settings import Settings
 from workers.tasks.webhooks import run_attempt
 from workers.webhook_events import emit_batch_event, emit_job_event
@@ -263,7 +263,7 @@ def celery_app(settings, webhook_redis_url):
 
 @pytest.fixture(scope="module")
 def rt(settings, webhook_redis_url, celery_app):
-    return WorkerRuntime(settings, webhook_redis_url, celery_app)
+    return Runtime(settings, webhook_redis_url, celery_app)
 
 
 def make_job(rt, *, status="succeeded", webhook=None, owner=OWNER) -> dict:
@@ -455,7 +455,7 @@ def test_redelivered_attempt_sends_again_with_the_same_id_but_a_duplicate_does_n
 def test_guard_refuses_loopback_without_outbound_allow_networks(settings, webhook_redis_url, celery_app, receiver):
     # The guard decision lives in the fetcher the delivery uses, so this drives the delivery body
     # directly with a runtime whose settings allow no internal networks.
-    blocked = WorkerRuntime(settings.replace(outbound_allow_networks=()), webhook_redis_url, celery_app)
+    blocked = Runtime(settings.replace(outbound_allow_networks=()), webhook_redis_url, celery_app)
     url = receiver.script("/blocked", [(200, {})])
     store = WebhookStore(blocked.redis, 600)
     event_id, _ = store.create(object_kind="job", object_id="job_blocked", owner=OWNER,
@@ -537,7 +537,7 @@ def test_attempts_that_time_out_or_cannot_connect_have_webhook_codes(settings, w
         hanging.listen()  # the kernel accepts the connection; nobody ever answers
         closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
         ports = {"timeout": hanging.getsockname()[1], "refused": closed.getsockname()[1]}
-        rt = WorkerRuntime(settings.replace(outbound_allowed_ports=tuple(ports.values()), webhook_timeout=0.5),
+        rt = Runtime(settings.replace(outbound_allowed_ports=tuple(ports.values()), webhook_timeout=0.5),
                            webhook_redis_url, celery_app)
         store = WebhookStore(rt.redis, 600)
         for name, code in (("timeout", "webhook_timeout"), ("refused", "webhook_connection_failed")):

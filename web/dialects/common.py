@@ -104,8 +104,8 @@ def media_url(value: Any, where: str) -> str:
 
 
 def tokenizer():
-    """The model's tokenizer (the processor's, loaded once per API process)."""
-    return services().processor.tokenizer
+    """The model's tokenizer, loaded once per API process."""
+    return services().tokenizer
 
 
 class TokenTexts:

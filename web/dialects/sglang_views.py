@@ -23,7 +23,6 @@ from web.schemas import StrictBoolean
 from web.services import services
 from workers.heartbeats import alive_workers
 from workers.models import model_id
-from workers.weights_store import WeightStore
 
 blp = Blueprint("sglang", __name__, description="SGLang's native API (/generate and its small routes)")
 install(blp, sglang_shape)
@@ -148,7 +147,7 @@ class AbortRequest(MethodView):
 
 def _weight_version() -> str | None:
     """The fleet's target version (POST /v1/weights), else what a live GPU worker serves."""
-    target = WeightStore(services().redis).target()
+    target = services().weight_store.target()
     if target is not None:
         return target.version
     gpu = alive_workers(services().redis).get("gpu") or {}

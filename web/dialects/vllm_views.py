@@ -45,7 +45,7 @@ class ChatRender(MethodView):
         svc = services()
         messages = [_with_media_urls(message, i) for i, message in enumerate(body["messages"])]
         rendered = render_on_worker(messages)
-        features = vllm.features_of(rendered["token_ids"], rendered["content_parts"], svc.processor.image_token_id)
+        features = vllm.features_of(rendered["token_ids"], rendered["content_parts"], svc.model_facts.image_token_id)
         return {"request_id": body.get("request_id"), "token_ids": rendered["token_ids"], "features": features,
                 "sampling_params": vllm.render_sampling(body), "model": served_model_name(), "stream": False}
 

@@ -26,7 +26,7 @@ import redis
 from celery import Celery, shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_progress import CANCELLED, EXPIRED, batch_store, job_entry, line_error, record_lines
+from workers.batch_progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
 from workers.batch_sweeps import cancel_lines, expire
 from workers.job_store import TERMINAL as JOB_TERMINAL
@@ -107,7 +107,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     Raises ``QueueFullError`` when a cap on unfinished jobs is reached (the lines created so far
     stay; the retry carries on after them).
     """
-    store = batch_store(rt)
+    store = rt.batches
     try:
         batch = store.get(batch_id)
     except NotFoundError:
@@ -154,7 +154,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
 
 def _cancel_if_stopped(rt, batch: dict, job_ids: list[str]) -> None:
     """A cancel or the expiry may have swept the batch while this chunk made jobs: cancel those."""
-    status = batch_store(rt).get(batch["id"])["status"]
+    status = rt.batches.get(batch["id"])["status"]
     if status == "in_progress":
         return
     reason = EXPIRED if status == "expired" else CANCELLED

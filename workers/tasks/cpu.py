@@ -18,7 +18,7 @@ import logging
 import time
 
 from celery import Task, shared_task
-from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
@@ -31,6 +31,7 @@ from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHAR
 from workers.prompt_codec import encode_prompt
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
+from workers.tasks.outage import requeued_while_redis_is_down
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,8 @@ class PreprocessTask(Task):
 
 @shared_task(name=PREPROCESS_TASK, bind=True, base=PreprocessTask)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
-    with job_context(job_id):
-        try:
-            _preprocess(self.app, job_id, retry_handles)
-        except REDIS_DOWN as exc:
-            # Celery acknowledges a failed task's message, and that ack (retried by the broker
-            # client) lands once Redis is back: the job would be stuck for good. Put the message
-            # back instead; the task is idempotent.
-            log.warning("job %s: Redis unavailable while preprocessing; message requeued", job_id)
-            raise Reject(exc, requeue=True) from exc
+    with job_context(job_id), requeued_while_redis_is_down(f"preprocessing job {job_id}"):
+        _preprocess(self.app, job_id, retry_handles)
 
 
 def _preprocess(app, job_id: str, retry_handles: bool) -> None:

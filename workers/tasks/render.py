@@ -11,13 +11,14 @@ import logging
 import time
 
 from celery import shared_task
-from celery.exceptions import Reject, SoftTimeLimitExceeded
+from celery.exceptions import SoftTimeLimitExceeded
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from workers.names import PREPROCESS_QUEUE, RENDER_TASK
 from workers.redis_client import REDIS_DOWN
 from workers.renders import answer_render, error_answer, request_key
 from workers.runtime import runtime
+from workers.tasks.outage import requeued_while_redis_is_down
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 @shared_task(name=RENDER_TASK, bind=True)
 def render(self, render_id: str) -> None:
     rt = runtime(self.app)
-    try:
+    with requeued_while_redis_is_down(f"render {render_id}"):
         raw = rt.redis.get(request_key(render_id))
         if raw is None:
             return  # the caller stopped waiting: nothing to do
@@ -41,8 +42,6 @@ def render(self, render_id: str) -> None:
             answer_render(rt.redis, render_id, _render(rt, request))
         finally:
             share.release(request["owner"], render_id, rt.publish)
-    except REDIS_DOWN as exc:
-        raise Reject(exc, requeue=True) from exc
 
 
 def _render(rt, request: dict) -> dict:

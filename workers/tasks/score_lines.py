@@ -15,10 +15,11 @@ from typing import Any
 from celery import shared_task
 
 from engine.errors import NotFoundError, RolloutError
-from workers.batch_progress import batch_store, line_error, record_lines
+from workers.batch_progress import line_error, record_lines
 from workers.batch_store import DIRECT_LINE
 from workers.names import SCORE_LINES_TASK
 from workers.runtime import runtime
+from workers.tasks.outage import requeued_while_redis_is_down
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,12 @@ def scorable_directly(request: dict[str, Any], model_facts) -> bool:
 @shared_task(name=SCORE_LINES_TASK, bind=True)
 def score_lines(self, batch_id: str, index: int) -> int:
     """Score the direct lines of chunk ``index`` not yet counted; how many were scored."""
-    rt = runtime(self.app)
-    store = batch_store(rt)
+    with requeued_while_redis_is_down(f"scoring chunk {index} of batch {batch_id}"):
+        return _score_chunk(runtime(self.app), batch_id, index)
+
+
+def _score_chunk(rt, batch_id: str, index: int) -> int:
+    store = rt.batches
     try:
         batch = store.get(batch_id)
     except NotFoundError:

@@ -9,8 +9,8 @@ Events are made by ``workers.webhook_events``.
   holds its share of the delivery threads is parked until one of the key's attempts ends.
 
 Crashes: tasks are acked late, so a worker killed mid-attempt leaves the message to be
-redelivered, and the redelivered message sends again with the same ``webhook-id`` (receivers
-dedupe by it, as the spec asks). Each attempt number is claimed by one Celery message (its task id
+redelivered, and a Redis outage puts it back (workers/tasks/outage.py). A redelivered message
+sends again with the same ``webhook-id`` (receivers dedupe by it, as the spec asks). Each attempt number is claimed by one Celery message (its task id
 survives redelivery), so a duplicated follow-up message cannot start a second retry chain.
 """
 
@@ -27,6 +27,7 @@ from engine.errors import NotFoundError
 from workers.metrics import count
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
+from workers.tasks.outage import requeued_while_redis_is_down
 from workers.webhook_events import emit_job_event, queue_attempt
 from workers.webhooks import (
     FINAL_STATES,
@@ -42,17 +43,22 @@ log = logging.getLogger(__name__)
 @shared_task(name=JOB_ENDED_TASK, bind=True)
 def job_ended(self, job_id: str) -> str | None:
     rt = runtime(self.app)
-    try:
-        job = rt.jobs.get(job_id)
-    except NotFoundError:
-        return None  # expired: nothing to report
-    return emit_job_event(rt, job, app=self.app)
+    with requeued_while_redis_is_down(f"the end of job {job_id}'s webhook"):
+        try:
+            job = rt.jobs.get(job_id)
+        except NotFoundError:
+            return None  # expired: nothing to report
+        return emit_job_event(rt, job, app=self.app)
 
 
 @shared_task(name=DELIVER_TASK, bind=True)
 def deliver(self, event_id: str, attempt: int = 1) -> str | None:
     """Attempt ``attempt`` of the event; the event's state afterwards (None when there is no event)."""
+    with requeued_while_redis_is_down(f"webhook {event_id} attempt {attempt}"):
+        return _deliver(self, event_id, attempt)
 
+
+def _deliver(self, event_id: str, attempt: int) -> str | None:
     rt = runtime(self.app)
     # A countdown longer than the broker's visibility timeout would be redelivered while it waits
     # (Redis hands unacknowledged messages to another worker): wait in hops, see run_attempt.

@@ -1,0 +1,172 @@
+"""A checkpoint directory on its own, without loading it: its version and its fit to a model.
+
+Free of torch (safetensors headers are read through numpy, config through transformers'
+``AutoConfig``), so the API checks a weights directory before it asks the workers to load it;
+``engine.weights`` checks all of it again, and more, when it swaps the tensors in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.errors import InvalidRequestError
+
+# What a weight version is computed from: weight files and the configs (not the tokenizer).
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+# Config fields that may differ between checkpoints of one model: bookkeeping, and the dtype the
+# checkpoint was saved in (tensors are converted to the loaded model's dtype anyway).
+_CONFIG_IGNORED = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype", "_commit_hash",
+                             "_attn_implementation_autoset"})
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_INDEX = "model.safetensors.index.json"
+
+
+class WeightsInvalidError(InvalidRequestError):
+    """The directory cannot be swapped into the loaded model; ``errors["problem"]`` says why."""
+
+    code = "weights_invalid"
+
+    def __init__(self, message: str, *, problem: str, **details: Any):
+        super().__init__(message, errors={"problem": problem, **details})
+        self.problem = problem
+
+
+def weight_version_of(directory: Path) -> str:
+    """A 16-hex-digit blake2b of the weight and config files (names and bytes).
+
+    Content, not mtimes: a rebuilt identical checkpoint keeps its version, and an RL weight
+    update that keeps every shape still changes it. It reads every weight byte (~1 s per GB).
+    """
+    files = sorted(
+        {p for pattern in _WEIGHT_PATTERNS for p in directory.glob(pattern)}
+        | {directory / name for name in _CONFIG_FILES if (directory / name).is_file()}
+    )
+    digest = hashlib.blake2b(digest_size=8)
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_checkpoint(directory: str | Path, reference: str | Path) -> None:
+    """Check ``directory`` against the model directory ``reference`` from config and safetensors
+    headers only (no tensor bytes, no model): what an API process can check before it asks the
+    workers to load. The workers' :func:`load_weights` checks all of it again, and more."""
+    from transformers import AutoConfig
+
+    directory, reference = Path(directory), Path(reference)
+    try:
+        reference_config = AutoConfig.from_pretrained(reference, local_files_only=True)
+    except (OSError, ValueError):
+        reference_config = None
+    if reference_config is not None:
+        check_config(reference_config.to_dict(), directory, architecture=(reference_config.architectures or [None])[0])
+    new = read_headers(directory)
+    if not reference.is_dir():
+        return  # a hub id: its tensors are compared by each worker against the loaded model
+    known = read_headers(reference)
+    for name, (_, shape, _) in new.items():
+        if name not in known:
+            raise WeightsInvalidError(f"tensor {name!r} is not a tensor of this model", problem="unexpected_tensor",
+                                      tensor=name)
+        if known[name][1] != shape:
+            raise WeightsInvalidError(
+                f"tensor {name!r} has shape {list(shape)}; the model's is {list(known[name][1])}",
+                problem="shape_mismatch", tensor=name, shape=list(shape), expected=list(known[name][1]))
+    missing = sorted(set(known) - set(new))
+    if missing:
+        raise WeightsInvalidError(f"the checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]!r}",
+                                  problem="missing_tensor", tensor=missing[0], missing=len(missing))
+
+
+def check_config(reference: Mapping[str, Any], directory: Path, *, architecture: str | None = None) -> None:
+    """Raise :class:`WeightsInvalidError` unless ``directory/config.json`` matches ``reference``
+    (a ``PretrainedConfig.to_dict()``) in every field that changes what the model computes."""
+    from transformers import AutoConfig
+
+    if not directory.is_dir():
+        raise WeightsInvalidError("the weights path is not a directory", problem="not_a_directory")
+    if not (directory / "config.json").is_file():
+        raise WeightsInvalidError("the weights directory has no config.json", problem="no_config")
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        raise WeightsInvalidError("the weights directory's config.json cannot be read", problem="bad_config") from None
+    if config.get("model_type") != reference.get("model_type"):
+        raise WeightsInvalidError(
+            f"the weights are a {config.get('model_type')!r} model; this model is {reference.get('model_type')!r}",
+            problem="architecture_mismatch")
+    declared = config.get("architectures") or []
+    if architecture and declared and architecture not in declared:
+        raise WeightsInvalidError(f"the weights are for {declared[0]!r}; this model is {architecture!r}",
+                                  problem="architecture_mismatch")
+    differing = sorted(_differences(_without_ignored(reference), _without_ignored(config)))
+    if differing:
+        raise WeightsInvalidError(f"the weights' config differs from the model's in {', '.join(differing[:5])}",
+                                  problem="config_mismatch", fields=differing[:20])
+
+
+def read_headers(directory: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """``{checkpoint tensor name: (file name, shape, safetensors dtype)}`` from the headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    files = safetensors_files(directory)
+    headers: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                for name in handle.keys():
+                    if name in headers:
+                        raise WeightsInvalidError(f"tensor {name!r} is in two files", problem="duplicate_tensor",
+                                                  tensor=name)
+                    part = handle.get_slice(name)
+                    headers[name] = (path.name, tuple(part.get_shape()), part.get_dtype())
+        except (SafetensorError, OSError):
+            raise WeightsInvalidError(f"{path.name} is not a readable safetensors file", problem="bad_file",
+                                      file=path.name) from None
+    return headers
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every ``*.safetensors``."""
+    index = directory / _INDEX
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise WeightsInvalidError(f"{_INDEX} cannot be read", problem="bad_index") from None
+        files = [directory / name for name in names]
+        if any(Path(name).name != name or not path.is_file() for name, path in zip(names, files, strict=True)):
+            raise WeightsInvalidError(f"{_INDEX} names a file the directory lacks", problem="bad_index")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickled = any(directory.glob(pattern) for pattern in _PICKLE_PATTERNS)
+        raise WeightsInvalidError(
+            "the weights directory has pickle checkpoints only; save with safetensors" if pickled
+            else "the weights directory has no safetensors files", problem="no_safetensors")
+    return files
+
+
+def _without_ignored(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in config.items() if key not in _CONFIG_IGNORED}
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> set[str]:
+    """Dotted names of the fields where two config dicts differ (sub-configs compared field by field)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out: set[str] = set()
+        for key in set(a) | set(b):
+            if key in _CONFIG_IGNORED:
+                continue
+            out |= _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return set() if a == b else {prefix.rstrip(".")}

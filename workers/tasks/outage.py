@@ -1,0 +1,29 @@
+"""What a task does when Redis goes away under it: its message goes back to the queue.
+
+Celery acknowledges the message of a task that raised, and that ack (retried by the broker client)
+lands once Redis is back: the work (a job, a webhook delivery) would be lost for good. Rejecting
+with requeue puts the message back instead (or, while Redis is still away, leaves it
+unacknowledged for kombu to restore); every task is idempotent, so running it again is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from celery.exceptions import Reject
+
+from workers.redis_client import REDIS_DOWN
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def requeued_while_redis_is_down(what: str) -> Iterator[None]:
+    """Run a task's body; on a Redis outage, log ``what`` was interrupted and requeue the message."""
+    try:
+        yield
+    except REDIS_DOWN as exc:
+        log.warning("Redis unavailable during %s; message requeued (%s)", what, exc.__class__.__name__)
+        raise Reject(exc, requeue=True) from exc
