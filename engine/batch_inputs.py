@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError, check_token_ids
-from engine.items import MultimodalItem
+from engine.items import MultimodalItem, placeholder_range
 from engine.loading import LoadedModel
 from engine.model_inputs import build_mm_kwargs
 
@@ -148,19 +148,18 @@ def _to_device(value: torch.Tensor, loaded: LoadedModel, name: str = "") -> torc
 def placeholder_ranges(
     loaded: LoadedModel, token_ids: Sequence[int], items: Sequence[MultimodalItem] = ()
 ) -> list[dict]:
-    """Media placeholder ranges ``[{modality, offset: [start, end)}]`` of a prompt: the items'
-    own offsets when given, else the runs of the model's media token ids."""
+    """Media placeholder ranges of a prompt (``engine.items.placeholder_range``): the items' own
+    offsets when given, else the runs of the model's media token ids."""
     if items:
-        return [{"modality": item.modality, "offset": list(item.offset)} for item in items]
+        return [placeholder_range(item.modality, *item.offset) for item in items]
     modality_of = {token_id: modality for modality, token_id in loaded.media_token_ids.items()}
-    ranges: list[dict] = []
+    runs: list[list] = []  # [modality, start, end]
     for pos, token in enumerate(token_ids):
         modality = modality_of.get(token)
         if modality is None:
             continue
-        last = ranges[-1] if ranges else None
-        if last is not None and last["modality"] == modality and last["offset"][1] == pos:
-            last["offset"][1] = pos + 1
+        if runs and runs[-1][0] == modality and runs[-1][2] == pos:
+            runs[-1][2] = pos + 1
         else:
-            ranges.append({"modality": modality, "offset": [pos, pos + 1]})
-    return ranges
+            runs.append([modality, pos, pos + 1])
+    return [placeholder_range(*run) for run in runs]

@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 
+def placeholder_range(modality: str, start: int, end: int) -> dict[str, Any]:
+    """A media placeholder run ``[start, end)`` in the one shape results report it in:
+    ``{"modality", "offset": start, "length"}``."""
+    return {"modality": modality, "offset": start, "length": end - start}
+
+
 @dataclass
 class MultimodalItem:
     modality: str  # "image" | "video" | "audio"

@@ -38,7 +38,7 @@ from engine.errors import (
     PlaceholderMismatchError,
     check_token_ids,
 )
-from engine.items import MultimodalItem
+from engine.items import MultimodalItem, placeholder_range
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
 from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
@@ -96,10 +96,7 @@ def preprocess(
     return ProcessedPrompt(
         prompt_token_ids=token_ids,
         items=items,
-        placeholder_ranges=[
-            {"modality": item.modality, "offset": item.offset[0], "length": item.num_placeholders}
-            for item in items
-        ],
+        placeholder_ranges=[placeholder_range(item.modality, *item.offset) for item in items],
         timings=run.timings,
         cache_hits=run.cache_hits,
     )

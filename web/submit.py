@@ -10,6 +10,7 @@ from engine.errors import ContextLengthError, InvalidRequestError, check_token_i
 from web.auth import current_owner
 from web.services import services
 from workers.gpu_limits import scheduler_limits
+from workers.job_request import JobRequest
 from workers.submission import submit_job
 
 
@@ -64,5 +65,7 @@ def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
 
 
 def submit(request: dict[str, Any]) -> dict[str, Any]:
+    """Check the validated ``request`` against the limits, type it, store and enqueue its job."""
     svc = services()
-    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=check_limits(request), model=svc.model_facts)
+    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=JobRequest.from_dict(check_limits(request)),
+                      model=svc.model_facts)

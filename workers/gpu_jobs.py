@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
 from typing import Any
 
 from engine.errors import HandleUnavailableError, RolloutError
+from workers.job_request import JobRequest
+from workers.job_results import engine_result
 from workers.job_store import TERMINAL
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.metrics import count, observe_stage
@@ -79,7 +80,7 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     started = time.perf_counter()
     try:
         outputs = engine.score([
-            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=job["request"]["completion_token_ids"],
+            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids,
                          items=prompt.items)
             for job, prompt in group
         ])
@@ -117,25 +118,6 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         fail_unexpected(rt, job_id, "generating")
 
 
-def sampling_params(params: dict[str, Any]):
-    """The engine's SamplingParams from a stored request's ``sampling_params``: every key the
-    API accepts has a field (a job stored before a knob existed gets that knob's default)."""
-    from engine.sampling_params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=params["max_tokens"], temperature=params["temperature"], top_p=params["top_p"],
-        top_k=max(params["top_k"], 0), min_p=params["min_p"], n=params["n"], seed=params.get("seed"),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()), ignore_eos=params["ignore_eos"],
-        logprobs=params["logprobs"],
-        **{name: params[name] for name in _SAMPLING_KNOBS if name in params},
-    )
-
-
-_SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
-                   "presence_penalty", "top_logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
-                   "spaces_between_special_tokens")
-
-
 def requeue_generate(rt, job_id: str, prompt) -> None:
     """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
     on the new weights; its feature handles stay held on this node."""
@@ -150,23 +132,10 @@ def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size:
     not cancelled: it ended early with its tokens so far)."""
     timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
                "batch_size": batch_size}
-    result: dict[str, Any] = {
-        "prompt_token_ids": prompt.token_ids,
-        "placeholder_ranges": prompt.placeholder_ranges,
-        "weight_version": engine.weight_version,
-        "timings": timings,
-        "transport": prompt.transport,
-        # Where the prompt was preprocessed and where it was generated (handles never cross nodes).
-        "nodes": {"preprocess": prompt.node_id, "generate": rt.settings.node_id},
-    }
-    status = "succeeded"
-    if job["kind"] == "score":
-        result.update(completion_logprobs=output.logprobs, usage=output.usage)
-    else:
-        choices = [asdict(choice) for choice in output.choices]
-        result.update(choices=choices, usage=output.usage, cached_tokens=output.cached_tokens)
-        if output.prompt_logprobs is not None:
-            result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
-        if any(choice["finish_reason"] == "abort" for choice in choices) and not stopped_by_weights:
-            status = "cancelled"
-    return job, status, {"result": result}
+    result = engine_result(output, kind=job["kind"], prompt_token_ids=prompt.token_ids,
+                           placeholder_ranges=prompt.placeholder_ranges, weight_version=engine.weight_version,
+                           transport=prompt.transport, timings=timings,
+                           # Handles never cross nodes: where the prompt was preprocessed and where it ran.
+                           nodes={"preprocess": prompt.node_id, "generate": rt.settings.node_id})
+    aborted = any(choice["finish_reason"] == "abort" for choice in result.get("choices", ()))
+    return job, "cancelled" if aborted and not stopped_by_weights else "succeeded", {"result": result}

@@ -30,7 +30,8 @@ import redis
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
 from workers.gpu_batching import REQUEUE
-from workers.gpu_jobs import ending, open_jobs, requeue_generate, run_score_jobs, sampling_params
+from workers.gpu_jobs import ending, open_jobs, requeue_generate, run_score_jobs
+from workers.job_request import JobRequest
 from workers.lifecycle import end_jobs, fail_job
 from workers.metrics import count, observe_stage
 from workers.prompt_codec import release_prompt
@@ -153,10 +154,10 @@ class GenerateSession:
         generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
         attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
         for (job, prompt), attempt in zip(generating, attempts, strict=True):
-            request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                                        sampling=sampling_params(job["request"]["sampling_params"]),
-                                        enqueued_at=job["created_at"], cache_scope=job["owner"])
             try:
+                request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                                            sampling=JobRequest.from_dict(job["request"]).sampling,
+                                            enqueued_at=job["created_at"], cache_scope=job["owner"])
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 fail_job(rt, job["id"], _job_error(job, error))

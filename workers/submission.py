@@ -9,13 +9,14 @@ import redis
 from celery import Celery
 
 from engine.errors import ServiceUnavailableError
+from workers.job_request import JobRequest
 from workers.job_store import JobStore
 from workers.models import ModelFacts
 from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.prompt_codec import text_prompt
 
 
-def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str, Any],
+def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobRequest,
                extra: dict[str, str] | None = None, model: ModelFacts | None = None) -> dict[str, Any]:
     """Create the job and enqueue its first task; returns the stored job record.
 
@@ -23,16 +24,15 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: dict[str
     trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
     hop. Everything else is preprocessed by a CPU worker first.
     """
-    token_ids = request.get("token_ids")
-    plain = bool(model is not None and token_ids and not request.get("content_parts")
-                 and not request.get("features") and model.is_plain_text(token_ids))
+    token_ids = request.token_ids
+    plain = bool(model is not None and token_ids and not request.has_media and model.is_plain_text(token_ids))
     job = store.create(
         owner=owner,
-        kind=request.get("kind", "generate"),
-        request=request,
-        request_id=request.get("request_id"),
-        webhook=request.get("webhook"),
-        metadata=request.get("metadata"),
+        kind=request.kind,
+        request=request.to_record(),
+        request_id=request.request_id,
+        webhook=request.webhook,
+        metadata=request.metadata,
         extra=extra,
         prompt=json.dumps(text_prompt(token_ids)) if plain else None,
     )

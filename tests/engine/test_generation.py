@@ -241,7 +241,7 @@ def test_image_prompt_generates_and_items_match_mm_kwargs(engine, prompts):
     assert image["pixel_values"].shape == (16, 1176)
     assert tokens(by_kwargs) == tokens(by_items)
     assert by_kwargs.placeholder_ranges == by_items.placeholder_ranges == [
-        {"modality": "image", "offset": [start, start + 4]}]
+        {"modality": "image", "offset": start, "length": 4}]
     assert by_kwargs.choices[0].logprobs != red_vs_blue.choices[0].logprobs  # the image is seen
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from web.schemas import SamplingParamsSchema
+from workers.job_request import JobRequest
 from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
 from workers.submission import submit_job
 
@@ -24,7 +25,8 @@ def plant_job(jobs, celery, facts, owner: str, **request) -> str:
     """A job with ids the API would refuse: submitted as if the vocabulary were huge, so plain token
     ids go straight to the GPU queue."""
     trusting = dataclasses.replace(facts, vocab_size=10**9)
-    return submit_job(jobs, celery, owner=owner, request=stored_request(**request), model=trusting)["id"]
+    return submit_job(jobs, celery, owner=owner, request=JobRequest.from_dict(stored_request(**request)),
+                      model=trusting)["id"]
 
 
 def plant_mismatched_image_job(jobs, celery, owner: str, *, processor, fetcher, image_url: str) -> str:

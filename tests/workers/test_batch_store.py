@@ -11,6 +11,7 @@ import redis
 
 from engine.errors import ContextLengthError
 from tests.conftest import db_url
+from tests.workers.bad_rows import stored_request
 from workers.batch_creation import ParsedBatch, create_batch
 from workers.batch_progress import record_job_lines
 from workers.batch_store import lines_key, output_key
@@ -57,7 +58,7 @@ def rt(make_rt):
 def new_batch(rt, valid: int, invalid: int = 0, *, window: int = 3600, webhook=None) -> dict:
     parsed = ParsedBatch(total=valid + invalid)
     for n in range(1, valid + 1):
-        request = {"kind": "generate", "token_ids": [1, 2, n], "sampling_params": {"max_tokens": 2}}
+        request = stored_request(token_ids=[1, 2, n], sampling_params={"max_tokens": 2})  # as the API stores lines
         parsed.valid.append(json.dumps({"line": n, "custom_id": f"c{n}", "request": request}))
     for n in range(valid + 1, valid + invalid + 1):
         parsed.invalid.append({"custom_id": f"c{n}", "line": n, "error": {"code": "invalid_json", "message": "x"}})

@@ -10,8 +10,10 @@ import json
 import pytest
 
 from tests.conftest import empty_db_url
+from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
 from workers.gpu_jobs import open_jobs
+from workers.job_request import JobRequest
 from workers.lifecycle import resume_followups
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
@@ -32,8 +34,8 @@ def app(redis_url, tmp_path):
 
 def ended_without_followups(rt, **request) -> str:
     """A job as Redis holds it when the outage hit right after the end: ended, nothing queued."""
-    job = submit_job(rt.jobs, rt.celery, owner=OWNER, request={
-        "kind": "generate", "token_ids": [100, 101], "sampling_params": {"max_tokens": 1}, **request})
+    job = submit_job(rt.jobs, rt.celery, owner=OWNER, request=JobRequest.from_dict(stored_request(
+        token_ids=[100, 101], sampling_params={"max_tokens": 1}, **request)))
     assert rt.jobs.advance(job["id"], "succeeded", owner=OWNER, result=RESULT)
     return job["id"]
 
@@ -71,7 +73,7 @@ def test_followups_are_not_counted_again(app):
     resume_followups(rt, [rt.jobs.get(job_id)])
     assert rt.redis.hgetall("rq:metrics:jobs_ended") == ended_before
     # A job still running has no follow-ups to redo.
-    running = submit_job(rt.jobs, rt.celery, owner=OWNER, request={
-        "kind": "generate", "token_ids": [100], "sampling_params": {"max_tokens": 1}, "webhook": HOOK})
+    running = submit_job(rt.jobs, rt.celery, owner=OWNER, request=JobRequest.from_dict(stored_request(
+        token_ids=[100], sampling_params={"max_tokens": 1}, webhook=HOOK)))
     resume_followups(rt, [rt.jobs.get(running["id"])])
     assert queued_webhook_jobs(rt) == [job_id]

@@ -18,6 +18,7 @@ from tests.conftest import empty_db_url
 from tests.workers.bad_rows import plant_job, plant_mismatched_image_job, stored_request
 from workers.celery_app import create_celery
 from workers.gpu_session import GenerateSession
+from workers.job_request import JobRequest
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
@@ -67,7 +68,7 @@ def image_data_url() -> str:
 
 
 def submit(rt, request: dict, owner: str = KEY_B) -> str:
-    return submit_job(rt.jobs, rt.celery, owner=owner, request=request, model=rt.model_facts)["id"]
+    return submit_job(rt.jobs, rt.celery, owner=owner, request=JobRequest.from_dict(request), model=rt.model_facts)["id"]
 
 
 def outcome(job: dict):

@@ -10,8 +10,10 @@ import json
 import pytest
 
 from tests.conftest import empty_db_url
+from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
 from workers.job_reaper import JobReaper
+from workers.job_request import JobRequest
 from workers.job_store import UNFINISHED_KEY
 from workers.names import (
     GENERATE_TASK,
@@ -45,6 +47,10 @@ def new_job(rt, prompt: dict | None = None) -> str:
                           prompt=json.dumps(prompt) if prompt else None)["id"]
 
 
+def prompt_request(prompt: str) -> JobRequest:
+    return JobRequest.from_dict(stored_request(prompt=prompt))
+
+
 def queued(rt, queue: str) -> list[tuple[str, str, dict]]:
     """(task, job id, kwargs) of each message waiting in ``queue``, oldest first."""
     found = []
@@ -75,13 +81,13 @@ def test_a_job_found_again_before_the_second_sweep_is_not_queued_twice(rt, reape
 
 
 def test_jobs_with_a_queued_message_are_left_alone(rt, reaper):
-    job_ids = [submit_job(rt.jobs, rt.celery, owner=OWNER, request={"prompt": f"p{i}"})["id"] for i in range(3)]
+    job_ids = [submit_job(rt.jobs, rt.celery, owner=OWNER, request=prompt_request(f"p{i}"))["id"] for i in range(3)]
     assert reaper.sweep() == [] and reaper.sweep() == []
     assert [job_id for _, job_id, _ in queued(rt, PREPROCESS_QUEUE)] == job_ids
 
 
 def test_a_job_whose_message_a_worker_holds_unacknowledged_is_left_alone(rt, reaper):
-    job_id = submit_job(rt.jobs, rt.celery, owner=OWNER, request={"prompt": "held"})["id"]
+    job_id = submit_job(rt.jobs, rt.celery, owner=OWNER, request=prompt_request("held"))["id"]
     with rt.celery.connection_for_read() as connection:
         channel = connection.channel()
         held = channel.basic_get(PREPROCESS_QUEUE, no_ack=False)  # recorded in kombu's unacked hash

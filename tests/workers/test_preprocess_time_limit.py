@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import empty_db_url
+from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
+from workers.job_request import JobRequest
 from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
 from workers.settings import Settings
@@ -34,7 +36,7 @@ def queued_request(app) -> PreprocessRequest:
 
 
 def submit(rt) -> str:
-    request = {"kind": "generate", "prompt": "hello", "sampling_params": {"max_tokens": 1}}
+    request = JobRequest.from_dict(stored_request(prompt="hello", sampling_params={"max_tokens": 1}))
     return submit_job(rt.jobs, rt.celery, owner=OWNER, request=request)["id"]
 
 

@@ -29,6 +29,7 @@ from engine.errors import NotFoundError
 from workers.batch_progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
 from workers.batch_sweeps import cancel_lines, expire
+from workers.job_request import JobRequest
 from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
 from workers.lifecycle import cancel_job
@@ -132,7 +133,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
             extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
             if line.get("reply"):  # how the API renders this line's result (OpenAI-format lines)
                 extra["reply"] = json.dumps(line["reply"], separators=(",", ":"))
-            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=line["request"], extra=extra,
+            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=JobRequest.from_dict(line["request"]), extra=extra,
                              model=rt.model_facts)
             store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
             created[line["line"]] = job["id"]

@@ -23,6 +23,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
+from workers.job_request import JobRequest
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
 from workers.logs import job_context
@@ -91,7 +92,7 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()
     try:
-        processed = run_processor(rt, job["request"], owner=job["owner"])
+        processed = run_processor(rt, JobRequest.from_dict(job["request"]), owner=job["owner"])
     except SoftTimeLimitExceeded:
         fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"))
         return
@@ -115,11 +116,11 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
     app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
 
 
-def run_processor(rt, request: dict, *, owner: str):
+def run_processor(rt, request: JobRequest, *, owner: str):
     """``owner``: the job's API key id; the multimodal cache's uuid entries are private to it."""
     from processors.pipeline import preprocess as preprocess_request
 
     return preprocess_request(
-        request, processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
+        request.processor_input(), processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
         limits=rt.processing_limits, owner=owner,
     )

@@ -17,6 +17,8 @@ from celery import shared_task
 from engine.errors import NotFoundError, RolloutError
 from workers.batch_progress import line_error, record_lines
 from workers.batch_store import DIRECT_LINE
+from workers.job_request import JobRequest
+from workers.job_results import engine_result
 from workers.names import SCORE_LINES_TASK
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def scorable_directly(request: dict[str, Any], model_facts) -> bool:
+    """Whether a stored batch line scores without a job: plain token ids, no media."""
     return (isinstance(request, dict) and request.get("kind") == "score" and not request.get("content_parts") and not request.get("features")
             and bool(request.get("token_ids")) and model_facts.is_plain_text(request["token_ids"])
             and model_facts.is_plain_text(request["completion_token_ids"]))
@@ -60,8 +63,9 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
 def _score(engine, lines: list[dict]) -> list[tuple[int, bool, dict]]:
     from engine.scoring import ScoreRequest
 
-    requests = [ScoreRequest(prompt_token_ids=line["request"]["token_ids"],
-                             completion_token_ids=line["request"]["completion_token_ids"]) for line in lines]
+    typed = [JobRequest.from_dict(line["request"]) for line in lines]
+    requests = [ScoreRequest(prompt_token_ids=request.token_ids, completion_token_ids=request.completion_token_ids)
+                for request in typed]
     started = time.perf_counter()
     try:
         results = engine.score(requests)
@@ -77,10 +81,9 @@ def _score(engine, lines: list[dict]) -> list[tuple[int, bool, dict]]:
     elapsed = time.perf_counter() - started
     entries = []
     for line, result in zip(lines, results, strict=True):
-        body = {"prompt_token_ids": result.prompt_token_ids, "placeholder_ranges": [],
-                "completion_logprobs": result.logprobs, "usage": result.usage,
-                "weight_version": result.weight_version, "transport": "inline",
-                "timings": {**result.timings, "score": elapsed, "batch_size": len(lines)}}
+        body = engine_result(result, kind="score", prompt_token_ids=result.prompt_token_ids, placeholder_ranges=[],
+                             weight_version=result.weight_version, transport="inline",
+                             timings={**result.timings, "score": elapsed, "batch_size": len(lines)})
         entries.append((line["line"], True, {"custom_id": line["custom_id"], "line": line["line"],
                                              "response": {"status_code": 200, "body": body}}))
     return entries
