@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError, check_token_ids
+from engine.errors import InvalidRequestError, PlaceholderMismatchError, check_token_ids
 from engine.items import MultimodalItem, placeholder_range
 from engine.loading import LoadedModel
 from engine.model_inputs import build_mm_kwargs
+from engine.request_rules import check_context
 
 # Per-token inputs the engine builds itself from the token ids; a caller's copy is not collated.
 _PER_TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "mm_token_type_ids"})
@@ -46,13 +47,7 @@ def check_prompt(loaded: LoadedModel, prompt_token_ids: Sequence[int], new_token
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
     check_vocabulary(loaded, prompt_token_ids, "prompt_token_ids")
-    limit = loaded.max_context_length
-    if limit is not None and len(prompt_token_ids) + new_tokens > limit:
-        raise ContextLengthError(
-            f"prompt ({len(prompt_token_ids)} tokens) + {new_tokens} new tokens exceeds the model's "
-            f"context of {limit} tokens",
-            errors={"prompt_tokens": len(prompt_token_ids), "max_tokens": new_tokens, "max_context": limit},
-        )
+    check_context(len(prompt_token_ids), new_tokens, loaded.max_context_length)
 
 
 def check_vocabulary(loaded: LoadedModel, token_ids: Sequence[int], field: str) -> None:

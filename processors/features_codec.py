@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.errors import InvalidRequestError, PayloadTooLargeError
+from engine.errors import PayloadTooLargeError
+from engine.request_rules import check_media_count
 from processors.base import Features, MultimodalProcessor
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
 
@@ -55,8 +56,7 @@ def decode_features(entries: Any, processor: MultimodalProcessor, *, max_items: 
     ``max_items`` entries and ``max_bytes`` of tensors in all."""
     if not isinstance(entries, list) or not entries:
         raise InvalidFeaturesError("features must be a non-empty list", errors={"path": "features"})
-    if len(entries) > max_items:
-        raise InvalidRequestError(f"{len(entries)} feature entries, more than the limit of {max_items}")
+    check_media_count(len(entries), max_items, "feature entries")
     budget = max_bytes
     decoded = []
     for i, entry in enumerate(entries):

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import (
-    ContextLengthError,
     InvalidRequestError,
     MediaError,
     PlaceholderMismatchError,
     check_token_ids,
 )
 from engine.items import MultimodalItem, placeholder_range
+from engine.request_rules import check_context, check_media_count, check_prompt_input
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
 from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
@@ -140,12 +140,8 @@ class _Run:
         self, request: Mapping[str, Any], *, add_special_tokens: bool
     ) -> tuple[list[int], list[MultimodalItem]]:
         """Expanded token ids and unfinalized items (bundles) of ``request``."""
-        has_tokens, has_prompt = request.get("token_ids") is not None, request.get("prompt") is not None
-        if has_tokens == has_prompt:
-            raise InvalidRequestError("give exactly one of token_ids and prompt")
-        has_features = request.get("features") is not None
-        if request.get("content_parts") and has_features:
-            raise InvalidRequestError("content_parts and features are mutually exclusive")
+        check_prompt_input(request)
+        has_tokens, has_features = request.get("token_ids") is not None, request.get("features") is not None
         if has_features:
             media = [
                 _Media(part=i, modality="image", features=f)
@@ -179,11 +175,7 @@ class _Run:
         return ids, self._bundles(media, bundles, offsets)
 
     def _check_length(self, ids: list[int]) -> None:
-        if len(ids) > self.limits.max_prompt_tokens:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens with its media placeholders expanded, "
-                f"more than the limit of {self.limits.max_prompt_tokens}"
-            )
+        check_context(len(ids), 0, self.limits.max_prompt_tokens, prompt="prompt with its media placeholders expanded")
 
     def store(self, items: list[MultimodalItem]) -> None:
         """Put freshly processed per-image features into the cache (finalize's before_wrap)."""
@@ -198,8 +190,7 @@ class _Run:
     # --- media -------------------------------------------------------------------------------
 
     def _collect(self, parts: Sequence[Mapping[str, Any]]) -> list[_Media]:
-        if len(parts) > self.limits.max_items:
-            raise InvalidRequestError(f"{len(parts)} content parts, more than the limit of {self.limits.max_items}")
+        check_media_count(len(parts), self.limits.max_items)
         media = []
         for i, part in enumerate(parts):
             modality = _PART_MODALITY.get(part.get("type"))

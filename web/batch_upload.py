@@ -13,6 +13,7 @@ from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
 from engine.errors import InvalidRequestError, RolloutError
+from engine.request_rules import check_metadata
 from web.auth import current_owner
 from web.batch_schemas import BatchLineSchema, BatchParamsSchema, FileBatchSchema
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
@@ -161,9 +162,7 @@ def load_params(params: dict[str, str], settings) -> dict[str, Any]:
 
 def _check_options(settings, window_text: str | None, metadata: dict | None) -> dict[str, Any]:
     window = settings.batch_completion_window if window_text is None else _parse_window(window_text)
-    if metadata is not None and len(json.dumps(metadata)) > settings.max_metadata_bytes:
-        raise InvalidRequestError(f"metadata must be at most {settings.max_metadata_bytes} bytes as JSON",
-                                  errors={"metadata": ["too large"]})
+    check_metadata(metadata, settings.max_metadata_bytes)
     return {"completion_window": window, "metadata": metadata}
 
 

@@ -13,12 +13,12 @@ from flask.views import MethodView
 from marshmallow import Schema, fields, validate
 
 from engine.errors import RateLimitedError
+from engine.request_rules import check_media_count
 from processors.chat_messages import template_messages
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schemas import ContentPartSchema
 from web.services import services
-from web.submit import TooManyContentPartsError
 from workers.fair_share import KeyShare
 from workers.heartbeats import any_alive
 from workers.job_store import new_id
@@ -49,10 +49,7 @@ def render_on_worker(messages: list[dict[str, Any]]) -> dict[str, Any]:
     svc = services()
     settings = svc.settings
     _, parts = template_messages(messages)  # malformed messages: 422 before queueing
-    if len(parts) > settings.max_content_parts:
-        raise TooManyContentPartsError(
-            f"{len(parts)} media parts; at most {settings.max_content_parts} are accepted"
-        )
+    check_media_count(len(parts), settings.max_content_parts, "media parts")
     if not any_alive(svc.redis, "cpu"):
         raise NoRenderWorkerError("no CPU worker is running to render; retry shortly", headers={"Retry-After": "5"})
     owner = current_owner()

@@ -11,6 +11,7 @@ from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
+from engine.request_rules import prompt_input_problem
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 JOB_KINDS = ("generate", "score")
@@ -164,10 +165,9 @@ class JobRequestSchema(Schema):
 
     @validates_schema
     def consistent(self, data: dict, **_) -> None:
-        if ("token_ids" in data) == ("prompt" in data):
-            raise ValidationError("give exactly one of token_ids or prompt", "token_ids")
-        if data.get("content_parts") and data.get("features"):
-            raise ValidationError("content_parts and features are mutually exclusive: send one", "features")
+        if problem := prompt_input_problem(data):
+            field, message = problem
+            raise ValidationError(message, field)
         if data["kind"] == "score" and "completion_token_ids" not in data:
             raise ValidationError("required when kind is score", "completion_token_ids")
         if data["kind"] == "generate" and "completion_token_ids" in data:

@@ -10,6 +10,7 @@ import torch
 
 from engine.errors import ContextLengthError, InvalidRequestError, WrappedFeatureAccessError
 from engine.model_inputs import build_mm_kwargs
+from engine.request_rules import TooManyContentPartsError
 from engine.transport import WrappedFeature
 from processors.errors import UnsupportedModalityError
 from processors.fetch import MediaBlockedError, MediaDecodeError
@@ -50,15 +51,18 @@ def test_modalities_a_model_does_not_take_and_unknown_parts_are_refused(run, ima
 
 def test_request_shape_and_limits(run, processors, image_url):
     part = [{"type": "image_url", "url": image_url()}]
-    with pytest.raises(InvalidRequestError, match="exactly one of token_ids and prompt"):
+    with pytest.raises(InvalidRequestError) as both:
         run({"prompt": "a", "token_ids": [1]})
+    assert both.value.code == "invalid_request" and set(both.value.errors) == {"token_ids"}
     with pytest.raises(InvalidRequestError, match=r"token_ids\[1\]"):
         run({"token_ids": [1, len(processors["qwen2_vl"].tokenizer)]})
-    with pytest.raises(InvalidRequestError, match="more than the limit of 1"):
+    with pytest.raises(TooManyContentPartsError) as too_many:
         run({"prompt": QWEN * 2, "content_parts": part * 2}, limits=PreprocessLimits(max_items=1))
+    assert too_many.value.errors == {"count": 2, "limit": 1}
     # 4 image tokens + the frame + 6 text tokens: over a limit of 8 once expanded.
-    with pytest.raises(ContextLengthError, match="more than the limit of 8"):
+    with pytest.raises(ContextLengthError) as too_long:
         run({"prompt": f"{QWEN} describe it", "content_parts": part}, limits=PreprocessLimits(max_prompt_tokens=8))
+    assert too_long.value.errors["max_context"] == 8 and too_long.value.errors["prompt_tokens"] > 8
 
 
 def test_text_only_prompt(run, processors):

@@ -20,6 +20,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from engine.request_rules import prompt_input_problem
 from web.dialects.common import TokenTexts, native_request
 from web.dialects.fields import NullMeansDefault, refuse_non_default
 from web.dialects.openai import check_model
@@ -83,8 +84,9 @@ class GenerateRequestSchema(NullMeansDefault):
 
     @validates_schema
     def exclusive(self, data: dict, **_) -> None:
-        if data.get("features") and data.get("content_parts"):
-            raise ValidationError("content_parts and features are mutually exclusive: send one", "features")
+        if problem := prompt_input_problem(data):
+            field, message = problem
+            raise ValidationError(message, field)
         refuse_non_default(data, _UNSUPPORTED_TOP)
 
 
