@@ -1,11 +1,14 @@
-"""Making a job's or a batch's webhook event (once per end) and queueing its first delivery
-attempt. Called in process where an object ends (``workers.lifecycle`` via the ``job_ended`` task,
-``workers.batch_progress``); the attempts themselves run in ``workers.tasks.webhooks``.
+"""Making a job's or a batch's webhook event (once per end) and starting its first delivery
+attempt. A job's event is made by the ``job_ended`` task, which then runs attempt 1 itself (one
+Celery hop from a job's end to its first delivery); a batch's is made where its last line is
+counted (``workers.batch_progress``, any worker), which queues attempt 1. The attempts themselves
+run in ``workers.tasks.webhooks``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import current_app
@@ -18,14 +21,17 @@ from workers.webhooks import BATCH_EVENTS, PENDING, target_url, wanted
 log = logging.getLogger(__name__)
 
 
-def emit_job_event(rt, job: dict[str, Any], *, app=None) -> str | None:
-    """Make (once) and queue the event of a job's end; its event id, or None when none is wanted."""
+def emit_job_event(rt, job: dict[str, Any], *, app=None,
+                   first_attempt: Callable[[str], Any] | None = None) -> str | None:
+    """Make (once) the event of a job's end and start its first attempt: ``first_attempt(event_id)``
+    when given (the caller runs it), else a queued delivery. Its event id, or None when none is
+    wanted."""
     if job["status"] not in TERMINAL:
         log.warning("job %s: no webhook for non-terminal status %s", job["id"], job["status"])
         return None
     event_type = f"job.{job['status']}"
     return _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
-                 public_job(job))
+                 public_job(job), first_attempt)
 
 
 def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) -> str | None:
@@ -38,16 +44,15 @@ def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) ->
         raise ValueError(f"{event_type!r} is not a batch event")
     owner, webhook = batch.get("owner"), batch.get("webhook")
     if owner is None or webhook is None:
-        stored_owner, stored_webhook = rt.batches.owner_and_webhook(
-            batch["id"])
+        stored_owner, stored_webhook = rt.batches.owner_and_webhook(batch["id"])
         owner = owner if owner is not None else stored_owner or ""
         if webhook is None:
             webhook = stored_webhook or None
-    return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch)
+    return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch, None)
 
 
 def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict | None, event_type: str,
-          data: dict[str, Any]) -> str | None:
+          data: dict[str, Any], first_attempt: Callable[[str], Any] | None) -> str | None:
     if not wanted(webhook, event_type):
         return None
     url = target_url(webhook, owner, rt.settings)
@@ -59,13 +64,16 @@ def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict |
     if made:
         log.info("%s %s: webhook event %s (%s) made", object_kind, object_id, event_id, event_type)
     else:
-        # Already made: a redelivered or repeated call. Queue the first attempt again only if it
-        # may have been lost (the call that made the event died before queueing it); a duplicate is
+        # Already made: a redelivered or repeated call. Start the first attempt again only if it
+        # may have been lost (the call that made the event died before starting it); a duplicate is
         # harmless, since attempt 1 can be claimed once.
         event = store.get(event_id)
         if event is None or event["state"] != PENDING or store.claimed(event_id, 1):
             return event_id
-    queue_attempt(app or getattr(rt, "celery", None), event_id, 1, countdown=0)
+    if first_attempt is not None:
+        first_attempt(event_id)
+    else:
+        queue_attempt(app or getattr(rt, "celery", None), event_id, 1, countdown=0)
     return event_id
 
 

@@ -3,7 +3,7 @@ Events are made by ``workers.webhook_events``.
 
 - ``rollout.webhooks.job_ended(job_id)``: sent by ``workers.lifecycle`` when a job ends. Makes the
   job's event (at most one per job and event type: a second call finds it and only makes sure its
-  first attempt is queued) and queues its delivery.
+  first attempt runs) and runs attempt 1 itself, so a job's end reaches its receiver in one hop.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
   next attempt with a countdown. A delivery never touches its job. An attempt whose key already
   holds its share of the delivery threads is parked until one of the key's attempts ends.
@@ -48,7 +48,7 @@ def job_ended(self, job_id: str) -> str | None:
             job = rt.jobs.get(job_id)
         except NotFoundError:
             return None  # expired: nothing to report
-        return emit_job_event(rt, job, app=self.app)
+        return emit_job_event(rt, job, app=self.app, first_attempt=lambda event_id: _deliver(self, event_id, 1))
 
 
 @shared_task(name=DELIVER_TASK, bind=True)
@@ -58,14 +58,16 @@ def deliver(self, event_id: str, attempt: int = 1) -> str | None:
         return _deliver(self, event_id, attempt)
 
 
-def _deliver(self, event_id: str, attempt: int) -> str | None:
-    rt = runtime(self.app)
+def _deliver(task, event_id: str, attempt: int) -> str | None:
+    """One attempt, run by ``task``: a ``deliver`` task, or the ``job_ended`` task for attempt 1
+    (its task id claims the attempt, and survives a redelivery as a deliver message's does)."""
+    rt = runtime(task.app)
     # A countdown longer than the broker's visibility timeout would be redelivered while it waits
     # (Redis hands unacknowledged messages to another worker): wait in hops, see run_attempt.
     hop = rt.settings.visibility_timeout / 2
 
     def queue_next(next_attempt: int, countdown: float) -> None:
-        queue_attempt(self.app, event_id, next_attempt, countdown=min(countdown, hop))
+        queue_attempt(task.app, event_id, next_attempt, countdown=min(countdown, hop))
 
     owner = rt.webhooks.owner(event_id)
     if owner is None:
@@ -77,7 +79,7 @@ def _deliver(self, event_id: str, attempt: int) -> str | None:
                                  queue=WEBHOOKS_QUEUE):
         return None
     try:
-        return run_attempt(rt, event_id, attempt, token=self.request.id or uuid.uuid4().hex,
+        return run_attempt(rt, event_id, attempt, token=task.request.id or uuid.uuid4().hex,
                            queue_next=queue_next)
     finally:
         share.release(owner, member, rt.publish)
