@@ -143,11 +143,9 @@ class _Run:
         check_prompt_input(request)
         has_tokens, has_features = request.get("token_ids") is not None, request.get("features") is not None
         if has_features:
-            media = [
-                _Media(part=i, modality="image", features=f)
-                for i, f in enumerate(decode_features(request["features"], self.processor, max_items=self.limits.max_items,
-                                                       max_bytes=self.limits.max_feature_bytes))
-            ]
+            decoded = decode_features(request["features"], self.processor, max_items=self.limits.max_items,
+                                      max_bytes=self.limits.max_feature_bytes)
+            media = [_Media(part=i, modality="image", features=f) for i, f in enumerate(decoded)]
         else:
             media = self._collect(request.get("content_parts") or [])
 

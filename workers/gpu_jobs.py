@@ -80,8 +80,8 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     started = time.perf_counter()
     try:
         outputs = engine.score([
-            ScoreRequest(prompt_token_ids=prompt.token_ids, completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids,
-                         items=prompt.items)
+            ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                         completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids)
             for job, prompt in group
         ])
     except REDIS_DOWN:
