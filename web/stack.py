@@ -22,7 +22,7 @@ import requests
 
 from engine.errors import ServiceUnavailableError
 from web.supervisor import Child, Supervisor, process_child
-from workers.models import resolve_model_path
+from workers.models import DEMO_MODEL_NAME, resolve_model_path
 from workers.redis_server import EmbeddedRedis
 from workers.settings import Settings, SettingsError
 
@@ -32,6 +32,15 @@ READY_TIMEOUT = 180.0
 
 class RedisUnreachableError(ServiceUnavailableError):
     code = "redis_unreachable"
+
+
+def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[str, str]:
+    """The environment ``up`` starts its children with: the Redis and the model it prepared."""
+    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
+    if not settings.model and not settings.served_model_name:
+        # The children get the built demo model's path; clients still name it by the demo's name.
+        env["ROLLOUT_SERVED_MODEL_NAME"] = DEMO_MODEL_NAME
+    return env
 
 
 def run_stack(settings: Settings) -> int:
@@ -48,7 +57,7 @@ def run_stack(settings: Settings) -> int:
         print(f"embedded Redis on {redis_url} (data in {embedded.data_dir})", flush=True)
     if not settings.api_keys:
         print("WARNING: no ROLLOUT_API_KEYS set: the API is OPEN to anyone who can reach it", flush=True)
-    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
+    env = child_env(settings, redis_url=redis_url, model_path=model_path)
     stopping = False
 
     def stop(*_):

@@ -43,3 +43,24 @@ def test_start_up_mistakes_are_one_line_and_exit_2(case, tmp_path, busy_port, de
     assert "Traceback" not in result.stderr
     [line] = [text for text in result.stderr.splitlines() if text.startswith("rollout-queue: error:")]
     assert expected in line
+
+
+def test_up_serves_the_demo_model_under_its_name(tmp_path, monkeypatch):
+    """``up`` hands its children the built demo model's path; OpenAI and vLLM clients still send
+    ``model: demo-qwen2.5-omni`` (README's examples), so the children serve it under that name."""
+    from web.stack import child_env
+    from workers.models import DEMO_MODEL_NAME
+    from workers.settings import Settings, load_settings
+
+    monkeypatch.delenv("ROLLOUT_SERVED_MODEL_NAME", raising=False)
+    demo = child_env(Settings(state_dir=tmp_path), redis_url="redis://r/0", model_path="/built/demo")
+    assert demo["ROLLOUT_MODEL"] == "/built/demo" and demo["ROLLOUT_SERVED_MODEL_NAME"] == DEMO_MODEL_NAME
+    monkeypatch.setenv("ROLLOUT_SERVED_MODEL_NAME", demo["ROLLOUT_SERVED_MODEL_NAME"])
+    assert load_settings().served_model_name == DEMO_MODEL_NAME  # what a child reads
+    monkeypatch.delenv("ROLLOUT_SERVED_MODEL_NAME")
+    own = child_env(Settings(state_dir=tmp_path, model="/models/mine"), redis_url="redis://r/0",
+                    model_path="/models/mine")
+    assert "ROLLOUT_SERVED_MODEL_NAME" not in own
+    named = child_env(Settings(state_dir=tmp_path, served_model_name="policy"), redis_url="redis://r/0",
+                      model_path="/built/demo")
+    assert "ROLLOUT_SERVED_MODEL_NAME" not in named  # a name of one's own reaches the children as set
