@@ -10,7 +10,16 @@ import pytest
 from celery.exceptions import Reject
 
 from workers.celery_app import create_celery
-from workers.names import DELIVER_TASK, JOB_ENDED_TASK, PREPROCESS_TASK, RENDER_TASK, SCORE_LINES_TASK
+from workers.names import (
+    CANCEL_BATCH_TASK,
+    DELIVER_TASK,
+    ENQUEUE_CHUNK_TASK,
+    EXPIRE_BATCH_TASK,
+    JOB_ENDED_TASK,
+    PREPROCESS_TASK,
+    RENDER_TASK,
+    SCORE_LINES_TASK,
+)
 from workers.redis_server import free_port
 from workers.settings import Settings
 
@@ -28,6 +37,9 @@ def app_without_redis(tmp_path):
     (PREPROCESS_TASK, ["job_0123456789abcdefghijkl"]),
     (RENDER_TASK, ["render_0123456789abcdefghijkl"]),
     (SCORE_LINES_TASK, ["batch_0123456789abcdefghijkl", 0]),
+    (ENQUEUE_CHUNK_TASK, ["batch_0123456789abcdefghijkl", 0]),
+    (CANCEL_BATCH_TASK, ["batch_0123456789abcdefghijkl"]),
+    (EXPIRE_BATCH_TASK, ["batch_0123456789abcdefghijkl"]),
 ])
 def test_a_task_that_meets_a_redis_outage_requeues_its_message(app_without_redis, task, args):
     with pytest.raises(Reject) as rejected:

@@ -12,8 +12,9 @@ any other job. When a cap is reached (``QueueFullError``) the chunk task retries
 ``Retry-After`` the store gave and continues where it stopped; lines never fail for backpressure,
 they wait (at worst until the batch expires).
 
-Idempotency (messages are acked late and may be redelivered): a chunk task skips lines that already
-have a job or are already counted. A task killed between creating a job and recording it makes that
+Idempotency (messages are acked late, may be redelivered, and go back to the queue when Redis goes
+away under a task: workers/tasks/outage.py): a chunk task skips lines that already have a job or
+are already counted. A task killed between creating a job and recording it makes that
 line run twice; the batch counts whichever run ends first.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 
-import redis
 from celery import Celery, shared_task
 
 from engine.errors import NotFoundError
@@ -41,15 +41,16 @@ from workers.names import (
     SCORE_LINES_TASK,
     SHARED_GENERATE_QUEUE,
 )
+from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
 from workers.settings import Settings
 from workers.submission import submit_job
+from workers.tasks.outage import requeued_while_redis_is_down
 from workers.tasks.score_lines import scorable_directly
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_AFTER = 5.0
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 # --- Sending (the API calls these) ----------------------------------------------------------------
@@ -75,29 +76,29 @@ def request_cancel(celery: Celery, batch_id: str) -> None:
 
 # --- Tasks ----------------------------------------------------------------------------------------
 
-@shared_task(name=ENQUEUE_CHUNK_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
-             retry_backoff=True, retry_backoff_max=60)
+@shared_task(name=ENQUEUE_CHUNK_TASK, bind=True, max_retries=None)
 def enqueue_chunk(self, batch_id: str, index: int) -> int:
     rt = runtime(self.app)
-    try:
-        return submit_chunk(rt, batch_id, index)
-    except QueueFullError as full:
-        raise self.retry(countdown=_retry_after(full), max_retries=None) from None
+    with requeued_while_redis_is_down(f"chunk {index} of batch {batch_id}"):
+        try:
+            return submit_chunk(rt, batch_id, index)
+        except QueueFullError as full:
+            raise self.retry(countdown=_retry_after(full), max_retries=None) from None
 
 
-@shared_task(name=CANCEL_BATCH_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
-             retry_backoff=True, retry_backoff_max=60)
+@shared_task(name=CANCEL_BATCH_TASK, bind=True)
 def cancel(self, batch_id: str) -> None:
-    cancel_lines(runtime(self.app), batch_id)
+    with requeued_while_redis_is_down(f"cancelling batch {batch_id}"):
+        cancel_lines(runtime(self.app), batch_id)
 
 
-@shared_task(name=EXPIRE_BATCH_TASK, bind=True, max_retries=None, autoretry_for=_REDIS_DOWN,
-             retry_backoff=True, retry_backoff_max=60)
+@shared_task(name=EXPIRE_BATCH_TASK, bind=True)
 def expire_check(self, batch_id: str) -> None:
     rt = runtime(self.app)
-    remaining = expire(rt, batch_id)
-    if remaining is not None:
-        schedule_expiry(self.app, rt.settings, batch_id, remaining)
+    with requeued_while_redis_is_down(f"the expiry check of batch {batch_id}"):
+        remaining = expire(rt, batch_id)
+        if remaining is not None:
+            schedule_expiry(self.app, rt.settings, batch_id, remaining)
 
 
 # --- The work (plain functions of the runtime: tests call them directly) --------------------------
@@ -137,7 +138,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
                              model=rt.model_facts)
             store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
             created[line["line"]] = job["id"]
-    except (QueueFullError, *_REDIS_DOWN):
+    except (QueueFullError, *REDIS_DOWN):
         raise
     except Exception:
         # A bug, not a user error (the lines were validated): these lines cannot run; the batch
