@@ -84,6 +84,8 @@ def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
     if count:
         record_job_ends(rt.redis, jobs)
     record_job_lines(rt, [job for job in jobs if job.get("batch_id")])
-    for job in jobs:
-        if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", "")):
-            rt.celery.send_task(JOB_ENDED_TASK, args=[job["id"]], queue=WEBHOOKS_QUEUE)
+    hooked = [job["id"] for job in jobs if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", ""))]
+    # Owed first: a job_ended message lost on its way is then sent again (workers/webhooks/reaper.py).
+    rt.webhooks.owe(hooked)
+    for job_id in hooked:
+        rt.celery.send_task(JOB_ENDED_TASK, args=[job_id], queue=WEBHOOKS_QUEUE)

@@ -76,8 +76,8 @@ class Settings:
     task_soft_time_limit: int = 540
     task_time_limit: int = 600
     visibility_timeout: int = 3600
-    # A job that has not moved for this long is looked for in every queue (workers/job_reaper.py);
-    # one no message carries is queued again.
+    # A job or webhook that has not moved for this long is looked for in every queue
+    # (workers/job_reaper.py, workers/webhook_reaper.py); one no message carries is sent again.
     stalled_job_after: int = 120
     task_events: bool = False
     gpu_batch_size: int = 16

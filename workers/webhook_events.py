@@ -30,8 +30,10 @@ def emit_job_event(rt, job: dict[str, Any], *, app=None,
         log.warning("job %s: no webhook for non-terminal status %s", job["id"], job["status"])
         return None
     event_type = f"job.{job['status']}"
-    return _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
-                 public_job(job), first_attempt)
+    event_id = _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
+                     public_job(job), first_attempt)
+    rt.webhooks.settle(job["id"])  # made (the open events index has it now), or none wanted
+    return event_id
 
 
 def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) -> str | None:

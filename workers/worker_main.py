@@ -93,6 +93,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             from workers.job_reaper import start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
+        if kind == "webhooks":
+            from workers.webhook_reaper import start_webhook_reaper
+
+            start_webhook_reaper(rt, stall_s=settings.stalled_job_after)  # webhooks whose message a crash lost
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
                         lambda: _gpu_status(rt) if kind == "gpu" else {})
 

@@ -207,6 +207,19 @@ def test_jobs_whose_messages_were_lost_are_queued_again(faults, reference):
     assert_ended_once_as_before(faults, lost, [tokens["text"][0], tokens["image"][0]], timeout=STALLED_S + 60)
 
 
+def test_a_webhook_whose_job_ended_message_was_lost_is_sent(faults):
+    """A job ended and owed its webhook, but its job_ended message was lost (popped by a webhooks
+    worker, or Redis, killed before it was recorded): the webhooks worker's sweep sends it again,
+    and the receiver gets the event once."""
+    jobs = faults.services.jobs
+    job = jobs.create(owner="key_lost_webhook", kind="generate", request={"token_ids": [1]},
+                      request_id=None, webhook={"url": faults.host.url(HOOK_PATH)})
+    assert jobs.advance(job["id"], "succeeded", owner=job["owner"], result={"choices": []})
+    faults.services.webhooks.owe([job["id"]])  # what ending it does, before the lost message
+    wait_until(lambda: webhook_counts(faults.host, [job["id"]], HOOK_PATH), STALLED_S + 30, "the webhook")
+    assert_one_webhook_each(faults.host, [job["id"]], HOOK_PATH)
+
+
 def test_unreachable_broker_answers_503(faults):
     """The job store answers but Celery cannot publish (the broker is away): 503, not a 500."""
     app = create_app(settings_from_env(faults.env), faults.env["ROLLOUT_REDIS_URL"])

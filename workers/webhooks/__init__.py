@@ -31,6 +31,10 @@ Redis layout (every key expires with ``settings.result_ttl``):
     rq:webhook:event:<event_id>:attempts        list: one JSON record per attempt, oldest first
     rq:webhook:events:<object>:<object_id>      list: the object's event ids, oldest first
     rq:webhook:once:<object>:<object_id>:<type> string: the event id (SET NX: one event per end)
+    rq:webhook:open                             zset: events not final -> when their next attempt is due
+    rq:webhook:owed                             zset: ended jobs whose event is not made yet -> since when
+
+The last two are what ``workers/webhooks/reaper.py`` sweeps for work whose message a crash lost.
 
 The event id is the ``webhook-id`` header (``msg_`` + 128 random bits).
 """

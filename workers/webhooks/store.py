@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
@@ -34,17 +34,23 @@ def once_key(object_kind: str, object_id: str, event_type: str) -> str:
     return f"rq:webhook:once:{object_kind}:{object_id}:{event_type}"
 
 
+OPEN_KEY = "rq:webhook:open"
+OWED_KEY = "rq:webhook:owed"
+
+
 def new_event_id() -> str:
     return f"msg_{secrets.token_urlsafe(16)}"
 
 
-# KEYS: once key, event hash, object's event list. ARGV: event id, ttl, then field/value pairs.
-# Returns {1, id} when the event was made, {0, existing id} when this end already has one.
+# KEYS: once key, event hash, object's event list, open events. ARGV: event id, ttl, now, then
+# field/value pairs. Returns {1, id} when the event was made, {0, existing id} when this end
+# already has one.
 _CREATE = """
 local existing = redis.call('GET', KEYS[1])
 if existing then return {0, existing} end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
-for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[4], ARGV[3], ARGV[1])
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
 redis.call('RPUSH', KEYS[3], ARGV[1])
 redis.call('EXPIRE', KEYS[3], tonumber(ARGV[2]))
@@ -78,11 +84,11 @@ class WebhookStore:
         fields = {"id": event_id, "type": event_type, "object": object_kind, "object_id": object_id,
                   "owner": owner, "url": url, "payload": build_payload(event_type, data, now=now),
                   "state": PENDING, "attempts": 0, "created_at": now}
-        args: list[Any] = [event_id, self.ttl]
+        args: list[Any] = [event_id, self.ttl, now]
         for name, value in fields.items():
             args += [name, value]
         keys = [once_key(object_kind, object_id, event_type), event_key(event_id),
-                events_key(object_kind, object_id)]
+                events_key(object_kind, object_id), OPEN_KEY]
         made, found = self._create(keys=keys, args=args)
         return found.decode(), made == 1
 
@@ -121,8 +127,50 @@ class WebhookStore:
         pipe.hset(event_key(event_id), mapping=fields)
         pipe.expire(attempts_key(event_id), self.ttl)
         pipe.expire(event_key(event_id), self.ttl)
+        if state == RETRYING:
+            pipe.zadd(OPEN_KEY, {event_id: fields["next_attempt_at"]})
+        else:
+            pipe.zrem(OPEN_KEY, event_id)
         pipe.execute()
         return state
+
+    # --- what the reaper sweeps (workers/webhooks/reaper.py) ----------------------------------
+
+    def owe(self, job_ids: list[str]) -> None:
+        """These ended jobs want a webhook event (their ``job_ended`` message is being sent)."""
+        if job_ids:
+            self.redis.zadd(OWED_KEY, dict.fromkeys(job_ids, time.time()), nx=True)
+
+    def settle(self, job_id: str) -> None:
+        """The job's event is made (or none is wanted after all)."""
+        self.redis.zrem(OWED_KEY, job_id)
+
+    def owed(self, *, before: float, limit: int) -> list[str]:
+        """Jobs owed an event since before ``before``, oldest first."""
+        return [item.decode() for item in self.redis.zrangebyscore(OWED_KEY, "-inf", before, 0, limit)]
+
+    def overdue(self, *, before: float, limit: int) -> list[str]:
+        """Events not final whose next attempt was due before ``before``, oldest first."""
+        return [item.decode() for item in self.redis.zrangebyscore(OPEN_KEY, "-inf", before, 0, limit)]
+
+    def postpone(self, *, owed: Sequence[str] = (), events: Sequence[str] = ()) -> None:
+        """Restart the clock of owed jobs and open events whose message was just sent again."""
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        if owed:
+            pipe.zadd(OWED_KEY, dict.fromkeys(owed, now), xx=True)
+        if events:
+            pipe.zadd(OPEN_KEY, dict.fromkeys(events, now), xx=True)
+        pipe.execute()
+
+    def forget_open(self, event_ids: list[str]) -> None:
+        """Drop events from the open index (expired, or final)."""
+        if event_ids:
+            self.redis.zrem(OPEN_KEY, *event_ids)
+
+    def release_claim(self, event_id: str, attempt: int) -> None:
+        """Free attempt ``attempt`` for another message: its own was lost (the reaper checked)."""
+        self.redis.hdel(event_key(event_id), f"claim:{attempt}")
 
     def attempts(self, event_id: str) -> list[dict[str, Any]]:
         return [json.loads(item) for item in self.redis.lrange(attempts_key(event_id), 0, -1)]
