@@ -62,10 +62,13 @@ class JobReaper:
         node_queues = {_generate_queue(prompt) for prompt in prompts.values()} - {SHARED_GENERATE_QUEUE}
         carried = ids_in_messages(self.redis, _JOB_ID, parked=self.rt.share("cpu").entries(),
                                   queues=(PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, *sorted(node_queues)))
-        lost = self.suspects.confirm([job_id for job_id in live if job_id not in carried])
+        missing = [job_id for job_id in live if job_id not in carried]
+        lost = self.suspects.confirm(missing)
         for job_id in lost:
             self._send_again(records[job_id], prompts.get(job_id))
-        jobs.mark_moved(lost)
+        # The new suspects keep their place: the next sweep must look at them again.
+        suspected = set(missing) - set(lost)
+        jobs.reset_stall([job_id for job_id in live if job_id not in suspected])
         if lost:
             log.warning("%d jobs no message carried were queued again: %s", len(lost), ", ".join(lost))
         return lost

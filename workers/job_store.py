@@ -233,8 +233,9 @@ class JobStore:
         """Unfinished jobs that last moved (were created or changed status) before ``before``, oldest first."""
         return [job_id.decode() for job_id in self.redis.zrangebyscore(UNFINISHED_KEY, "-inf", before, 0, limit)]
 
-    def mark_moved(self, job_ids: list[str]) -> None:
-        """Count now as the last move of these unfinished jobs (their message was sent again)."""
+    def reset_stall(self, job_ids: list[str]) -> None:
+        """Restart these unfinished jobs' stall clock: a message was found carrying them, or was
+        just sent again (so the next sweep looks at the jobs behind them)."""
         if job_ids:
             self.redis.zadd(UNFINISHED_KEY, dict.fromkeys(job_ids, time.time()), xx=True)
 

@@ -65,6 +65,7 @@ class WebhookReaper:
             event_id for event_id, event in events.items()
             if event_id not in carried and event["object_id"] not in carried]
         lost = set(self.suspects.confirm(missing))
+        suspected = set(missing) - lost
         lost_jobs = [job_id for job_id in owed if job_id in lost]
         lost_events = [event_id for event_id in events if event_id in lost]
         for job_id in lost_jobs:
@@ -73,7 +74,9 @@ class WebhookReaper:
             attempt = events[event_id]["attempts"] + 1
             store.release_claim(event_id, attempt)
             queue_attempt(self.rt.celery, event_id, attempt, countdown=0)
-        store.postpone(owed=lost_jobs, events=lost_events)
+        # The new suspects keep their place: the next sweep must look at them again.
+        store.postpone(owed=[job_id for job_id in owed if job_id not in suspected],
+                       events=[event_id for event_id in events if event_id not in suspected])
         if lost_jobs or lost_events:
             log.warning("webhooks no message carried were sent again: jobs %s, events %s",
                         ", ".join(lost_jobs) or "-", ", ".join(lost_events) or "-")

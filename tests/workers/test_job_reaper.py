@@ -146,3 +146,13 @@ def test_the_unfinished_index_follows_every_move_and_drops_ended_jobs(rt, reaper
     rt.redis.delete(rt.jobs.key(vanished))
     assert reaper.sweep() == [] and reaper.sweep() == []
     assert rt.redis.zcard(UNFINISHED_KEY) == 0
+
+
+def test_a_long_carried_backlog_is_worked_through_in_turns(rt, reaper, monkeypatch):
+    monkeypatch.setattr("workers.job_reaper.MAX_CANDIDATES", 2)
+    carried = [submit_job(rt.jobs, rt.celery, owner=OWNER, request=prompt_request(f"p{i}"))["id"] for i in range(2)]
+    lost = new_job(rt)  # the newest: behind the two carried ones
+    assert reaper.sweep() == []  # looked at the two oldest, found them carried, moved them back
+    assert reaper.sweep() == []  # now the lost one is among the oldest: a suspect
+    assert reaper.sweep() == [lost]
+    assert [job_id for _, job_id, _ in queued(rt, PREPROCESS_QUEUE)] == [*carried, lost]

@@ -154,7 +154,8 @@ class WebhookStore:
         return [item.decode() for item in self.redis.zrangebyscore(OPEN_KEY, "-inf", before, 0, limit)]
 
     def postpone(self, *, owed: Sequence[str] = (), events: Sequence[str] = ()) -> None:
-        """Restart the clock of owed jobs and open events whose message was just sent again."""
+        """Restart the stall clock of owed jobs and open events: a message was found carrying
+        them, or was just sent again (so the next sweep looks at the ones behind them)."""
         now = time.time()
         pipe = self.redis.pipeline(transaction=False)
         if owed:
