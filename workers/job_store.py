@@ -122,6 +122,10 @@ class JobStore:
     def done_key(job_id: str) -> str:
         return f"rq:job:{job_id}:done"
 
+    @staticmethod
+    def _active_key(owner: str) -> str:
+        return f"rq:active:{owner}"
+
     def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
                webhook: dict | None = None, metadata: dict | None = None,
                extra: dict[str, str] | None = None, prompt: str | None = None) -> dict[str, Any]:
@@ -139,7 +143,7 @@ class JobStore:
                            self.limits.result_ttl, self.limits.events_maxlen]
         for pair in encoded.items():
             args += pair
-        keys = [self.key(job_id), f"rq:jobs:{owner}", f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
+        keys = [self.key(job_id), f"rq:jobs:{owner}", self._active_key(owner), TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
                 events_key(job_id), UNFINISHED_KEY]
         outcome = self._create(keys=keys, args=args)
         if outcome == -1:
@@ -187,7 +191,7 @@ class JobStore:
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
-        keys = [self.key(job_id), f"rq:active:{owner}", TOTAL_ACTIVE_KEY, self.done_key(job_id),
+        keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
                 self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY]
         return keys, args
 
@@ -246,6 +250,10 @@ class JobStore:
 
     def active_counts(self) -> int:
         return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
+
+    def active_count(self, owner: str) -> int:
+        """How many of ``owner``'s jobs are unfinished (the counter the create script caps)."""
+        return int(self.redis.get(self._active_key(owner)) or 0)
 
     @staticmethod
     def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def abort_jobs(owner: str, *, request_id: str | None = None) -> int:
     svc = services()
     # The owner's active-job counter says how many unfinished jobs exist, so the newest-first walk
     # over the owner's index stops once it has seen them all (unfinished jobs are the recent ones).
-    remaining = int(svc.redis.get(f"rq:active:{owner}") or 0)
+    remaining = svc.jobs.active_count(owner)
     cancelled, cursor = 0, None
     while remaining > 0:
         jobs, cursor = svc.jobs.list(owner=owner, status=None, limit=_PAGE, cursor=cursor)
