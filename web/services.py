@@ -2,8 +2,8 @@
 uses) plus what only the API serves. Built once per app and kept in ``app.extensions``.
 
 The API needs the model's config and its tokenizer, never the model or the processor: media are
-fetched and rendered by CPU workers (web/render.py), tokens made by GPU workers. (transformers'
-config and tokenizer classes import torch themselves, so the process still holds it.)
+fetched and rendered by CPU workers (web/render.py), tokens made by GPU workers. Both are read
+without importing torch (``workers/model_probe.py``), so an API process starts light.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from functools import cached_property
+from pathlib import Path
 
 import redis
 
@@ -154,10 +155,15 @@ class Runtime:
         return resolve_model_path(self.settings)
 
     @cached_property
-    def model_facts(self):
-        from workers.models import model_facts
+    def model_probe(self):
+        """The model's facts and tokenizer class, read without torch where this process has none."""
+        from workers.model_probe import probe
 
-        return model_facts(self.model_path)
+        return probe(self.model_path, cache_dir=Path(self.settings.state_dir) / "model-probes")
+
+    @property
+    def model_facts(self):
+        return self.model_probe.facts
 
     @cached_property
     def model_id(self) -> str:
@@ -173,9 +179,9 @@ class Runtime:
     @cached_property
     def tokenizer(self):
         """The model's tokenizer alone (the API decodes and counts tokens with it; no processor)."""
-        from transformers import AutoTokenizer
+        from workers.model_probe import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(self.model_path)
+        return load_tokenizer(self.model_path, self.model_probe.tokenizer_class)
 
     @cached_property
     def mm_cache(self):
@@ -261,13 +267,21 @@ class Runtime:
         return self.engine
 
 
-_runtimes: dict[tuple[int, int], Runtime] = {}
+_building = threading.Lock()
 
 
 def runtime(app) -> Runtime:
-    """This process's runtime for ``app`` (a forked pool child builds its own: sockets do not
-    survive a fork)."""
-    key = (os.getpid(), id(app))
-    if key not in _runtimes:
-        _runtimes[key] = Runtime(app.rollout_settings, app.rollout_redis_url, app)
-    return _runtimes[key]
+    """The runtime of ``app`` (a worker's Celery app), built on first use and kept on the app."""
+    with _building:  # a threads pool's first tasks may ask at once
+        if getattr(app, "rollout_runtime", None) is None:
+            app.rollout_runtime = Runtime(app.rollout_settings, app.rollout_redis_url, app)
+        return app.rollout_runtime
+
+
+def fresh_runtime(app) -> Runtime:
+    """Give ``app`` a new runtime: a forked pool process calls this first (Celery's
+    ``worker_process_init``), because its parent's sockets, threads and transport memory are not
+    its own."""
+    with _building:
+        app.rollout_runtime = Runtime(app.rollout_settings, app.rollout_redis_url, app)
+        return app.rollout_runtime

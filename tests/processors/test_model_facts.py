@@ -1,11 +1,13 @@
-"""What the API knows of a model from its config alone (workers.models.ModelFacts) agrees with the
-model's processor, for every demo architecture: the API never loads the processor."""
+"""What the API knows of a model from its config alone (workers.models.ModelFacts) and the tokenizer
+it loads without torch (workers.model_probe) agree with the model's processor, for every demo
+architecture: the API never loads the processor."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.demo_model import ARCHS
+from workers.model_probe import load_tokenizer, probe_here
 from workers.models import model_facts
 
 
@@ -15,3 +17,12 @@ def test_config_facts_match_the_processor(arch, model_dirs, processors):
     expected = processor.image_token_id if "image" in processor.modalities else None
     assert facts.image_token_id == expected
     assert facts.vocab_size >= len(processor.tokenizer)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_apis_tokenizer_is_the_processors(arch, model_dirs, processors):
+    found = probe_here(str(model_dirs[arch]))
+    tokenizer, expected = load_tokenizer(str(model_dirs[arch]), found.tokenizer_class), processors[arch].tokenizer
+    assert type(tokenizer) is type(expected)
+    text = "Hello, world: ünïcode <|im_start|> 12345"
+    assert tokenizer(text)["input_ids"] == expected(text)["input_ids"]
