@@ -103,16 +103,18 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
         # Sent in each prefork pool process (and once by the solo pool, in the main process).
+        from workers.runtime import fresh_runtime
+
+        rt = fresh_runtime(app)  # a forked process must not use what its parent built
         if kind != "cpu":
             return
         from engine.transport import sweep_orphaned_segments
-        from workers.runtime import runtime
 
         # A pool process preprocesses with its own processor and makes handles from its own
         # transport memory. Load the processor now, not on the first job (within
         # worker_proc_alive_timeout, raised for this in workers/celery_app.py).
         sweep_orphaned_segments()  # what a pool process killed before this one left behind
-        _ = runtime(app).processor
+        _ = rt.processor
 
     @signals.worker_process_shutdown.connect(weak=False)
     @signals.worker_shutdown.connect(weak=False)
