@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from engine.choice import Choice
 from engine.encoder_cache import EncoderCache
-from engine.generation_types import Choice, GenerationRequest, GenerationResult
+from engine.generation_types import GenerationRequest, GenerationResult
 from engine.loading import LoadedModel
 from engine.prompt_cache import PromptCache
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook

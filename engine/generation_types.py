@@ -1,4 +1,4 @@
-"""What a generation call takes and gives: one request, its choices, its result.
+"""What a generation call takes and gives: one request, its result (its choices: ``engine/choice.py``).
 
 Apart from :mod:`engine.generation` so the scheduler, which builds results, and the engine, which
 drives the scheduler, both import them without importing each other.
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.choice import Choice
 from engine.items import MultimodalItem
 from engine.sampling_params import SamplingParams
 
@@ -26,19 +27,6 @@ class GenerationRequest:
     # Requests share a prompt's KV (a prompt group, the recent-prompt cache) only within one scope:
     # the service passes the API key, so cached_tokens never tells one key what another sent.
     cache_scope: str = ""
-
-
-@dataclass
-class Choice:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
-    finish_reason: str  # "stop" | "length" | "abort"
-    # The stop token id (eos included) or stop string that ended the choice; None otherwise.
-    matched_stop: int | str | None = None
-    text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
-    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
-    top_logprobs: list[list[list]] | None = None
 
 
 @dataclass

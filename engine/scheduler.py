@@ -53,6 +53,7 @@ from engine.batch_inputs import (
     request_features,
 )
 from engine.capacity import SchedulerLimits, check_capacity
+from engine.choice import Choice
 from engine.decoding import RowDecoder
 from engine.encoder_cache import (
     EncoderCache,
@@ -64,7 +65,7 @@ from engine.encoder_cache import (
     unit_key,
 )
 from engine.errors import InvalidRequestError
-from engine.generation_types import Choice, GenerationResult
+from engine.generation_types import GenerationResult
 from engine.kv_batch import append_rows, keep_rows, split_rows
 from engine.loading import LoadedModel
 from engine.prompt_cache import PrefilledPrompt, PromptCache

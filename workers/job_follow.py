@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.choice import Choice
 from engine.errors import RolloutError
 from workers.job_events import JobEvent, JobEvents
 from workers.job_store import TERMINAL, JobStore
@@ -102,6 +103,10 @@ class ChoiceDelta:
     text: str = ""
     finish_reason: str | None = None
 
+    def as_choice(self) -> Choice:
+        """This delta as a choice of its own, for the mappers that spell tokens and logprobs."""
+        return Choice(self.index, self.token_ids, self.logprobs, self.finish_reason or "", text=self.text)
+
 
 @dataclass
 class _Delivered:
@@ -169,22 +174,22 @@ class TokenLedger:
         seen.text = now
         return now[len(sent):]
 
-    def finish(self, job_id: str, choices: list[dict[str, Any]]) -> list[ChoiceDelta]:
+    def finish(self, job_id: str, choices: list[Choice]) -> list[ChoiceDelta]:
         """The rest of each choice from the job's result: normally nothing but its finish reason;
         the stream then ends with exactly the result's tokens and text."""
         out = []
         for choice in choices:
-            seen = self.cumulative(job_id, choice["index"])
-            ids = choice.get("token_ids") or []
+            seen = self.cumulative(job_id, choice.index)
+            ids = choice.token_ids
             if ids[:len(seen.token_ids)] != seen.token_ids:
                 raise StreamDivergedError("the job's result differs from the tokens this stream sent")
             rest = ids[len(seen.token_ids):]
-            logprobs = (choice.get("logprobs") or [])[len(seen.logprobs):] if choice.get("logprobs") else []
+            logprobs = (choice.logprobs or [])[len(seen.logprobs):]
             seen.token_ids += rest
             seen.logprobs += logprobs
-            text = choice.get("text") or ""
+            text = choice.text or ""
             if not text.startswith(seen.text):
                 raise StreamDivergedError("the job's result text differs from the text this stream sent")
             tail, seen.text = text[len(seen.text):], text
-            out.append(ChoiceDelta(job_id, choice["index"], rest, logprobs, tail, choice.get("finish_reason")))
+            out.append(ChoiceDelta(job_id, choice.index, rest, logprobs, tail, choice.finish_reason))
         return out

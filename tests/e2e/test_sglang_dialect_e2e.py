@@ -43,7 +43,7 @@ def native(stack, body):
 
 
 def test_slime_token_body_and_parser(base, stack):
-    payload = {"sampling_params": slime_sampling_params(5), "return_logprob": True, "input_ids": [101, 102, 103]}
+    payload = {"sampling_params": slime_sampling_params(5), "return_logprob": True, "input_ids": [311, 312, 313]}
     output = post(base, "/generate", payload).json()
     # slime's parser, verbatim in spirit:
     tokens = [item[1] for item in output["meta_info"]["output_token_logprobs"]]
@@ -53,7 +53,9 @@ def test_slime_token_body_and_parser(base, stack):
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 5, 0)
     assert meta["e2e_latency"] > 0 and isinstance(output["text"], str)
-    reference = native(stack, {"token_ids": [101, 102, 103],
+    again = post(base, "/generate", payload).json()["meta_info"]
+    assert again["cached_tokens"] > 0, "the same prompt again reuses its KV, as SGLang's radix cache reports"
+    reference = native(stack, {"token_ids": [311, 312, 313],
                                "sampling_params": {"max_tokens": 5, "temperature": 0, "skip_special_tokens": False,
                                                    "spaces_between_special_tokens": False}})
     assert reference["choices"][0]["token_ids"] == tokens

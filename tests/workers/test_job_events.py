@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from engine.choice import Choice
 from tests.conftest import empty_db_url
 from workers.job_events import JobEvents
 from workers.job_follow import Ended, KeepAlive, StreamDivergedError, TokenLedger, follow
@@ -98,4 +99,4 @@ def test_the_ledger_skips_a_redo_where_it_equals_what_was_sent_and_refuses_where
     assert ledger.take(job, tokens_event(jobs, events, job, 1, 3, [9])) == []
     with pytest.raises(StreamDivergedError):
         ledger.take(job, tokens_event(jobs, events, job, 2, 1, [8]))
-    assert [d.token_ids for d in ledger.finish(job, [{"index": 0, "token_ids": [1, 2, 3, 4, 5], "text": ""}])] == [[5]]
+    assert [d.token_ids for d in ledger.finish(job, [Choice(0, [1, 2, 3, 4, 5], None, "length", text="")])] == [[5]]

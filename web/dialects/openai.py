@@ -17,6 +17,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from engine.choice import Choice
 from engine.errors import InvalidRequestError, NotFoundError
 from web.dialects.common import (
     TokenTexts,
@@ -28,6 +29,7 @@ from web.dialects.common import (
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.dialects.sampling import native_sampling, sampling_fields
 from web.schemas import StrictBoolean
+from workers.job_results import JobResult
 
 MAX_LOGPROBS = 20
 # OpenAI / vLLM knobs this service cannot honour: accepted only at these values.
@@ -174,35 +176,36 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
     prompts, _ = prompts_of(body["prompt"])
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, (request, job) in enumerate(zip(requests, jobs, strict=True)):
-        result = job.get("result") or {}
-        prompt_ids = result.get("prompt_token_ids") or request["token_ids"]
+        n = request["sampling_params"]["n"]
+        result = JobResult.of(job, n=n)
+        prompt_ids = result.prompt_token_ids or request["token_ids"]
         prompt_tokens += len(prompt_ids)
         echo_text = ""
         if body.get("echo"):
             echo_text = prompts[i] if isinstance(prompts[i], str) else tokenizer().decode(prompt_ids)
-        for choice in _choices(request, result):
-            completion_tokens += len(choice["token_ids"])
-            entry = {"index": i * request["sampling_params"]["n"] + choice["index"],
-                     "text": echo_text + (choice.get("text") or ""),
-                     "logprobs": _completion_logprobs(choice, result, prompt_ids, body, spell)
+        for choice in result.choices:
+            completion_tokens += len(choice.token_ids)
+            entry = {"index": i * n + choice.index, "text": echo_text + (choice.text or ""),
+                     "logprobs": completion_logprobs(choice, result, prompt_ids, body, spell)
                      if body.get("logprobs") is not None else None,
-                     "finish_reason": _finish(choice), "stop_reason": _stop_reason(choice)}
+                     "finish_reason": choice.finish_reason, "stop_reason": stop_reason(choice)}
             if body.get("return_token_ids"):
-                entry.update(prompt_token_ids=prompt_ids, token_ids=choice["token_ids"])
+                entry.update(prompt_token_ids=prompt_ids, token_ids=choice.token_ids)
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
             "model": served_model_name(), "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
-            "system_fingerprint": (jobs[0].get("result") or {}).get("weight_version")}
+            "system_fingerprint": JobResult.of(jobs[0]).weight_version}
 
 
-def _completion_logprobs(choice: dict, result: dict, prompt_ids: list[int], body: dict, spell) -> dict:
-    ids, lps = list(choice["token_ids"]), list(choice.get("logprobs") or [])
-    tops = list(choice.get("top_logprobs") or [[] for _ in ids])
-    if body.get("echo"):
-        prompt_lps = result.get("prompt_logprobs") or [None] * len(prompt_ids)
-        prompt_tops = result.get("prompt_top_logprobs") or [[] for _ in prompt_ids]
+def completion_logprobs(choice: Choice, result: JobResult | None, prompt_ids: list[int], body: dict, spell) -> dict:
+    """vLLM's ``CompletionLogProbs`` of a choice (with ``echo``, the prompt's first)."""
+    ids, lps = list(choice.token_ids), list(choice.logprobs or [])
+    tops = list(choice.top_logprobs or [[] for _ in ids])
+    if body.get("echo") and result is not None:
+        prompt_lps = result.prompt_logprobs or [None] * len(prompt_ids)
+        prompt_tops = result.prompt_top_logprobs or [[] for _ in prompt_ids]
         ids, lps, tops = list(prompt_ids) + ids, list(prompt_lps) + lps, [t or [] for t in prompt_tops] + tops
     tokens = [spell(t) for t in ids]
     offsets, at = [], 0
@@ -297,35 +300,34 @@ def _bad(where: str, what: str) -> InvalidRequestError:
 
 
 def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> dict:
-    result = job.get("result") or {}
+    result = JobResult.of(job, n=request["sampling_params"]["n"])
     spell = _speller(TokenTexts(), body.get("return_tokens_as_token_ids", False))
     choices = []
-    for choice in _choices(request, result):
-        entry = {"index": choice["index"],
-                 "message": {"role": "assistant", "content": choice.get("text") or "", "tool_calls": [],
+    for choice in result.choices:
+        entry = {"index": choice.index,
+                 "message": {"role": "assistant", "content": choice.text or "", "tool_calls": [],
                              "reasoning_content": None},
-                 "logprobs": {"content": _chat_logprobs(choice, spell, body.get("top_logprobs") or 0)}
+                 "logprobs": {"content": chat_logprob_entries(choice, spell, body.get("top_logprobs") or 0)}
                  if body.get("logprobs") else None,
-                 "finish_reason": _finish(choice), "stop_reason": _stop_reason(choice)}
+                 "finish_reason": choice.finish_reason, "stop_reason": stop_reason(choice)}
         if body.get("return_token_ids"):
-            entry["token_ids"] = choice["token_ids"]
+            entry["token_ids"] = choice.token_ids
         choices.append(entry)
-    usage = result.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
     reply = {"id": "chatcmpl-" + job["id"].removeprefix("job_"), "object": "chat.completion", "created": created,
              "model": served_model_name(), "choices": choices,
-             "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-                       "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-             "system_fingerprint": result.get("weight_version")}
+             "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                       "total_tokens": result.prompt_tokens + result.completion_tokens},
+             "system_fingerprint": result.weight_version}
     if body.get("return_token_ids"):
-        reply["prompt_token_ids"] = result.get("prompt_token_ids") or request["token_ids"]
+        reply["prompt_token_ids"] = result.prompt_token_ids or request["token_ids"]
     return reply
 
 
-def chat_logprob_entries(choice: dict, spell, k: int) -> list[dict]:
+def chat_logprob_entries(choice: Choice, spell, k: int) -> list[dict]:
     """OpenAI's ``logprobs.content``: per token its spelling, logprob, bytes and the top k."""
-    tops = choice.get("top_logprobs") or [[] for _ in choice["token_ids"]]
+    tops = choice.top_logprobs or [[] for _ in choice.token_ids]
     out = []
-    for token_id, lp, step in zip(choice["token_ids"], choice.get("logprobs") or [], tops, strict=True):
+    for token_id, lp, step in zip(choice.token_ids, choice.logprobs or [], tops, strict=True):
         token = spell(token_id)
         out.append({"token": token, "logprob": max(lp, -9999.0), "bytes": list(token.encode()),
                     "top_logprobs": [{"token": spell(alt), "logprob": max(alt_lp, -9999.0),
@@ -333,23 +335,11 @@ def chat_logprob_entries(choice: dict, spell, k: int) -> list[dict]:
     return out
 
 
-_chat_logprobs = chat_logprob_entries
-
-
 def _speller(texts: TokenTexts, as_ids: bool):
     return (lambda token_id: f"token_id:{token_id}") if as_ids else texts
 
 
-def _choices(request: dict, result: dict) -> list[dict]:
-    """The job's choices; a job cancelled before it started has none: n empty aborted ones."""
-    return result.get("choices") or [{"index": i, "token_ids": [], "logprobs": [], "top_logprobs": [],
-                                      "finish_reason": "abort", "matched_stop": None, "text": ""}
-                                     for i in range(request["sampling_params"]["n"])]
-
-
-def _finish(choice: dict) -> str:
-    return choice["finish_reason"]  # stop | length | abort: vLLM's names too
-
-
-def _stop_reason(choice: dict) -> int | str | None:
-    return choice.get("matched_stop") if choice["finish_reason"] == "stop" else None
+def stop_reason(choice: Choice) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop token or string that ended the choice. (``finish_reason``
+    is ours as is: stop | length | abort are vLLM's names too.)"""
+    return choice.matched_stop if choice.finish_reason == "stop" else None

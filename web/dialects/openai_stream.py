@@ -16,6 +16,7 @@ the non-streamed reply and the job's result, not in stream chunks.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from engine.errors import RolloutError
@@ -24,6 +25,7 @@ from web.dialects.common import TokenTexts, served_model_name
 from web.dialects.errors import openai_shape
 from web.streams import sse
 from workers.job_follow import ChoiceDelta, TokenLedger
+from workers.job_results import JobResult
 
 
 def _error(error: RolloutError) -> bytes:
@@ -31,8 +33,8 @@ def _error(error: RolloutError) -> bytes:
 
 
 def _usage(jobs: list[dict]) -> dict:
-    prompt = sum(((job.get("result") or {}).get("usage") or {}).get("prompt_tokens", 0) for job in jobs)
-    completion = sum(((job.get("result") or {}).get("usage") or {}).get("completion_tokens", 0) for job in jobs)
+    results = [JobResult.of(job) for job in jobs]
+    prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -87,10 +89,8 @@ class _OpenAIChunks:
         return self._finals(job, finals, ledger)
 
     def _stop_reason(self, job: dict, index: int):
-        for choice in (job.get("result") or {}).get("choices") or []:
-            if choice["index"] == index:
-                return openai._stop_reason(choice)
-        return None
+        choice = JobResult.of(job, n=0).choice(index)
+        return openai.stop_reason(choice) if choice else None
 
 
 class CompletionChunks(_OpenAIChunks):
@@ -101,8 +101,8 @@ class CompletionChunks(_OpenAIChunks):
         entry: dict[str, Any] = {"index": self._index(job_id, delta.index), "text": delta.text, "logprobs": None,
                                  "finish_reason": None, "stop_reason": None}
         if self.body.get("logprobs") is not None and delta.token_ids:
-            choice = {"token_ids": delta.token_ids, "logprobs": delta.logprobs or [None] * len(delta.token_ids)}
-            entry["logprobs"] = openai._completion_logprobs(choice, {}, [], {}, self.spell)
+            choice = replace(delta.as_choice(), logprobs=delta.logprobs or [None] * len(delta.token_ids))
+            entry["logprobs"] = openai.completion_logprobs(choice, None, [], {}, self.spell)
         if self.body.get("return_token_ids"):
             entry["token_ids"] = delta.token_ids
         return entry
@@ -132,8 +132,7 @@ class ChatChunks(_OpenAIChunks):
                         "finish_reason": None})
         entry: dict[str, Any] = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": None}
         if self.body.get("logprobs") and delta.token_ids:
-            choice = {"token_ids": delta.token_ids, "logprobs": delta.logprobs, "top_logprobs": None}
-            entry["logprobs"] = {"content": openai.chat_logprob_entries(choice, self.spell, 0)}
+            entry["logprobs"] = {"content": openai.chat_logprob_entries(delta.as_choice(), self.spell, 0)}
         if self.body.get("return_token_ids"):
             entry["token_ids"] = delta.token_ids
         out.append(entry)
@@ -163,8 +162,7 @@ class GenerateChunks:
     def _choice(self, delta: ChoiceDelta) -> dict:
         logprobs = None
         if self.k is not None:
-            logprobs = {"content": vllm._token_logprobs({"token_ids": delta.token_ids, "logprobs": delta.logprobs,
-                                                    "top_logprobs": None}, self.k)}
+            logprobs = {"content": vllm.token_logprobs(delta.as_choice(), self.k)}
         return {"index": delta.index, "token_ids": delta.token_ids, "finish_reason": delta.finish_reason,
                 "logprobs": logprobs}
 
@@ -174,15 +172,13 @@ class GenerateChunks:
                      "job_id": job["id"]})]
 
     def done(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
-        result = job.get("result") or {}
+        result = JobResult.of(job)
         if not finals:
             finals = [ChoiceDelta(job["id"], i, finish_reason="abort")
                       for i in range(self.request["sampling_params"]["n"])]
-        usage = result.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
         return [sse({"request_id": self.body.get("request_id") or job["id"],
                      "choices": [self._choice(delta) for delta in finals],
-                     "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-                     "job_id": job["id"], "weight_version": result.get("weight_version")})]
+                     "usage": vllm.usage(result), "job_id": job["id"], "weight_version": result.weight_version})]
 
     def end(self, jobs: list[dict]) -> list[bytes]:
         return []

@@ -19,10 +19,12 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.schemas import StrictBoolean, StrictFloat
+from workers.job_results import JobResult
 
 # SGLang sampling name -> ours.
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -206,37 +208,35 @@ def job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
 
 
 def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
-    result = job.get("result") or {}
     params = request["sampling_params"]
-    choices = result.get("choices") or [
-        {"index": i, "token_ids": [], "logprobs": [] if params["logprobs"] else None, "finish_reason": "abort",
-         "matched_stop": None, "text": "", "top_logprobs": None} for i in range(params["n"])]
-    prompt_ids = result.get("prompt_token_ids") or []
+    result = JobResult.of(job, n=params["n"])
+    prompt_ids = result.prompt_token_ids
     latency = (job.get("completed_at") or 0) - (job.get("created_at") or 0)
     out = []
-    for choice in choices:
+    for choice in result.choices:
         meta: dict[str, Any] = {
             "id": job.get("request_id") or job["id"],
             "finish_reason": _finish_reason(choice, job),
             "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(choice["token_ids"]),
-            "cached_tokens": 0,  # no prefix cache yet
-            "weight_version": result.get("weight_version"),
+            "completion_tokens": len(choice.token_ids),
+            # Prompt tokens whose KV came from a group sibling or the recent-prompt cache.
+            "cached_tokens": result.cached_tokens,
+            "weight_version": result.weight_version,
             "e2e_latency": round(max(latency, 0.0), 6),
             "job_id": job["id"],
         }
         if params["logprobs"]:
             meta.update(_logprobs(choice, result, prompt_ids, options, texts))
-        out.append({"text": choice.get("text") or "", "output_ids": choice["token_ids"], "meta_info": meta})
+        out.append({"text": choice.text or "", "output_ids": choice.token_ids, "meta_info": meta})
     return out
 
 
-def _finish_reason(choice: dict, job: dict) -> dict:
-    reason = choice["finish_reason"]
+def _finish_reason(choice: Choice, job: dict) -> dict:
+    reason = choice.finish_reason
     if reason == "length":
-        return {"type": "length", "length": len(choice["token_ids"])}
+        return {"type": "length", "length": len(choice.token_ids)}
     if reason == "stop":
-        return {"type": "stop", "matched": choice.get("matched_stop")}
+        return {"type": "stop", "matched": choice.matched_stop}
     return {"type": "abort", "message": "aborted" if job["status"] == "cancelled" else "ended early"}
 
 
@@ -244,18 +244,18 @@ def _entry(logprob, token_id: int, texts) -> list:
     return [logprob, token_id, texts(token_id) if texts else None]
 
 
-def _logprobs(choice: dict, result: dict, prompt_ids: list[int], options: dict, texts) -> dict:
-    ids = choice["token_ids"]
+def _logprobs(choice: Choice, result: JobResult, prompt_ids: list[int], options: dict, texts) -> dict:
+    ids = choice.token_ids
     out: dict[str, Any] = {
-        "output_token_logprobs": [_entry(lp, t, texts) for lp, t in zip(choice.get("logprobs") or [], ids, strict=True)],
-        "output_top_logprobs": [[_entry(lp, t, texts) for t, lp in step] for step in choice.get("top_logprobs") or []]
+        "output_token_logprobs": [_entry(lp, t, texts) for lp, t in zip(choice.logprobs or [], ids, strict=True)],
+        "output_top_logprobs": [[_entry(lp, t, texts) for t, lp in step] for step in choice.top_logprobs or []]
         if options["top_logprobs_num"] else [],
     }
     start = options["logprob_start_len"]
-    if start is not None and start >= 0 and result.get("prompt_logprobs") is not None:
-        lps = result["prompt_logprobs"]
+    if start is not None and start >= 0 and result.prompt_logprobs is not None:
+        lps = result.prompt_logprobs
         out["input_token_logprobs"] = [_entry(lps[i], prompt_ids[i], texts) for i in range(start, len(prompt_ids))]
-        tops = result.get("prompt_top_logprobs") or []
+        tops = result.prompt_top_logprobs or []
         out["input_top_logprobs"] = [
             [_entry(lp, t, texts) for t, lp in (tops[i] or [])] if i < len(tops) else None
             for i in range(start, len(prompt_ids))] if options["top_logprobs_num"] else []

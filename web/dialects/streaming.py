@@ -27,6 +27,7 @@ from web.services import services
 from web.streams import KEEPALIVE, sse, stream_response
 from web.submit import submit
 from workers.job_follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
+from workers.job_results import JobResult
 from workers.job_store import TERMINAL
 from workers.lifecycle import cancel_job
 
@@ -86,7 +87,7 @@ def _chunks(svc, jobs: list[dict[str, Any]], writer: ChunkWriter, state: dict) -
                 if job.get("status") == "failed":
                     raise job_error(job)
                 ended[job_id] = job
-                finals = ledger.finish(job_id, (job.get("result") or {}).get("choices") or [])
+                finals = ledger.finish(job_id, JobResult.of(job, n=0).choices)  # none: the dialect ends each aborted
                 yield from writer.done(job, finals, ledger)
                 continue
             for delta in ledger.take(job_id, event):

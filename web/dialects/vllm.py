@@ -20,12 +20,14 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from engine.choice import Choice
 from engine.request_rules import prompt_input_problem
 from web.dialects.common import TokenTexts, native_request
 from web.dialects.fields import NullMeansDefault, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
 from web.schemas import ContentPartSchema, StrictBoolean, TokenIds
+from workers.job_results import JobResult
 
 _UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
                 "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),
@@ -110,27 +112,27 @@ def generate_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
-    result = job.get("result") or {}
+    result = JobResult.of(job, n=request["sampling_params"]["n"])
     k = body["sampling_params"].get("logprobs")
-    texts = TokenTexts() if result.get("prompt_logprobs") is not None else None
-    choices = []
-    for choice in result.get("choices") or [{"index": i, "token_ids": [], "logprobs": [], "top_logprobs": [],
-                                             "finish_reason": "abort"}
-                                            for i in range(request["sampling_params"]["n"])]:
-        choices.append({"index": choice["index"], "token_ids": choice["token_ids"],
-                        "finish_reason": choice["finish_reason"],
-                        "logprobs": {"content": _token_logprobs(choice, k)} if k is not None else None})
-    usage = result.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}
+    texts = TokenTexts() if result.prompt_logprobs is not None else None
+    choices = [{"index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
+                "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None}
+               for choice in result.choices]
     return {"request_id": body.get("request_id") or job["id"], "choices": choices,
-            "prompt_logprobs": _prompt_logprobs(result, texts),
-            "usage": {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]},
-            "job_id": job["id"], "weight_version": result.get("weight_version")}
+            "prompt_logprobs": _prompt_logprobs(result, texts), "usage": usage(result),
+            "job_id": job["id"], "weight_version": result.weight_version}
 
 
-def _token_logprobs(choice: dict, k: int) -> list[dict]:
-    tops = choice.get("top_logprobs") or [[] for _ in choice["token_ids"]]
+def usage(result: JobResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+
+def token_logprobs(choice: Choice, k: int) -> list[dict]:
+    """Per sampled token, its logprob and the top ``k`` (at least itself), tokens spelled as ids."""
+    tops = choice.top_logprobs or [[] for _ in choice.token_ids]
     out = []
-    for token_id, lp, step in zip(choice["token_ids"], choice.get("logprobs") or [], tops, strict=True):
+    for token_id, lp, step in zip(choice.token_ids, choice.logprobs or [], tops, strict=True):
         entries = [(token_id, lp)] + [(alt, alt_lp) for alt, alt_lp in step if alt != token_id]
         out.append({"token": f"token_id:{token_id}", "logprob": max(lp, -9999.0),
                     "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(v, -9999.0)}
@@ -138,13 +140,13 @@ def _token_logprobs(choice: dict, k: int) -> list[dict]:
     return out
 
 
-def _prompt_logprobs(result: dict, texts) -> list | None:
+def _prompt_logprobs(result: JobResult, texts) -> list | None:
     """vLLM's shape: per prompt position ``{token_id: {logprob, rank, decoded_token}}`` (the
     prompt token and the top k), ``None`` for the first."""
-    lps = result.get("prompt_logprobs")
+    lps = result.prompt_logprobs
     if lps is None:
         return None
-    ids, tops = result["prompt_token_ids"], result.get("prompt_top_logprobs") or []
+    ids, tops = result.prompt_token_ids, result.prompt_top_logprobs or []
     out: list[dict | None] = []
     for i, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
         if lp is None:

@@ -1,0 +1,32 @@
+"""One sampled continuation of a prompt, as the engine makes it and a job's result stores it.
+
+Apart from ``engine/generation_types.py``, which holds tensors, so the API reads stored results
+(``workers.job_results.JobResult``) without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
+    finish_reason: str  # "stop" | "length" | "abort"
+    # The stop token id (eos included) or stop string that ended the choice; None otherwise.
+    matched_stop: int | str | None = None
+    text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
+    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
+    top_logprobs: list[list[list]] | None = None
+
+    @classmethod
+    def from_record(cls, record: dict) -> Choice:
+        """A stored choice (``dataclasses.asdict`` of one), ignoring keys this version does not know."""
+        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+
+    @classmethod
+    def aborted(cls, index: int) -> Choice:
+        """The empty choice of a job that ended before it ran (cancelled while queued, failed)."""
+        return cls(index=index, token_ids=[], logprobs=[], finish_reason="abort", text="", top_logprobs=[])
