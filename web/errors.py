@@ -16,6 +16,7 @@ from flask_smorest import Api
 from kombu.exceptions import OperationalError
 from werkzeug.exceptions import HTTPException
 
+import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any
 
-from engine.errors import NotFoundError
+from engine.errors import NotFoundError, RolloutError
 from workers.batch_store import public_batch
 from workers.job_store import new_id
 from workers.webhook_events import emit_batch_event
@@ -73,11 +73,11 @@ def job_entry(job: dict[str, Any], cancelled_as: tuple[str, str] = JOB_CANCELLED
         code, message = cancelled_as
         entry["error"] = {"code": code, "message": message}
     else:
-        error = job.get("error") or {}
-        entry["error"] = {"code": error.get("code", "internal_error"), "message": error.get("message", "job failed")}
+        error = RolloutError.from_record(job.get("error") or {})
+        entry["error"] = {"code": error.code, "message": error.message}
         # The status the request would have been answered with: OpenAI's results tell a request
         # that got an error response from one that never ran.
-        entry["status_code"] = int(job.get("error_http_status") or 500)
+        entry["status_code"] = error.http_status
     return line, False, entry
 
 

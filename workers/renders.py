@@ -42,15 +42,6 @@ class NoRenderWorkerError(ServiceUnavailableError):
     code = "no_cpu_worker"
 
 
-class RenderFailedError(RolloutError):
-    """The worker's typed error, carried back: its own code, status and field errors."""
-
-    def __init__(self, error: dict[str, Any]):
-        super().__init__(error.get("message") or "render failed", errors=error.get("errors"))
-        self.code = error.get("code") or "internal_error"
-        self.http_status = int(error.get("http_status") or 500)
-
-
 def request_key(render_id: str) -> str:
     return f"rq:render:{render_id}"
 
@@ -81,7 +72,7 @@ def wait_render(client: redis.Redis, render_id: str, wait_s: float) -> dict[str,
         if popped is not None:
             answer = json.loads(popped[1])
             if "error" in answer:
-                raise RenderFailedError(answer["error"])
+                raise RolloutError.from_record(answer["error"])  # its type, by its code
             return answer["result"]
     # The request stays until its TTL: a worker that gets to it now sees it expired and skips it.
     raise RenderTimeoutError("no worker rendered the messages in time; retry shortly", headers={"Retry-After": "2"})
@@ -96,4 +87,4 @@ def answer_render(client: redis.Redis, render_id: str, answer: dict[str, Any]) -
 
 
 def error_answer(error: RolloutError) -> dict[str, Any]:
-    return {"error": {**error.to_dict(), "http_status": error.http_status}}
+    return {"error": error.to_dict()}

@@ -3,10 +3,28 @@ synchronous route answers with, comes back from the code (engine.errors.RolloutE
 
 from __future__ import annotations
 
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-import web.app  # noqa: F401  (imports every module that declares an error type)
 from engine.errors import InternalError, RolloutError
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "processors", "workers", "web", "client")
+
+
+def _import_everything() -> None:
+    for package in PACKAGES:
+        for module in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}."):
+            importlib.import_module(module.name)
+
+
+_import_everything()
 
 
 def declared() -> list[type[RolloutError]]:
@@ -36,3 +54,20 @@ def test_a_stored_error_comes_back_with_its_type(cls):
 def test_an_unknown_code_is_an_internal_error():
     restored = RolloutError.from_record({"code": "from_a_newer_worker", "message": "m"})
     assert isinstance(restored, InternalError) and restored.http_status == 500
+
+
+
+def _codes_known_after(imports: str) -> set[str]:
+    script = f"{imports}; from engine.errors import RolloutError; print(' '.join(RolloutError._by_code))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    return set(done.stdout.split())
+
+
+def test_the_api_process_knows_every_code_a_worker_may_store():
+    # Fresh interpreters: this one has imported everything, so it would know every code anyway.
+    # What a worker has imported once it has preprocessed and generated (parts load on first use).
+    worker = _codes_known_after("from workers.celery_app import TASK_MODULES; import importlib; "
+                                "[importlib.import_module(m) for m in TASK_MODULES]; import processors.registry, "
+                                "processors.pipeline, processors.render, engine.generation, workers.gpu_session")
+    assert worker - _codes_known_after("import web.app") == set()

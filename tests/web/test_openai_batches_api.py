@@ -103,7 +103,7 @@ def test_mixed_file_runs_valid_lines_and_writes_openai_results(client):
     assert refused["response"]["body"]["error"]["type"] == "invalid_request_error"
     assert errors["other-model"]["response"]["status_code"] == 404
     failed = errors["chat-2"]["response"]
-    assert failed["status_code"] == 500 and failed["request_id"] == jobs[8]
+    assert failed["status_code"] == 422 and failed["request_id"] == jobs[8]  # media_error's own status
     assert failed["body"]["error"]["code"] == "media_error"
     assert all(entry["id"].startswith("batch_req_") for entry in errors.values())
 
