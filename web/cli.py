@@ -10,8 +10,7 @@ import argparse
 import sys
 
 from engine.errors import RolloutError
-
-KINDS = ("cpu", "gpu", "webhooks", "batches")
+from workers.heartbeats import WORKER_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("up", help="start Redis (embedded unless ROLLOUT_REDIS_URL), the API and every worker")
     commands.add_parser("api", help="serve the HTTP API (needs ROLLOUT_REDIS_URL)")
     worker = commands.add_parser("worker", help="run one kind of Celery worker (needs ROLLOUT_REDIS_URL)")
-    worker.add_argument("kind", choices=KINDS)
+    worker.add_argument("kind", choices=WORKER_KINDS)
     try:
         from client.batch_cli import add_batch_commands
     except ImportError:  # only when the client package is not installed
