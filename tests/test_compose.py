@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from web.cli import KINDS, build_parser
+from web.cli import build_parser
+from workers.heartbeats import WORKER_KINDS
 from workers.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_every_command_exists_in_the_cli(compose):
         except SystemExit:
             pytest.fail(f"service {name}: `rollout-queue {' '.join(service['command'])}` is not a CLI command")
         ran.append((args.command, getattr(args, "kind", None)))
-    assert sorted(ran, key=str) == sorted([("api", None)] + [("worker", kind) for kind in KINDS], key=str)
+    assert sorted(ran, key=str) == sorted([("api", None)] + [("worker", kind) for kind in WORKER_KINDS], key=str)
 
 
 def test_the_image_runs_the_cli_and_installs_every_package():
