@@ -40,7 +40,7 @@ from web.blueprint import Blueprint
 from web.openai_batch_object import batch_view
 from web.services import services
 from workers.batch_creation import create_batch
-from workers.tasks.batches import request_cancel
+from workers.batch_messages import request_cancel
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
 

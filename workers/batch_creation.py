@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import PayloadTooLargeError, RateLimitedError
+from workers.batch_messages import start_batch
 from workers.batch_store import public_batch
-from workers.tasks.batches import start_batch
 
 # Line errors shown in the batch object (all of them are in the errors download).
 REPORTED_LINE_ERRORS = 10

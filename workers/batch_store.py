@@ -14,7 +14,11 @@ A batch is a JSONL file of job requests run offline. Every key of batch ``<id>``
                             whoever sees it end first (its job, a cancel, the expiry).
     rq:batch:<id>:output    list: one JSON line per succeeded request
     rq:batch:<id>:errors    list: one JSON line per failed request (invalid lines included)
+    rq:batch:<id>:submitted set: the chunks whose jobs are all made (``enqueue_chunk`` finished)
+    rq:batch:<id>:scoring   set: the chunks owed a ``score_lines`` run (sent, not yet finished)
     rq:batches:<owner>      sorted set: the owner's batch ids by creation time (listing)
+    rq:batches:open         sorted set: every batch not ended, by when the batch reaper last
+                            looked at it (``workers/batch_reaper.py``)
     rq:batch-input:<owner>  hash: batch id -> bytes of its stored input lines, counted against
                             ``batch_max_stored_bytes_per_key`` with the owner's uploaded files
                             (``workers.stored_input``)
@@ -127,6 +131,17 @@ def owner_index_key(owner: str) -> str:
     return f"rq:batches:{owner}"
 
 
+def submitted_key(batch_id: str) -> str:
+    return f"rq:batch:{batch_id}:submitted"
+
+
+def scoring_key(batch_id: str) -> str:
+    return f"rq:batch:{batch_id}:scoring"
+
+
+OPEN_KEY = "rq:batches:open"
+
+
 class BatchStore:
     def __init__(self, client: redis.Redis, *, result_ttl: int):
         self.redis = client
@@ -158,6 +173,7 @@ class BatchStore:
         pipe.hset(batch_key(batch_id), mapping={name: _encode(name, value) for name, value in fields.items()})
         pipe.expireat(batch_key(batch_id), fields["keys_expire_at"])
         pipe.zadd(owner_index_key(owner), {batch_id: now})
+        pipe.zadd(OPEN_KEY, {batch_id: now})
         pipe.execute()
         return self.get(batch_id)
 
@@ -173,6 +189,7 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(batch_key(batch["id"]))
         pipe.zrem(owner_index_key(batch["owner"]), batch["id"])
+        pipe.zrem(OPEN_KEY, batch["id"])
         self._input.forget(batch["owner"], batch["id"], pipe)
         pipe.execute()
 
@@ -207,10 +224,10 @@ class BatchStore:
     def list(self, *, owner: str, status: str | None, limit: int,
              cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The owner's batches, newest first. The cursor is the creation time of the last one seen."""
-        return page_newest_first(self.redis, owner_index_key(owner), limit=limit, cursor=cursor, load=self._get_many,
+        return page_newest_first(self.redis, owner_index_key(owner), limit=limit, cursor=cursor, load=self.get_many,
                                  keep=lambda batch: status is None or batch["status"] == status)
 
-    def _get_many(self, batch_ids: list[str]) -> list[dict[str, Any] | None]:
+    def get_many(self, batch_ids: list[str]) -> list[dict[str, Any] | None]:
         pipe = self.redis.pipeline(transaction=False)
         for batch_id in batch_ids:
             pipe.hgetall(batch_key(batch_id))
@@ -246,6 +263,43 @@ class BatchStore:
         pipe.expireat(jobs_key(batch_id), expire_at)
         pipe.execute()
 
+    def chunks_submitted(self, batch_id: str, index: int, *, expire_at: int) -> None:
+        """Chunk ``index`` has made a job (or a direct line) for each of its lines."""
+        self._add_chunk(submitted_key(batch_id), index, expire_at)
+
+    def owe_scoring(self, batch_id: str, index: int, *, expire_at: int) -> None:
+        """A ``score_lines`` run of chunk ``index`` is about to be sent."""
+        self._add_chunk(scoring_key(batch_id), index, expire_at)
+
+    def scoring_done(self, batch_id: str, index: int) -> None:
+        self.redis.srem(scoring_key(batch_id), index)
+
+    def chunk_progress(self, batch_id: str) -> tuple[set[int], set[int]]:
+        """The chunks submitted, and those owed a scoring run."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.smembers(submitted_key(batch_id))
+        pipe.smembers(scoring_key(batch_id))
+        submitted, scoring = pipe.execute()
+        return {int(i) for i in submitted}, {int(i) for i in scoring}
+
+    def _add_chunk(self, key: str, index: int, expire_at: int) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(key, index)
+        pipe.expireat(key, expire_at)
+        pipe.execute()
+
+    def open_batches(self, *, before: float, limit: int) -> list[str]:
+        """Batches not ended that the reaper last looked at before ``before``, the oldest first."""
+        return [raw.decode() for raw in self.redis.zrangebyscore(OPEN_KEY, "-inf", before, start=0, num=limit)]
+
+    def looked_at(self, batch_ids: list[str]) -> None:
+        if batch_ids:
+            self.redis.zadd(OPEN_KEY, dict.fromkeys(batch_ids, time.time()), xx=True)
+
+    def forget_open(self, batch_ids: list[str]) -> None:
+        if batch_ids:
+            self.redis.zrem(OPEN_KEY, *batch_ids)
+
     def ended(self, batch_id: str, lines: list[int]) -> set[int]:
         """Which of ``lines`` are counted already."""
         if not lines:
@@ -279,6 +333,8 @@ class BatchStore:
         moved = self._transition(keys=[batch_key(batch_id)], args=args) == 1
         if moved and fields:
             self.redis.hset(batch_key(batch_id), mapping={k: _encode(k, v) for k, v in fields.items()})
+        if moved and status in TERMINAL:
+            self.forget_open([batch_id])
         return moved
 
     def claim(self, batch_id: str, field: str, value: str) -> bool:
@@ -296,7 +352,7 @@ class BatchStore:
         """After the end: drop the inputs, keep the record and results for ``result_ttl``."""
         expire_at = int(time.time() + self.result_ttl)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(lines_key(batch_id), jobs_key(batch_id))
+        pipe.delete(lines_key(batch_id), jobs_key(batch_id), submitted_key(batch_id), scoring_key(batch_id))
         pipe.hset(batch_key(batch_id), "keys_expire_at", expire_at)
         for key in (batch_key(batch_id), ended_key(batch_id), output_key(batch_id), errors_key(batch_id)):
             pipe.expireat(key, expire_at)

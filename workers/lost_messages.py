@@ -1,5 +1,6 @@
 """Finding work whose Celery message a crash lost: what the sweeps of ``workers/job_reaper.py``
-(unfinished jobs) and ``workers/webhooks/reaper.py`` (owed webhooks) share.
+(unfinished jobs), ``workers/webhook_reaper.py`` (owed webhooks) and ``workers/batch_reaper.py``
+(a batch's chunks and expiry) share.
 
 Work in flight is carried by a message: in a queue, held unacknowledged by a worker (kombu's
 ``unacked`` hash: reserved, running, or waiting for its countdown), or parked or being woken by a
@@ -15,10 +16,12 @@ what the broker holds.
 
 from __future__ import annotations
 
+import ast
+import json
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import redis
 from kombu.transport.redis import Channel
@@ -50,6 +53,35 @@ def ids_in_messages(client: redis.Redis, pattern: re.Pattern[bytes], *, queues: 
     for _, message in client.hscan_iter(Channel.unacked_key, count=_PAGE):
         found.update(pattern.findall(message))
     return {found_id.decode() for found_id in found}
+
+
+def task_calls_in_messages(client: redis.Redis, tasks: Collection[str], *, queues: Iterable[str]) -> set[tuple]:
+    """``(task, *args)`` of every message of ``tasks`` in the ``queues`` or held unacknowledged:
+    for work named by more than one id (a batch's chunk), where a pattern over the raw message
+    cannot tell which task it belongs to. Only messages naming one of ``tasks`` are parsed."""
+    names = tuple(task.encode() for task in tasks)
+    found: set[tuple] = set()
+
+    def take(message: dict) -> None:
+        headers = message.get("headers") or {}
+        if headers.get("task") in tasks:
+            # Celery's protocol 2 puts a repr of the args in the headers (the body is base64).
+            try:
+                found.add((headers["task"], *ast.literal_eval(headers.get("argsrepr") or "()")))
+            except (ValueError, SyntaxError):
+                pass  # not ours to read: at worst its work is sent once more, a no-op
+
+    for queue in queues:
+        start = 0
+        while page := client.lrange(queue, start, start + _PAGE - 1):
+            for raw in page:
+                if any(name in raw for name in names):
+                    take(json.loads(raw))
+            start += _PAGE
+    for _, raw in client.hscan_iter(Channel.unacked_key, count=_PAGE):
+        if any(name in raw for name in names):
+            take(json.loads(raw)[0])  # [message, exchange, routing key]
+    return found
 
 
 class Suspects:

@@ -93,6 +93,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             from workers.job_reaper import start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
+        if kind == "batches":
+            from workers.batch_reaper import start_batch_reaper
+
+            start_batch_reaper(rt, stall_s=settings.stalled_job_after)  # chunks and expiry checks a crash lost
         if kind == "webhooks":
             from workers.webhook_reaper import start_webhook_reaper
 

@@ -220,6 +220,35 @@ def test_a_webhook_whose_job_ended_message_was_lost_is_sent(faults):
     assert_one_webhook_each(faults.host, [job["id"]], HOOK_PATH)
 
 
+def test_a_batch_whose_messages_were_lost_runs_every_line_once(faults, reference):
+    """A batch stored with its lines whose chunk and expiry messages never reached the broker (the
+    API lost it between storing the batch and sending them; or the messages were popped by a worker,
+    or Redis, killed before they were recorded): the batches worker's sweep sends them again."""
+    bodies, tokens = reference
+    faults.start("batches")
+    faults.wait_ready(["batches"])
+    app = create_app(settings_from_env(faults.env), faults.env["ROLLOUT_REDIS_URL"])
+    svc = app.extensions["rollout"]
+    svc.celery = create_celery(svc.settings, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    lines = "\n".join(json.dumps({"custom_id": f"t{n}", "kind": "generate", "body": body})
+                      for n, body in enumerate(bodies["text"]))
+    response = app.test_client().post("/v1/batches", data=lines, headers={**faults.headers(),
+                                                                           "Content-Type": "application/jsonl"})
+    assert response.status_code == 503, response.get_json()  # stored, but no message was sent
+    listed = faults.client.get("/v1/batches?limit=1", headers=faults.headers()).get_json()["data"]
+    (batch,) = [b for b in listed if b["status"] == "in_progress"]
+
+    def read():
+        return faults.client.get(f"/v1/batches/{batch['id']}", headers=faults.headers()).get_json()
+
+    done = wait_until(lambda: (b := read())["status"] == "completed" and b, 3 * STALLED_S + 60, "the batch to complete")
+    assert done["request_counts"] == {"total": len(bodies["text"]), "completed": len(bodies["text"]), "failed": 0}
+    output = [json.loads(text) for text in faults.client.get(f"/v1/batches/{batch['id']}/output",
+                                                             headers=faults.headers()).get_data(as_text=True).splitlines()]
+    by_line = {line["custom_id"]: line["response"]["body"]["choices"][0]["token_ids"] for line in output}
+    assert len(output) == len(by_line) and [by_line[f"t{n}"] for n in range(len(bodies["text"]))] == tokens["text"]
+
+
 def test_unreachable_broker_answers_503(faults):
     """The job store answers but Celery cannot publish (the broker is away): 503, not a 500."""
     app = create_app(settings_from_env(faults.env), faults.env["ROLLOUT_REDIS_URL"])

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import logging
 
-from celery import Celery, shared_task
+from celery import shared_task
 
 from engine.errors import NotFoundError
+from workers.batch_messages import schedule_expiry, send_score_lines
 from workers.batch_progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
 from workers.batch_store import DIRECT_LINE
 from workers.batch_sweeps import cancel_lines, expire
@@ -34,16 +35,12 @@ from workers.job_store import TERMINAL as JOB_TERMINAL
 from workers.job_store import QueueFullError
 from workers.lifecycle import cancel_job
 from workers.names import (
-    BATCHES_QUEUE,
     CANCEL_BATCH_TASK,
     ENQUEUE_CHUNK_TASK,
     EXPIRE_BATCH_TASK,
-    SCORE_LINES_TASK,
-    SHARED_GENERATE_QUEUE,
 )
 from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.settings import Settings
 from workers.submission import submit_job
 from workers.tasks.outage import requeued_while_redis_is_down
 from workers.tasks.score_lines import scorable_directly
@@ -51,27 +48,6 @@ from workers.tasks.score_lines import scorable_directly
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_AFTER = 5.0
-
-
-# --- Sending (the API calls these) ----------------------------------------------------------------
-
-def start_batch(celery: Celery, settings: Settings, batch_id: str, chunks: int, completion_window: float) -> None:
-    """Queue one message per chunk, and the expiry check."""
-    with celery.producer_or_acquire() as producer:
-        for index in range(chunks):
-            celery.send_task(ENQUEUE_CHUNK_TASK, args=[batch_id, index], queue=BATCHES_QUEUE, producer=producer)
-    schedule_expiry(celery, settings, batch_id, completion_window)
-
-
-def schedule_expiry(celery: Celery, settings: Settings, batch_id: str, seconds: float) -> None:
-    # The check re-arms itself in steps shorter than the broker's visibility timeout: Redis would
-    # redeliver (and so duplicate) a message whose countdown is longer than that.
-    countdown = max(1.0, min(seconds, settings.visibility_timeout / 2))
-    celery.send_task(EXPIRE_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE, countdown=countdown)
-
-
-def request_cancel(celery: Celery, batch_id: str) -> None:
-    celery.send_task(CANCEL_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE)
 
 
 # --- Tasks ----------------------------------------------------------------------------------------
@@ -124,7 +100,8 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     if direct:
         store.set_line_jobs(batch_id, dict.fromkeys((line["line"] for line in direct), DIRECT_LINE),
                             expire_at=batch["keys_expire_at"])
-        rt.celery.send_task(SCORE_LINES_TASK, args=[batch_id, index], queue=SHARED_GENERATE_QUEUE)
+        store.owe_scoring(batch_id, index, expire_at=batch["keys_expire_at"])  # the reaper's mark
+        send_score_lines(rt.celery, batch_id, index)
         skip |= {line["line"] for line in direct}
     created: dict[int, str] = {}
     try:
@@ -151,6 +128,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     finally:
         if created:
             _cancel_if_stopped(rt, batch, list(created.values()))
+    store.chunks_submitted(batch_id, index, expire_at=batch["keys_expire_at"])
     return len(created)
 
 

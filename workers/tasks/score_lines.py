@@ -47,6 +47,7 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     except NotFoundError:
         return 0
     if batch["status"] != "in_progress":
+        store.scoring_done(batch_id, index)
         return 0  # cancelled or expired: the sweep counts these lines
     lines = store.chunk(batch_id, index, batch["chunk_size"])
     numbers = [line["line"] for line in lines]
@@ -57,6 +58,7 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     size = rt.settings.gpu_batch_size
     for start in range(0, len(pending), size):
         record_lines(rt, batch_id, _score(engine, pending[start:start + size]))
+    store.scoring_done(batch_id, index)
     return len(pending)
 
 
