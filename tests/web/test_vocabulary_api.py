@@ -40,10 +40,28 @@ def test_sglang_input_ids_are_checked_too(client):
     response = client.post("/generate", json={"input_ids": [3, VOCAB], "sampling_params": {"max_new_tokens": 2}},
                            headers=auth())
     assert response.status_code == 422
-    error = response.get_json()["error"]  # SGLang's error shape
-    # The message names the native field (token_ids[1]): the check runs after the dialect mapping.
-    assert error["code"] == "token_id_out_of_range" and "[1]" in error["message"]
+    error = response.get_json()["error"]  # SGLang's error shape, naming SGLang's field
+    assert error["code"] == "token_id_out_of_range" and error["message"].startswith("input_ids[1] ")
+    assert error["errors"] == {"field": "input_ids", "index": 1, "vocab_size": VOCAB}
     assert client.get("/v1/jobs", headers=auth()).get_json()["data"] == []
+
+
+@pytest.mark.parametrize(("route", "body", "field", "index"), [
+    ("/generate", {"input_ids": [[1, 2], [3, VOCAB]], "sampling_params": {"max_new_tokens": 2}}, "input_ids[1]", 1),
+    ("/v1/completions", {"prompt": [5, VOCAB], "max_tokens": 2}, "prompt", 1),
+    ("/v1/completions", {"prompt": [[5], [6, 7, VOCAB]], "max_tokens": 2}, "prompt[1]", 2),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [VOCAB]}, "stop_token_ids", 0),
+    ("/inference/v1/generate", {"token_ids": [VOCAB], "sampling_params": {"max_tokens": 2}}, "token_ids", 0),
+])
+def test_dialects_name_the_field_as_their_client_sent_it(client, route, body, field, index):
+    if route == "/v1/completions":
+        body = {**body, "model": client.get("/v1/models", headers=auth()).get_json()["data"][0]["id"]}
+    response = client.post(route, json=body, headers=auth())
+    assert response.status_code == 422, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "token_id_out_of_range" and error["message"].startswith(f"{field}[{index}] ")
+    if route != "/generate":  # OpenAI's shape, which vLLM's routes share
+        assert error["param"] == field and error["type"] == "invalid_request_error"
 
 
 def test_the_last_id_of_the_vocabulary_is_accepted(client):

@@ -14,12 +14,12 @@ from typing import Any
 
 from marshmallow import ValidationError
 
-from engine.errors import InvalidRequestError, RolloutError
+from engine.errors import InvalidRequestError, RolloutError, TokenIdOutOfRangeError
 from web.auth import current_owner
 from web.dialects.errors import flatten
 from web.schemas import JobRequestSchema
 from web.services import services
-from web.submit import submit
+from web.submit import check_vocabulary, submit
 from workers.job_store import TERMINAL
 from workers.lifecycle import cancel_job
 
@@ -42,14 +42,23 @@ def job_error(job: dict) -> RolloutError:
     return RolloutError.from_record(job.get("error") or {})
 
 
-def native_request(body: dict[str, Any], names: dict[str, str] | None = None) -> dict[str, Any]:
-    """``body`` (native field names) validated and defaulted by the native schema. ``names`` maps
-    native field paths back to the dialect's, so errors name what the client sent."""
+def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
+                   vocab_size: int | None = None) -> dict[str, Any]:
+    """``body`` (native field names) validated and defaulted by the native schema, its token ids
+    checked against ``vocab_size`` when given. ``names`` maps native field paths back to the
+    dialect's, so errors name what the client sent."""
     try:
-        return _NATIVE.load(body)
+        request = _NATIVE.load(body)
     except ValidationError as exc:
         errors = _rename(exc.messages, names or {})
         raise InvalidRequestError("invalid fields: " + ", ".join(sorted(errors)), errors=errors) from None
+    try:
+        check_vocabulary(request, vocab_size)  # submit checks again, naming native fields
+    except TokenIdOutOfRangeError as error:
+        (field,) = _rename({error.field: None}, names or {})
+        raise TokenIdOutOfRangeError(field=field, index=error.index, token_id=error.token_id,
+                                     vocab_size=error.vocab_size) from None
+    return request
 
 
 def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -106,6 +115,10 @@ def media_url(value: Any, where: str) -> str:
 def tokenizer():
     """The model's tokenizer, loaded once per API process."""
     return services().tokenizer
+
+
+def vocab_size() -> int | None:
+    return services().model_facts.vocab_size
 
 
 class TokenTexts:

@@ -32,7 +32,10 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403:
 def openai_shape(status: int, code: str, message: str, errors: Any) -> dict:
     """``{"error": {"message", "type", "param", "code"}}``: OpenAI's, and vLLM's ErrorResponse
     (vllm/entrypoints/openai/engine/protocol.py) has the same keys."""
-    param = next(iter(errors), None) if isinstance(errors, dict) else None
+    param = None
+    if isinstance(errors, dict):
+        # Field errors are keyed by field; an error about one field's value names it in ``field``.
+        param = errors["field"] if isinstance(errors.get("field"), str) else next(iter(errors), None)
     kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

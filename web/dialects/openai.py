@@ -25,6 +25,7 @@ from web.dialects.common import (
     native_request,
     served_model_name,
     tokenizer,
+    vocab_size,
 )
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.dialects.sampling import native_sampling, sampling_fields
@@ -150,10 +151,10 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
     if body.get("stream") and body.get("echo"):
         raise InvalidRequestError("echo is not served with stream: true", errors={"echo": ["not with stream"]})
     check_model(body["model"])
-    prompts, _ = prompts_of(body["prompt"])
+    prompts, batch = prompts_of(body["prompt"])
     tok = tokenizer()
     requests = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         ids = prompt if isinstance(prompt, list) else tok(prompt, add_special_tokens=body.get(
             "add_special_tokens", True))["input_ids"]
         params = _params(body)
@@ -166,7 +167,10 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
         native: dict[str, Any] = {"token_ids": ids, "sampling_params": params}
         if body.get("request_id"):
             native["request_id"] = body["request_id"]
-        requests.append(native_request(native, {f"sampling_params.{n}": n for n in params} | _NAMES))
+        names = {f"sampling_params.{n}": n for n in params} | _NAMES
+        if batch:
+            names["token_ids"] = f"prompt[{i}]"
+        requests.append(native_request(native, names, vocab_size=vocab_size()))
     return requests
 
 
@@ -249,7 +253,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         native["request_id"] = body["request_id"]
     names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
                                                             "content_parts": "messages", "token_ids": "messages"}
-    return native_request(native, names)
+    return native_request(native, names, vocab_size=vocab_size())
 
 
 def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:

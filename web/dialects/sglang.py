@@ -147,11 +147,15 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
                  "sampling_params.include_stop_str_in_output": "sampling_params.no_stop_trim",
                  "sampling_params.seed": "sampling_params.sampling_seed", "token_ids": "input_ids",
                  "prompt": "text", "request_id": "rid", "content_parts": "image_data"}
-        requests.append(native_request(native, {k: (v if not batch or not k.startswith("sampling_params")
-                                              else v.replace("sampling_params", f"sampling_params{where}"))
-                                          for k, v in names.items()}))
+        requests.append(native_request(native, {k: _indexed(v, where) for k, v in names.items()}, vocab_size=vocab_size))
         options.append({"logprob_start_len": start, "top_logprobs_num": top})
     return requests, options, batch
+
+
+def _indexed(name: str, where: str) -> str:
+    """A field of one item of a batch, as the client wrote it: ``sampling_params[2].top_k``, ``input_ids[2]``."""
+    head, dot, rest = name.partition(".")
+    return f"{head}{where}{dot}{rest}"
 
 
 def _per_item(body: dict, name: str, size: int, batch: bool) -> list:

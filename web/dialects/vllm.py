@@ -22,7 +22,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.request_rules import prompt_input_problem
-from web.dialects.common import TokenTexts, native_request
+from web.dialects.common import TokenTexts, native_request, vocab_size
 from web.dialects.fields import NullMeansDefault, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
@@ -108,7 +108,7 @@ def generate_request(body: dict[str, Any]) -> dict[str, Any]:
         native["request_id"] = body["request_id"]
     names = {f"sampling_params.{n}": f"sampling_params.{n}" for n in params}
     names["sampling_params.top_logprobs"] = "sampling_params.logprobs"
-    return native_request(native, names)
+    return native_request(native, names, vocab_size=vocab_size())
 
 
 def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
