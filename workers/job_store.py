@@ -30,6 +30,7 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
+_SHORTEST_WAIT_S = 0.002  # a BLPOP timeout Redis does not round down to 0 (for ever)
 UNFINISHED_KEY = "rq:unfinished"
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
@@ -205,11 +206,13 @@ class JobStore:
         if job["status"] in TERMINAL or timeout <= 0:
             return job if job["status"] in TERMINAL else None
         deadline = time.monotonic() + timeout
-        # Short waits keep each call well inside the client's socket timeout.
-        while (remaining := deadline - time.monotonic()) > 0:
+        # Short waits keep each call well inside the client's socket timeout. Redis reads a BLPOP
+        # timeout in whole milliseconds, and one under 1 ms as 0, which blocks for ever: stop first.
+        while (remaining := deadline - time.monotonic()) >= _SHORTEST_WAIT_S:
             if self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0)) is not None:
                 return self.get(job_id)
-        return None
+        job = self.get(job_id)
+        return job if job["status"] in TERMINAL else None
 
     def save_prompt(self, job_id: str, prompt: str) -> None:
         """Leave the job's finalized prompt (JSON, see ``workers.prompt_codec``) for the GPU worker.

@@ -32,7 +32,11 @@ def test_producer_killed_before_the_gpu_opens_its_handles(own_stack):
     stack.stop("gpu")
     job = stack.submit(body)
     deadline = time.monotonic() + 60
-    while not stack.services.redis.exists(JobStore.prompt_key(job["id"])):
+    # Handed over: its generate message waits in the node's queue (the prompt alone is saved a
+    # moment before the message is sent; a kill between the two leaves the message to kombu).
+    node_queue = stack.services.settings.generate_queue
+    while not (stack.services.redis.exists(JobStore.prompt_key(job["id"]))
+               and job["id"].encode() in b"".join(stack.services.redis.lrange(node_queue, 0, -1))):
         assert time.monotonic() < deadline, "the CPU worker never handed the job over"
         time.sleep(0.05)
     stack.kill("cpu")  # the producer dies with the shared memory its handles name

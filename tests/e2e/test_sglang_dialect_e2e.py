@@ -156,7 +156,8 @@ def test_abort_all_cuts_only_the_callers_jobs(base, stack):
             break
         time.sleep(0.05)
     # Another key's job, queued behind ours: abort_all must leave it alone.
-    other = stack.submit({"token_ids": [101, 103], "sampling_params": {"max_tokens": 5}}, key=OTHER_KEY)
+    other = stack.submit({"token_ids": [101, 103], "sampling_params": {"max_tokens": 5, "ignore_eos": True}},
+                         key=OTHER_KEY)
     time.sleep(0.3)
     assert post(base, "/abort_request", {"abort_all": True}).status_code == 200
     thread.join(60)

@@ -149,3 +149,15 @@ def test_list_pages_newest_first_filters_and_drops_expired(store):
     done, cursor = store.list(owner=OWNER, status="succeeded", limit=5, cursor=None)
     assert [job["id"] for job in done] == [ids[1]] and cursor is None
     assert store.list(owner=OTHER, status=None, limit=5, cursor=None) == ([], None)
+
+
+@pytest.mark.parametrize("timeout", [0.0004, 0.0015, 0.01])
+def test_a_wait_shorter_than_a_millisecond_ends_and_does_not_block_for_ever(store, timeout):
+    # Redis reads a BLPOP timeout under 1 ms as 0: block for ever. The sync routes wait whatever
+    # is left of their deadline, which can be that short.
+    job = store.create(owner=OWNER, kind="generate", request={"token_ids": [1]}, request_id=None)
+    answers: list = []
+    waiter = threading.Thread(target=lambda: answers.append(store.wait(job["id"], timeout=timeout)), daemon=True)
+    waiter.start()
+    waiter.join(5)
+    assert answers == [None]
