@@ -193,12 +193,15 @@ def sweep_orphaned_segments(prefix: str = SEGMENT_PREFIX) -> list[str]:
         pid_text = path.name[len(prefix) :].split("_", 1)[0]
         if not pid_text.isdigit() or _alive(int(pid_text)):
             continue
+        # Unlinked as a file (what shm_unlink does on Linux), never attached: a producer killed
+        # between creating a segment and sizing it leaves an empty one, which cannot be mapped.
         try:
-            segment = SharedMemory(name=path.name)
+            path.unlink()
         except FileNotFoundError:
+            continue  # another sweep took it
+        except OSError as error:
+            log.warning("cannot remove the orphaned segment %s: %s", path.name, error)
             continue
-        segment.close()
-        segment.unlink()  # balances the tracker registration the attach made
         removed.append(path.name)
     return removed
 
