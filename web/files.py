@@ -55,7 +55,8 @@ class FileSchema(Schema):
 class FileListQuerySchema(Schema):
     after = fields.String(validate=validate.Length(1, 64), metadata={"description": "The last file id seen"})
     limit = fields.Integer(strict=False, validate=validate.Range(1, 10_000), load_default=100)
-    order = fields.String(validate=validate.OneOf(["desc"]), metadata={"description": "Newest first only"})
+    order = fields.String(validate=validate.OneOf(["asc", "desc"]), load_default="desc",
+                          metadata={"description": "By creation time: desc (newest first) or asc"})
     purpose = fields.String(validate=validate.OneOf(PURPOSES))
 
 
@@ -121,13 +122,14 @@ class Files(MethodView):
     @blp.alt_response(422, schema=None, description="Invalid query")
     @_errors
     def get(self, query):
-        """The caller's files, newest first."""
+        """The caller's files, newest first (or oldest first with ``order=asc``)."""
         files = services().files
         owner = current_owner()
         cursor = None
         if "after" in query:
             cursor = repr(files.get(query["after"], owner=owner)["created_at"])
-        found, cursor = files.list(owner=owner, purpose=query.get("purpose"), limit=query["limit"], cursor=cursor)
+        found, cursor = files.list(owner=owner, purpose=query.get("purpose"), limit=query["limit"], cursor=cursor,
+                                   newest_first=query["order"] == "desc")
         data = [public_file(_sized(record)) for record in found]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": cursor is not None}

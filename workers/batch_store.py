@@ -48,7 +48,7 @@ import redis
 from engine.errors import NotFoundError
 from workers import finite_json
 from workers.job_store import new_id
-from workers.redis_records import decode_record, encode_field, iter_list, page_newest_first, plausible_id
+from workers.redis_records import decode_record, encode_field, iter_list, page_by_creation, plausible_id
 from workers.stored_input import StoredInput
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -224,7 +224,7 @@ class BatchStore:
     def list(self, *, owner: str, status: str | None, limit: int,
              cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The owner's batches, newest first. The cursor is the creation time of the last one seen."""
-        return page_newest_first(self.redis, owner_index_key(owner), limit=limit, cursor=cursor, load=self.get_many,
+        return page_by_creation(self.redis, owner_index_key(owner), limit=limit, cursor=cursor, load=self.get_many,
                                  keep=lambda batch: status is None or batch["status"] == status)
 
     def get_many(self, batch_ids: list[str]) -> list[dict[str, Any] | None]:

@@ -24,7 +24,7 @@ import redis
 
 from engine.errors import NotFoundError, RateLimitedError
 from workers.job_store import new_id
-from workers.redis_records import decode_record, encode_field, page_newest_first, plausible_id
+from workers.redis_records import decode_record, encode_field, page_by_creation, plausible_id
 from workers.stored_input import StoredInput
 
 PURPOSES = ("batch", "batch_output")
@@ -118,11 +118,11 @@ class FileStore:
             raise NotFoundError(f"no file {file_id!r}")
         return decode_record(raw, int_fields=_INT_FIELDS)
 
-    def list(self, *, owner: str, purpose: str | None, limit: int,
-             cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """The owner's files, newest first; the cursor is the creation time of the last one seen."""
-        return page_newest_first(self.redis, owner_files_key(owner), limit=limit, cursor=cursor,
-                                 load=self._get_many, keep=lambda f: purpose is None or f["purpose"] == purpose)
+    def list(self, *, owner: str, purpose: str | None, limit: int, cursor: str | None,
+             newest_first: bool = True) -> tuple[list[dict[str, Any]], str | None]:
+        """The owner's files, newest first unless asked; the cursor is the creation time of the last one seen."""
+        return page_by_creation(self.redis, owner_files_key(owner), limit=limit, cursor=cursor, load=self._get_many,
+                                keep=lambda f: purpose is None or f["purpose"] == purpose, newest_first=newest_first)
 
     def _get_many(self, file_ids: list[str]) -> list[dict[str, Any] | None]:
         pipe = self.redis.pipeline(transaction=False)

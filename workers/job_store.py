@@ -23,7 +23,7 @@ import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
 from workers.job_events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key
-from workers.redis_records import decode_record, encode_field, page_newest_first, plausible_id
+from workers.redis_records import decode_record, encode_field, page_by_creation, plausible_id
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -233,7 +233,7 @@ class JobStore:
 
     def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
         """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
-        return page_newest_first(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
                                  keep=lambda job: status is None or job["status"] == status)
 
     def stalled(self, *, before: float, limit: int) -> list[str]:

@@ -47,24 +47,28 @@ def decode_record(raw: dict[bytes, bytes] | dict[str, str], *, json_fields: Coll
     return record
 
 
-def page_newest_first(client: redis.Redis, index: str, *, limit: int, cursor: str | None,
-                      load: Callable[[list[str]], list[Record | None]],
-                      keep: Callable[[Record], bool]) -> tuple[list[Record], str | None]:
-    """Up to ``limit`` records of the sorted set ``index`` (member -> creation time), newest first,
-    that ``keep`` accepts; and the cursor of the next page (None at the end).
+def page_by_creation(client: redis.Redis, index: str, *, limit: int, cursor: str | None,
+                     load: Callable[[list[str]], list[Record | None]], keep: Callable[[Record], bool],
+                     newest_first: bool = True) -> tuple[list[Record], str | None]:
+    """Up to ``limit`` records of the sorted set ``index`` (member -> creation time), newest first
+    (or oldest first), that ``keep`` accepts; and the cursor of the next page (None at the end).
 
     ``load`` reads the records of some members (None for an expired one, which is dropped from the
     index as we pass). The cursor is the score of the last record returned.
     """
-    upper = f"({cursor}" if cursor else "+inf"
+    bound = f"({cursor}" if cursor else ("+inf" if newest_first else "-inf")
     found: list[Record] = []
     while len(found) < limit:
-        scored = client.zrevrangebyscore(index, upper, "-inf", start=0, num=max(limit * 2, 50), withscores=True)
+        page = max(limit * 2, 50)
+        if newest_first:
+            scored = client.zrevrangebyscore(index, bound, "-inf", start=0, num=page, withscores=True)
+        else:
+            scored = client.zrangebyscore(index, bound, "+inf", start=0, num=page, withscores=True)
         if not scored:
             break
         records = load([member.decode() for member, _ in scored])
         for (member, score), record in zip(scored, records, strict=True):
-            upper = f"({score!r}"
+            bound = f"({score!r}"
             if record is None:
                 client.zrem(index, member)
                 continue

@@ -105,7 +105,17 @@ def test_large_files_stream_in_chunks(client):
     assert len(parts) == 3 and b"".join(parts) == data
 
 
-@pytest.mark.parametrize("query", ["?limit=0", "?order=asc", "?purpose=fine-tune", "?nope=1"])
+def test_files_list_oldest_first_with_order_asc_and_pages_after_a_file(client):
+    made = [upload(client, b"{}\n").get_json()["id"] for _ in range(3)]
+    oldest = client.get("/v1/files?order=asc", headers=auth()).get_json()
+    assert [f["id"] for f in oldest["data"]] == made and oldest["has_more"] is False
+    page = client.get("/v1/files?order=asc&limit=2", headers=auth()).get_json()
+    rest = client.get(f"/v1/files?order=asc&limit=2&after={page['last_id']}", headers=auth()).get_json()
+    assert [f["id"] for f in page["data"]] == made[:2] and page["has_more"] is True
+    assert [f["id"] for f in rest["data"]] == made[2:] and rest["has_more"] is False
+
+
+@pytest.mark.parametrize("query", ["?limit=0", "?order=random", "?purpose=fine-tune", "?nope=1"])
 def test_bad_list_queries_are_422(client, query):
     response = client.get(f"/v1/files{query}", headers=auth())
     assert response.status_code == 422 and response.get_json()["error"]["type"] == "invalid_request_error"
