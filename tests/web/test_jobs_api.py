@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.web.conftest import KEY_B, auth
+from tests.web.conftest import KEY_A, KEY_B, auth
 
 PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0}}
 
@@ -171,3 +171,22 @@ def test_openapi_lists_statuses(client):
     spec = client.get("/openapi.json").get_json()
     post = spec["paths"]["/v1/jobs"]["post"]["responses"]
     assert {"202", "401", "413", "422", "429", "503"} <= set(post)
+
+
+def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all(client):
+    def job(rid, key=KEY_A):
+        body = {"token_ids": [1, 2], "request_id": rid, "sampling_params": {"max_tokens": 2}}
+        return client.post("/v1/jobs", json=body, headers=auth(key)).get_json()["id"]
+
+    mine = {rid: job(rid) for rid in ("a", "b", "c")}
+    theirs = job("a", key=KEY_B)
+    reply = client.post("/abort_requests", json={"request_ids": ["a", "b", "nothing-by-that-id"]}, headers=auth())
+    assert reply.status_code == 200 and reply.get_json() == {"status": "aborted", "aborted": 2}
+
+    def status(job_id, key=KEY_A):
+        return client.get(f"/v1/jobs/{job_id}", headers=auth(key)).get_json()["status"]
+
+    assert [status(mine[rid]) for rid in "abc"] == ["cancelled", "cancelled", "queued"]
+    assert status(theirs, KEY_B) == "queued"  # another key's job with the same request id is not ours to abort
+    assert client.post("/abort_requests", json={}, headers=auth()).get_json() == {"status": "aborted", "aborted": 1}
+    assert status(mine["c"]) == "cancelled" and status(theirs, KEY_B) == "queued"

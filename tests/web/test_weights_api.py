@@ -119,3 +119,18 @@ def test_sglang_routes_take_sglang_bodies(admin_client, weights_root):
     assert _post(admin_client, None, path="/continue_generation").get_json()["success"]
     assert admin_client.get("/v1/weights", headers=auth(ADMIN)).get_json()["paused"] is None
     assert _post(admin_client, {"mode": "sideways"}, path="/pause_generation").status_code == 422
+
+
+def test_vllm_pause_and_resume_take_vllms_query_and_answer_its_shape(admin_client):
+    forbidden = admin_client.post("/pause", headers=auth(KEY_A))
+    assert forbidden.status_code == 403 and forbidden.get_json()["error"]["code"] == "forbidden"  # OpenAI's shape
+    for query, ours in (("?mode=keep", "retract"), ("?mode=wait", "finish"), ("", "abort"),
+                        ("?mode=abort&wait_for_inflight_requests=true", "finish")):
+        response = admin_client.post(f"/pause{query}", headers=auth(ADMIN))
+        assert response.status_code == 200 and response.get_json() == {"status": "paused"}, query
+        assert admin_client.get("/v1/weights", headers=auth(ADMIN)).get_json()["paused"] == ours, query
+        assert admin_client.get("/is_paused", headers=auth(KEY_A)).get_json() == {"is_paused": True}
+    assert admin_client.post("/resume", headers=auth(ADMIN)).get_json() == {"status": "resumed"}
+    assert admin_client.get("/is_paused", headers=auth(KEY_A)).get_json() == {"is_paused": False}
+    assert admin_client.post("/pause?mode=sideways", headers=auth(ADMIN)).status_code == 422
+    assert admin_client.post("/resume", headers=auth(KEY_A)).status_code == 403

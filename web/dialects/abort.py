@@ -1,4 +1,4 @@
-"""Aborting the caller's own unfinished jobs (SGLang's ``/abort_request``).
+"""Aborting the caller's own unfinished jobs (SGLang's ``/abort_request``, vLLM's ``/abort_requests``).
 
 An aborted job ends as a cancel does (``workers.lifecycle.cancel_job``): one not yet generating
 ends ``cancelled`` at once; a generating one stops at its next decode step and keeps its tokens so
@@ -7,6 +7,8 @@ far, ``finish_reason: abort``. A synchronous call waiting on the job answers wit
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from web.services import services
 from workers.job_store import TERMINAL
 from workers.lifecycle import cancel_job
@@ -14,8 +16,8 @@ from workers.lifecycle import cancel_job
 _PAGE = 200
 
 
-def abort_jobs(owner: str, *, request_id: str | None = None) -> int:
-    """Cancel the owner's unfinished jobs (only those with ``request_id`` when given); how many."""
+def abort_jobs(owner: str, *, request_ids: Collection[str] | None = None) -> int:
+    """Cancel the owner's unfinished jobs (only those with one of ``request_ids`` when given); how many."""
     svc = services()
     # The owner's active-job counter says how many unfinished jobs exist, so the newest-first walk
     # over the owner's index stops once it has seen them all (unfinished jobs are the recent ones).
@@ -27,7 +29,7 @@ def abort_jobs(owner: str, *, request_id: str | None = None) -> int:
             if job["status"] in TERMINAL:
                 continue
             remaining -= 1
-            if request_id is None or job.get("request_id") == request_id:
+            if request_ids is None or job.get("request_id") in request_ids:
                 cancel_job(svc, job["id"], owner=owner)
                 cancelled += 1
         if cursor is None:

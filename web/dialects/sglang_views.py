@@ -141,7 +141,7 @@ class AbortRequest(MethodView):
         if body["abort_all"]:
             abort_jobs(current_owner())
         elif body["rid"]:
-            abort_jobs(current_owner(), request_id=body["rid"])
+            abort_jobs(current_owner(), request_ids={body["rid"]})
         return ""
 
 

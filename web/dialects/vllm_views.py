@@ -1,12 +1,16 @@
-"""vLLM's token-in-token-out routes, with errors in vLLM's (OpenAI's) shape."""
+"""vLLM's token-in-token-out routes and its RL control routes (pause, resume, abort), with errors
+in vLLM's (OpenAI's) shape."""
 
 from __future__ import annotations
 
 from flask import jsonify
 from flask.views import MethodView
+from marshmallow import EXCLUDE, Schema, fields, validate
 
+from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
 from web.dialects import openai, vllm
+from web.dialects.abort import abort_jobs
 from web.dialects.common import media_url, run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.openai_stream import GenerateChunks
@@ -14,6 +18,8 @@ from web.dialects.openai_views import documented
 from web.dialects.streaming import dialect_stream
 from web.render import render_on_worker
 from web.services import services
+from web.weights import PAUSE_REPORT_SECONDS
+from workers.weight_updates import fleet_paused
 
 blp = Blueprint("vllm", __name__, description="vLLM's token-in-token-out API (generate and render)")
 install(blp, openai_shape)
@@ -80,3 +86,71 @@ def _with_media_urls(message: dict, index: int) -> dict:
             part = {**part, "image_url": {**part["image_url"], "url": url}}
         parts.append(part)
     return {**message, "content": parts}
+
+
+# --- vLLM's RL control routes (``vllm/entrypoints/serve/dev/rlhf/api_router.py``) ---------------
+
+# vLLM's pause modes in ours: ``keep`` freezes rows to continue after /resume; ours retracts them
+# (requeued, run again from the prompt on resume), the nearest a static batch between steps allows.
+_PAUSE_MODES = {"abort": "abort", "wait": "finish", "keep": "retract"}
+
+
+class PauseQuerySchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    mode = fields.String(load_default="abort", validate=validate.OneOf(list(_PAUSE_MODES)))
+    # Query strings: "true" / "false", as FastAPI reads them.
+    wait_for_inflight_requests = fields.Boolean(load_default=False)  # vLLM's older spelling of mode=wait
+    clear_cache = fields.Boolean(load_default=True)  # caches keyed by the weights are cleared on a swap anyway
+
+
+class AbortRequestsSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    request_ids = fields.List(fields.String(), load_default=None, allow_none=True)
+
+
+@blp.route("/pause")
+class Pause(MethodView):
+    @blp.arguments(PauseQuerySchema, location="query")
+    @blp.response(200, description='{"status": "paused"} once every live GPU worker has seen the pause')
+    def post(self, query):
+        """Pause generation for a weight update (admin keys): GPU workers take no new work until /resume."""
+        require_admin()
+        store = services().weight_store
+        store.pause("finish" if query["wait_for_inflight_requests"] else _PAUSE_MODES[query["mode"]])
+        fleet_paused(store, PAUSE_REPORT_SECONDS)
+        return {"status": "paused"}
+
+
+@blp.route("/resume")
+class Resume(MethodView):
+    @blp.response(200, description='{"status": "resumed"}')
+    def post(self):
+        """GPU workers take work again (admin keys)."""
+        require_admin()
+        services().weight_store.resume()
+        return {"status": "resumed"}
+
+
+@blp.route("/is_paused")
+class IsPaused(MethodView):
+    @blp.response(200, description='{"is_paused": bool}')
+    def get(self):
+        """Whether generation is paused."""
+        _, paused = services().weight_store.read()
+        return {"is_paused": paused is not None}
+
+
+@blp.route("/abort_requests")
+class AbortRequests(MethodView):
+    @blp.arguments(AbortRequestsSchema)
+    @blp.response(200, description='{"status": "aborted", "aborted": n}')
+    def post(self, body):
+        """Abort the caller's own unfinished jobs: those with the given ``request_ids``, or all of
+        them when none are given. Each ends with finish_reason abort and its tokens so far."""
+        ids = body["request_ids"]
+        aborted = abort_jobs(current_owner(), request_ids=set(ids) if ids else None)
+        return {"status": "aborted", "aborted": aborted}
