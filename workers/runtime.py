@@ -282,6 +282,7 @@ def fresh_runtime(app) -> Runtime:
     """Give ``app`` a new runtime: a forked pool process calls this first (Celery's
     ``worker_process_init``), because its parent's sockets, threads and transport memory are not
     its own."""
-    with _building:
-        app.rollout_runtime = Runtime(app.rollout_settings, app.rollout_redis_url, app)
-        return app.rollout_runtime
+    global _building
+    _building = threading.Lock()  # the parent's may have been held by another thread at the fork
+    app.rollout_runtime = Runtime(app.rollout_settings, app.rollout_redis_url, app)
+    return app.rollout_runtime
