@@ -5,6 +5,9 @@ image_data) and replies read the way its parser reads them (meta_info.output_tok
 
 from __future__ import annotations
 
+import base64
+import http.client
+import json
 import threading
 import time
 
@@ -194,3 +197,22 @@ def test_past_the_sync_limit_is_a_504_and_the_job_is_cancelled(stack):
     jobs = stack.client.get("/v1/jobs", headers=stack.headers()).get_json()["data"]
     (job,) = [job for job in jobs if job["request_id"] == "too-slow"]
     assert stack.wait(job["id"])["status"] == "cancelled"
+
+
+def test_a_client_that_hangs_up_has_its_jobs_cancelled(stack):
+    """vLLM and SGLang abort a request whose client disconnects: a trainer's own timeout must not
+    leave its jobs running for nobody. The image takes 2.5 s to fetch; the client leaves at 0.5 s."""
+    image = base64.b64decode(image_data_url(color=(9, 8, 7)).split(",", 1)[1])
+    url = stack.host.route("/slow-image.png", (200, {"Content-Type": "image/png"}, image, 2.5))
+    body = json.dumps({"text": IMAGE_PROMPT, "image_data": url, "rid": "hung-up",
+                       "sampling_params": {"max_new_tokens": 4}})
+    with serve(stack) as (base_url, _):
+        connection = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=0.5)
+        connection.request("POST", "/generate", body=body, headers={**AUTH, "Content-Type": "application/json"})
+        with pytest.raises(TimeoutError):
+            connection.getresponse()
+        connection.close()  # the client gives up
+        jobs = stack.client.get("/v1/jobs", headers=stack.headers()).get_json()["data"]
+        (job,) = [job for job in jobs if job["request_id"] == "hung-up"]
+        # Without the check it would succeed once the image arrived.
+        assert stack.wait(job["id"], timeout=30)["status"] == "cancelled"

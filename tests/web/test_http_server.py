@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import pytest
 import requests
@@ -109,3 +110,24 @@ def test_requests_gunicorn_refuses_itself_are_answered_in_the_error_shape(api_ur
     assert headers["Content-Type"] == "application/json"
     error = json.loads(body)
     assert error["code"] == code and error["message"]
+
+
+def test_a_sync_dialect_call_whose_client_hangs_up_has_its_job_cancelled_under_gunicorn(api_url):
+    # No workers here: the job would wait out ROLLOUT_SYNC_TIMEOUT_MAX (300 s) for nobody.
+    body = json.dumps({"token_ids": [1, 2], "request_id": "hung-up", "sampling_params": {"max_tokens": 2}}).encode()
+    host, port = api_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as client:
+        client.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: {auth()['Authorization']}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                       + body)
+        client.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            client.recv(1)
+    deadline = time.monotonic() + 15
+    while True:
+        jobs = requests.get(f"{api_url}/v1/jobs", headers=auth(), timeout=10).json()["data"]
+        mine = [job for job in jobs if job.get("request_id") == "hung-up"]
+        if mine and mine[0]["status"] == "cancelled":
+            break
+        assert time.monotonic() < deadline, mine
+        time.sleep(0.2)

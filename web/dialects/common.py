@@ -16,6 +16,7 @@ from marshmallow import ValidationError
 
 from engine.errors import InvalidRequestError, RolloutError, TokenIdOutOfRangeError
 from web.auth import current_owner
+from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
 from web.schemas import JobRequestSchema
 from web.services import services
@@ -24,9 +25,17 @@ from workers.job_store import TERMINAL
 from workers.lifecycle import cancel_job
 
 _NATIVE = JobRequestSchema()
+_HANG_UP_CHECK_S = 1.0  # how often a synchronous call looks whether its client is still there
 # A URL starts with a scheme; base64's alphabet has no ':' at all.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,15}:")
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
+
+
+class ClientClosedRequestError(RolloutError):
+    """The client hung up before its synchronous call was answered (nobody reads the answer)."""
+
+    code = "client_closed_request"
+    http_status = 499  # nginx's status for it; no standard one exists
 
 
 class SyncTimeoutError(RolloutError):
@@ -63,9 +72,9 @@ def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
 
 def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Submit every request (one job each, owned by the caller), wait for all, return the ended
-    jobs in order. A failed job raises its own error; the rest are cancelled when one fails or
-    time runs out, since the client gets no job link to follow them."""
-    svc = services()
+    jobs in order. A failed job raises its own error; the rest are cancelled when one fails, time
+    runs out or the client hangs up, since the client gets no job link to follow them."""
+    svc, hung_up = services(), hung_up_check()
     jobs: list[dict[str, Any]] = []
     try:
         for request in requests:
@@ -76,11 +85,14 @@ def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     deadline = time.monotonic() + svc.settings.sync_timeout_max
     finished: list[dict[str, Any]] = []
     for job in jobs:
-        done = svc.jobs.wait(job["id"], timeout=max(deadline - time.monotonic(), 0.0))
-        if done is None:
-            _cancel(jobs)
-            raise SyncTimeoutError(f"the job did not finish within {svc.settings.sync_timeout_max:g} s "
-                                   f"(ROLLOUT_SYNC_TIMEOUT_MAX); it was cancelled")
+        while (done := svc.jobs.wait(job["id"], timeout=min(deadline - time.monotonic(), _HANG_UP_CHECK_S))) is None:
+            if hung_up():
+                _cancel(jobs)
+                raise ClientClosedRequestError("the client closed the connection; its jobs were cancelled")
+            if time.monotonic() >= deadline:
+                _cancel(jobs)
+                raise SyncTimeoutError(f"the job did not finish within {svc.settings.sync_timeout_max:g} s "
+                                       f"(ROLLOUT_SYNC_TIMEOUT_MAX); it was cancelled")
         if done["status"] == "failed":
             _cancel(jobs)
             raise job_error(done)
