@@ -72,6 +72,17 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
     @signals.worker_ready.connect(weak=False)
     def on_ready(**_):
+        try:
+            start_parts()
+        except Exception:
+            # Celery logs a signal handler that raises and runs on: a worker whose sweeps and
+            # heartbeat never started would take work yet look dead. Exit, so that a supervisor
+            # (`up`, compose) restarts it, and the log says why.
+            log.exception("the %s worker could not start", kind)
+            logging.shutdown()  # flush the log: os._exit skips it
+            os._exit(3)
+
+    def start_parts() -> None:
         from workers.runtime import runtime
 
         rt = runtime(app)
@@ -83,8 +94,6 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             # Segments of producers killed together with their resource tracker. It judges owners by
             # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
             sweep_orphaned_segments()
-        if kind == "batches":
-            _ = rt.model_facts  # which lines need no processor: read the model's config once, now
         if kind in ("cpu", "webhooks"):
             from workers.fair_share import start_sweeper
 
@@ -96,6 +105,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         if kind == "batches":
             from workers.batch_reaper import start_batch_reaper
 
+            _ = rt.model_facts  # which lines need no processor: read the model's config once, now
             start_batch_reaper(rt, stall_s=settings.stalled_job_after)  # chunks and expiry checks a crash lost
         if kind == "webhooks":
             from workers.webhook_reaper import start_webhook_reaper
