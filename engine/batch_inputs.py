@@ -119,6 +119,20 @@ def collate(loaded: LoadedModel, rows: Sequence[Row]) -> dict[str, torch.Tensor]
     return {k: _to_device(v, loaded, k) for k, v in batch.items()}
 
 
+def prompt_positions(loaded: LoadedModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' own positions for a left-padded ``batch`` seen whole (a prefill, or a scored
+    sequence) and, for M-RoPE models, each row's rope delta (``get_rope_index``'s, left on the
+    model as ``rope_deltas``): a padded row sees the positions it would see alone, media included.
+    The caller holds ``loaded.lock`` or owns the model (the deltas are left on it)."""
+    model = loaded.model
+    model_kwargs = {name: value for name, value in batch.items() if name != "input_ids"}
+    with torch.inference_mode():
+        positions = model._prepare_position_ids_for_generation(batch["input_ids"], model_kwargs)
+    if positions.dim() == 3:
+        return positions, model.model.rope_deltas.reshape(-1)
+    return positions, None
+
+
 def _mm_token_type_ids(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor):
     # As the Qwen-VL processors build them: by placeholder id. Scored completions are text (0)
     # because check_placeholders refuses placeholder ids in them.

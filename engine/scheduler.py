@@ -50,6 +50,7 @@ from engine.batch_inputs import (
     check_prompt,
     collate,
     placeholder_ranges,
+    prompt_positions,
     request_features,
 )
 from engine.capacity import SchedulerLimits, check_capacity
@@ -461,7 +462,7 @@ class Scheduler:
     def _prefill(self, jobs: Sequence[_Job]) -> list[PrefilledPrompt]:
         """One padded forward over the prompts of ``jobs``: each prompt's KV, last logits, delta."""
         batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features) for job in jobs])
-        positions, deltas = self._prompt_positions(batch)
+        positions, deltas = prompt_positions(self.loaded, batch)
         units = [unit for job in jobs for unit in job.units]
         kwargs = self._forward_inputs(batch, units)
         loaded = self.loaded
@@ -474,7 +475,7 @@ class Scheduler:
 
     def _start_chunking(self, job: _Job) -> None:
         batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features)])
-        positions, deltas = self._prompt_positions(batch)
+        positions, deltas = prompt_positions(self.loaded, batch)
         self._chunking = _Chunking(job.key, job, batch, positions, None if deltas is None else int(deltas[0]))
 
     def _prefill_chunk(self) -> list[tuple[_Job, PrefilledPrompt]]:
@@ -521,18 +522,6 @@ class Scheduler:
         self.prompt_cache.put(job.key, prompt)
         self.stats.prefill_tokens += length
         return [(job, prompt)]
-
-    def _prompt_positions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """transformers' own prefill positions for ``batch`` and, for M-RoPE models, each row's
-        rope delta (``get_rope_index``'s, left on the model as ``rope_deltas``)."""
-        model = self.loaded.model
-        model_kwargs = {name: value for name, value in batch.items() if name != "input_ids"}
-        with torch.inference_mode():
-            positions = model._prepare_position_ids_for_generation(batch["input_ids"], model_kwargs)
-        if positions.dim() == 3:
-            deltas = model.model.rope_deltas.reshape(-1)
-            return positions, deltas
-        return positions, None
 
     def _forward_inputs(self, batch: dict[str, torch.Tensor], units: Sequence[MediaUnit]) -> dict[str, Any]:
         if not units or not self._uses_encoder_outputs:

@@ -2,7 +2,8 @@
 
 All requests go through one forward pass, left-padded as in generation, so every row's
 completion ends in the last column and only the last ``max completion + 1`` logits are
-computed (``logits_to_keep``). Logprobs are log_softmax of the raw logits, as in generation:
+computed (``logits_to_keep``; a model that ignores it returns all of them, and the last
+``max completion + 1`` are taken). Logprobs are log_softmax of the raw logits, as in generation:
 scoring the tokens a greedy generation produced gives its logprobs back (tests: atol 1e-4;
 measured ~1e-6 on fp32 CPU). Memory: the forward holds rows x (longest completion + 1) x vocab
 logits, so the caller bounds the batch (16 rows x 2k tokens x 152k vocab in bf16 is ~10 GB).
@@ -29,6 +30,7 @@ from engine.batch_inputs import (
     check_prompt,
     check_vocabulary,
     collate,
+    prompt_positions,
     request_features,
 )
 from engine.errors import InvalidRequestError
@@ -99,14 +101,17 @@ def teacher_forced(
     the k most likely tokens at each of those positions. Rows are checked by the caller."""
     batch = collate(loaded, rows)
     keep = max(scored) + 1
-    if "mm_token_type_ids" not in batch:
-        # Unless the model derives positions from the mask itself (Qwen-VL M-RoPE with media),
-        # it numbers them 0..width-1; count real tokens instead, as generate does, so a padded
-        # row sees the positions it would see alone.
-        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-
     with loaded.lock, torch.inference_mode():
-        logits = loaded.model(**batch, use_cache=False, logits_to_keep=keep).logits
+        # The positions generation's prefill uses (transformers' own, M-RoPE with media included):
+        # left to the model, a padded row would be numbered from the padding, and Qwen2.5-Omni's
+        # thinker, which takes no mm_token_type_ids, would get 1-D text positions over its media.
+        positions, _ = prompt_positions(loaded, batch)
+        logits = loaded.model(**batch, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
+    # logits_to_keep is optional: Qwen2.5-Omni's thinker and Qwen2-Audio take it in **kwargs and
+    # return every position. Take the last ``keep`` columns of whatever came back.
+    if logits.shape[1] < keep:
+        raise RuntimeError(f"the model returned {logits.shape[1]} positions of logits, fewer than the {keep} scored")
+    logits = logits[:, -keep:]
 
     out = []
     for i, (row, n) in enumerate(zip(rows, scored, strict=True)):

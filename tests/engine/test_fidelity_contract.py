@@ -1,0 +1,105 @@
+"""The fidelity contract, engine side: on every registered architecture and every modality it takes,
+every logprob the engine returns equals transformers' own forward on the same ids and media.
+
+Paths: sampled-token logprobs (greedy, and seeded at temperature 1), top-k logprobs, prompt
+logprobs, teacher-forced scoring alone and in one batch with rows of other lengths and media.
+The routes that carry these numbers to clients are checked in ``tests/e2e/test_fidelity_routes.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.generation import Engine, GenerationRequest
+from engine.loading import load_model
+from engine.sampling_params import SamplingParams
+from engine.scoring import ScoreRequest
+from tests.fidelity import (
+    Reference,
+    assert_close,
+    assert_top_logprobs,
+    demo_dir_for,
+    demo_dirs,
+    make_prompt,
+    registry_cases,
+)
+
+TOP = 3
+
+
+@pytest.fixture(scope="session")
+def fidelity_dirs(tmp_path_factory):
+    return demo_dirs(tmp_path_factory.mktemp("fidelity-models"))
+
+
+@pytest.fixture(scope="session")
+def arch_setup(fidelity_dirs):
+    """``setup(registered)`` -> (engine, processor, reference), built once per architecture."""
+    from processors.registry import load_processor
+
+    built = {}
+
+    def setup(registered):
+        if registered not in built:
+            directory = demo_dir_for(fidelity_dirs, registered)
+            processor = load_processor(directory)
+            built[registered] = (Engine(load_model(str(directory), device="cpu")), processor,
+                                 Reference(directory, processor.hf))
+        return built[registered]
+
+    return setup
+
+
+def test_every_registered_architecture_has_a_demo_model(fidelity_dirs):
+    from processors.registry import supported_architectures
+
+    missing = set(supported_architectures()) - set(fidelity_dirs)
+    assert not missing, f"registered without a demo model (so unchecked): {sorted(missing)}"
+
+
+@pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
+def test_generation_logprobs_are_the_models_own(registered, modality, arch_setup):
+    engine, processor, reference = arch_setup(registered)
+    prompt = make_prompt(processor, modality)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, top_logprobs=TOP, prompt_logprobs=TOP)
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=11, ignore_eos=True, top_logprobs=TOP)
+    results = engine.generate([GenerationRequest(prompt.token_ids, greedy, items=prompt.items),
+                               GenerationRequest(prompt.token_ids, seeded, items=prompt.items)])
+    for label, result in zip(("greedy", "seeded"), results, strict=True):
+        [choice] = result.choices
+        want = reference.token_logprobs(prompt.token_ids, choice.token_ids, prompt.items)
+        assert_close(choice.logprobs, want, f"{registered} {modality} {label} token logprobs")
+        assert_top_logprobs(choice.top_logprobs, reference, prompt.token_ids, choice.token_ids, prompt.items, TOP,
+                            f"{registered} {modality} {label} top logprobs")
+    # Greedy picks the model's most likely token at every step.
+    greedy_choice = results[0].choices[0]
+    assert [top[0][1] for top in greedy_choice.top_logprobs] == pytest.approx(greedy_choice.logprobs, abs=1e-6)
+
+    prompt_lp = results[0].prompt_logprobs
+    assert prompt_lp[0] is None
+    assert_close(prompt_lp[1:], reference.prompt_logprobs(prompt.token_ids, prompt.items),
+                 f"{registered} {modality} prompt logprobs")
+
+
+@pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
+def test_scoring_is_the_models_own_alone_and_in_a_mixed_batch(registered, modality, arch_setup):
+    engine, processor, reference = arch_setup(registered)
+    tokens = processor.tokenizer
+    main = make_prompt(processor, modality)
+    completion = tokens(" a red square on a blue background", add_special_tokens=False)["input_ids"]
+    alone = engine.score([ScoreRequest(main.token_ids, completion, items=main.items)])[0]
+    want = reference.token_logprobs(main.token_ids, completion, main.items)
+    assert_close(alone.logprobs, want, f"{registered} {modality} score alone")
+
+    # Rows of other lengths and other media in one forward: every modality this model takes.
+    others = [make_prompt(processor, other, variant=1, text="Answer with one word.")
+              for other in ("text", *sorted(processor.modalities))]
+    batch = [ScoreRequest(main.token_ids, completion, items=main.items)]
+    batch += [ScoreRequest(p.token_ids, tokens(" yes" * (i + 1), add_special_tokens=False)["input_ids"], items=p.items)
+              for i, p in enumerate(others)]
+    scored = engine.score(batch)
+    assert_close(scored[0].logprobs, want, f"{registered} {modality} score in a mixed batch")
+    for request, prompt, result in zip(batch[1:], others, scored[1:], strict=True):
+        assert_close(result.logprobs, reference.token_logprobs(prompt.token_ids, request.completion_token_ids,
+                                                               prompt.items),
+                     f"{registered} {modality} mixed batch row")
