@@ -19,6 +19,7 @@ that is the lowest layer: every other layer may import it.
     ├── PayloadTooLargeError (413)
     ├── RateLimitedError (429)
     ├── ServiceUnavailableError (503)
+    │   └── ModelFidelityError
     ├── JobTimeoutError (504)
     ├── MediaError  (processors.fetch.errors adds the media tree)
     ├── TransportError
@@ -162,6 +163,13 @@ class ServiceUnavailableError(RolloutError):
     code = "service_unavailable"
     http_status = 503
     retryable = True
+
+
+class ModelFidelityError(ServiceUnavailableError):
+    """The loaded model failed its load-time fidelity check (``engine/fidelity.py``): the logprobs the
+    engine would return differ from the model's own forward, so its worker takes no work."""
+
+    code = "model_fidelity_failed"
 
 
 class JobTimeoutError(RolloutError):

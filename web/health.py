@@ -8,6 +8,7 @@ from marshmallow import Schema, fields
 from web.blueprint import Blueprint
 from web.services import services
 from workers.heartbeats import WORKER_KINDS, alive_workers
+from workers.model_check import last_model_check
 
 blp = Blueprint("health", __name__, description="Health")
 
@@ -17,6 +18,8 @@ class HealthSchema(Schema):
     redis = fields.String()
     workers = fields.Dict(keys=fields.String(), values=fields.String())
     model = fields.String()
+    model_error = fields.Dict(metadata={
+        "description": "Why the model is down, when its last load-time check refused it: code, reason, report"})
 
 
 @blp.route("/healthz")
@@ -36,4 +39,7 @@ class Health(MethodView):
         model = "up" if workers.get("gpu", {}).get("model_ready") else "down"
         ok = all(state == "up" for state in parts.values()) and model == "up"
         body = {"status": "ok" if ok else "degraded", "redis": "up", "workers": parts, "model": model}
+        check = last_model_check(svc.redis) if model == "down" else None
+        if check is not None and not check["passed"]:
+            body["model_error"] = {name: check.get(name) for name in ("code", "reason", "report", "at")}
         return body, 200 if ok else 503

@@ -220,19 +220,29 @@ class Runtime:
         return make_transport(kind, client=self.redis, capacity_bytes=self.settings.shm_pool_bytes,
                               ack_timeout=self.settings.handle_ack_timeout)
 
-    # The model loads in a background thread at worker start, so Celery's start-up is not blocked;
-    # the first batch waits for it.
-    def start_loading_model(self) -> None:
-        threading.Thread(target=self._load_model, name="model-loader", daemon=True).start()
+    def load_model(self) -> None:
+        """Load the model, check that it scores its own tokens as it generates them, and load the
+        fleet's current weights: all before this worker takes work (``workers/worker_main.py``).
+        A model that fails the check is recorded (``/healthz`` says why) and raises."""
+        from workers.model_check import record_model_check
 
-    def _load_model(self) -> None:
         try:
-            _ = self.engine
+            engine = self.engine
+            if self.settings.fidelity_check:
+                from engine.fidelity import check_fidelity
+
+                try:
+                    report = check_fidelity(engine, tolerance=self.settings.fidelity_tolerance)
+                except Exception as exc:
+                    record_model_check(self.redis, self.model_id, exc)
+                    raise
+                record_model_check(self.redis, self.model_id, None, report.as_dict())
+                log.info("fidelity check passed: %s", report.as_dict())
             # The fleet's current weights before any work (a worker that starts late or after a crash).
             self.weight_sync.start()
-        except BaseException as exc:  # reported by /healthz and re-raised to the first batch
-            log.exception("model failed to load")
+        except BaseException as exc:
             self._model_error = exc
+            raise
         finally:
             self._model_ready.set()
 

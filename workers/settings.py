@@ -88,6 +88,11 @@ class Settings:
     prompt_cache_tokens: int = 4096
     encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
+    # The GPU worker's load-time fidelity check (engine/fidelity.py): before it takes work, its
+    # generated and scored logprobs must equal the model's own forward. The tolerance in nats;
+    # None: by dtype (1e-3 in fp32, 0.15 in 16-bit types).
+    fidelity_check: bool = True
+    fidelity_tolerance: float | None = None
     # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once, and
     # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
     cpu_concurrency: int = 4
@@ -178,6 +183,7 @@ _RANGES = {
     "prompt_cache_tokens": (0, 2**40),
     "encoder_cache_bytes": (0, 2**44),
     "torch_threads": (1, 1024),
+    "fidelity_tolerance": (0, 100),
     "cpu_concurrency": (1, 1024),
     "cpu_per_key": (1, 1024),
     "render_per_key": (1, 1024),

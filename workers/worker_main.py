@@ -86,8 +86,6 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         from workers.runtime import runtime
 
         rt = runtime(app)
-        if kind == "gpu":
-            rt.start_loading_model()
         if kind == "cpu":
             from engine.transport import sweep_orphaned_segments
 
@@ -138,6 +136,19 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         rt = runtime(app)
         if "transport" in rt.__dict__:  # only a process that made handles owns transport memory
             rt.transport.close()
+
+    if kind == "gpu":
+        # The model loads and passes its fidelity check before the worker consumes: a worker whose
+        # model cannot serve (it failed to load, or its logprobs are not the model's own) exits
+        # holding no message, and every job waits for a worker that can.
+        from workers.runtime import runtime
+
+        try:
+            runtime(app).load_model()
+        except Exception:
+            log.exception("the gpu worker's model cannot serve; exiting without taking work")
+            logging.shutdown()
+            os._exit(3)
 
     app.worker_main([
         "worker", "--queues", ",".join(spec.queues), "--pool", spec.pool, "--concurrency", str(spec.concurrency),

@@ -22,6 +22,7 @@ from web.dialects.streaming import dialect_stream
 from web.schemas import StrictBoolean
 from web.services import services
 from workers.heartbeats import alive_workers
+from workers.model_check import last_model_check
 from workers.models import model_id
 
 blp = Blueprint("sglang", __name__, description="SGLang's native API (/generate and its small routes)")
@@ -98,7 +99,7 @@ class ModelInfo(MethodView):
         return {"model_path": model_id(svc.settings), "tokenizer_path": model_id(svc.settings),
                 "served_model_name": served_model_name(), "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": _weight_version(),
-                "max_model_len": svc.max_model_len}
+                "max_model_len": svc.max_model_len, "model_check": last_model_check(svc.redis)}
 
 
 @blp.route("/get_server_info")
