@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.capacity import SchedulerLimits
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
@@ -103,3 +104,43 @@ def test_scoring_is_the_models_own_alone_and_in_a_mixed_batch(registered, modali
         assert_close(result.logprobs, reference.token_logprobs(prompt.token_ids, request.completion_token_ids,
                                                                prompt.items),
                      f"{registered} {modality} mixed batch row")
+
+
+@pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
+def test_a_seeded_request_gives_the_same_tokens_alone_and_amid_churn(registered, modality, arch_setup):
+    """The same seeded request alone and among 40 others joining and leaving (other lengths, other
+    media, greedy and seeded) gives the same tokens and logprobs, which are the model's own."""
+    engine, processor, reference = arch_setup(registered)
+    prompt = make_prompt(processor, modality, text="What colour is it?")
+    target = GenerationRequest(prompt.token_ids, SamplingParams(max_tokens=6, temperature=1.0, seed=1234,
+                                                                ignore_eos=True), items=prompt.items)
+    alone = engine.generate([target])[0].choices[0]
+
+    kinds = ("text", *sorted(processor.modalities))
+    variants = {(kind, v): make_prompt(processor, kind, variant=v, text="Answer with one word.")
+                for kind in kinds for v in (0, 1)}
+    others = []
+    for i in range(40):
+        other = variants[(kinds[i % len(kinds)], i % 2)]
+        params = SamplingParams(max_tokens=1 + i % 7, temperature=0 if i % 3 == 0 else 0.9, seed=100 + i,
+                                ignore_eos=True)
+        others.append(GenerationRequest(other.token_ids, params, items=other.items))
+
+    scheduler = engine.scheduler(limits=SchedulerLimits(max_rows=6, prompt_cache_tokens=0))
+    pending = [(f"other-{i}", r) for i, r in enumerate(others)]
+    pending.insert(17, ("target", target))
+    results, rows_seen = {}, set()
+    while pending or scheduler.has_work:
+        for tag, request in pending[:3]:  # a few join every step
+            scheduler.submit(request, tag=tag)
+        del pending[:3]
+        rows_seen.add(scheduler.free_rows)
+        for finished in scheduler.step():
+            assert finished.error is None, finished.error
+            results[finished.tag] = finished.result
+    assert len(rows_seen) > 2  # the batch grew and shrank around the target
+    churned = results["target"].choices[0]
+    assert churned.token_ids == alone.token_ids, f"{registered} {modality}: seeded tokens changed amid churn"
+    assert_close(churned.logprobs, alone.logprobs, f"{registered} {modality} seeded logprobs amid churn")
+    assert_close(churned.logprobs, reference.token_logprobs(prompt.token_ids, churned.token_ids, prompt.items),
+                 f"{registered} {modality} seeded logprobs amid churn vs the forward")
