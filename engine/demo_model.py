@@ -22,7 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
-BUILD_FORMAT = 2
+BUILD_FORMAT = 3
 MARKER = "rollout_demo_build.json"
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio")
 IMAGE_ARCHS = tuple(arch for arch in ARCHS if arch != "qwen2_audio")
@@ -125,12 +125,14 @@ def _train_tokenizer(spec: _Spec):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=640,
-        special_tokens=list(spec.special_tokens),
+        vocab_size=640 - len(spec.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    # Special and media tokens after the learned vocabulary, as in real Qwen tokenizers: small ids
+    # are ordinary text (SGLang's own example sends input_ids [1, 2, 3]).
+    tok.add_special_tokens(list(spec.special_tokens))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=spec.bos,

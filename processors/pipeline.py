@@ -166,11 +166,32 @@ class _Run:
                 encoded = self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
                 ids, offsets = self._expand(encoded, replacements, media)
             except PlaceholderCountError:
+                if expanded := self._expanded_run(text, len(media)):
+                    raise expanded from None
                 if has_features:  # no raw media for the HF processor to look at
                     raise _mismatch(count, len(media), "prompt") from None
                 return self._authoritative(prompt, media, count, add_special_tokens)
         self._check_length(ids)
         return ids, self._bundles(media, bundles, offsets)
+
+    def _expanded_run(self, text: str, items: int) -> PlaceholderMismatchError | None:
+        """The error for a text prompt whose placeholders come already expanded (a rendered or
+        decoded prompt: a run of pad tokens per item), which counts as no placeholder at all."""
+        ids = self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        modality_of = self.processor.token_modality
+        at = next((i for i in range(len(ids) - 1) if ids[i] in modality_of and ids[i + 1] == ids[i]), None)
+        if at is None:
+            return None
+        end = at
+        while end < len(ids) and ids[end] == ids[at]:
+            end += 1
+        modality = modality_of[ids[at]]
+        pad = self.processor.tokenizer.convert_ids_to_tokens(ids[at])
+        marks = " or ".join(dict.fromkeys([f"<{modality}>", self.processor.native_placeholder(modality)]))
+        return PlaceholderMismatchError(
+            f"prompt holds an expanded {modality} placeholder run ({end - at} x {pad} at token {at}): a text "
+            f"prompt marks each media item once ({marks}); send already expanded ids as token_ids",
+            placeholders=end - at, items=items)
 
     def _check_length(self, ids: list[int]) -> None:
         check_context(len(ids), 0, self.limits.max_prompt_tokens, prompt="prompt with its media placeholders expanded")

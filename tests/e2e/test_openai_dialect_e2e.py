@@ -154,3 +154,17 @@ def test_tokenize_and_detokenize(server, model):
     chat = requests.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
                          headers=headers, timeout=30).json()
     assert chat["count"] > tokens["count"] - 2
+
+
+def test_areals_knobs_use_beam_search_false_and_a_top_k_past_the_vocabulary(client, model):
+    """AReaL always sends ``use_beam_search: false`` and ``top_k: 100000000`` (no top-k, as in vLLM)."""
+    plain = client.completions.create(model=model, prompt="The weather today", max_tokens=4, temperature=1.0,
+                                      seed=5, extra_body={"ignore_eos": True, "return_token_ids": True})
+    areal = client.completions.create(model=model, prompt="The weather today", max_tokens=4, temperature=1.0,
+                                      seed=5, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                          "use_beam_search": False, "top_k": 100_000_000})
+    assert areal.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    with pytest.raises(openai.UnprocessableEntityError) as beams:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"use_beam_search": True})
+    assert beams.value.body["param"] == "use_beam_search"

@@ -216,3 +216,11 @@ def test_a_client_that_hangs_up_has_its_jobs_cancelled(stack):
         (job,) = [job for job in jobs if job["request_id"] == "hung-up"]
         # Without the check it would succeed once the image arrived.
         assert stack.wait(job["id"], timeout=30)["status"] == "cancelled"
+
+
+def test_sglangs_own_example_small_ids_are_text(base):
+    """SGLang's docs send ``{"input_ids": [1, 2, 3]}``: on the demo model (special and media tokens
+    at the end of the vocabulary, as in real Qwen tokenizers) those are ordinary text tokens."""
+    output = post(base, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert output.status_code == 200, output.json()
+    assert output.json()["meta_info"]["prompt_tokens"] == 3

@@ -95,3 +95,16 @@ def test_errors_are_vllms(base, model):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
     knob = post(base, "/inference/v1/generate", {"token_ids": [1], "sampling_params": {"logit_bias": {"1": 2}}})
     assert knob.status_code == 422 and knob.json()["error"]["param"] == "sampling_params.logit_bias"
+
+
+def test_generate_replies_carry_the_prompt_ids_the_model_consumed(base):
+    """vLLM's newer token-in-token-out reply: ``prompt_token_ids`` with media pads expanded, so a
+    trainer that sent one collapsed pad per image learns the real ids."""
+    collapsed = post(base, "/tokenize", {"prompt": "<|vision_start|><|image_pad|><|vision_end|>Hi",
+                                         "add_special_tokens": False}).json()["tokens"]
+    out = post(base, "/inference/v1/generate", {
+        "token_ids": collapsed, "content_parts": [{"type": "image_url", "url": image_data_url()}],
+        "sampling_params": {"max_tokens": 1, "top_k": 100_000_000}}).json()
+    pad = collapsed[1]
+    assert out["prompt_token_ids"] == collapsed[:1] + [pad] * 4 + collapsed[2:]
+    assert out["usage"]["prompt_tokens"] == len(out["prompt_token_ids"])

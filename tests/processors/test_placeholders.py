@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.demo_model import ARCHS
 from engine.errors import PlaceholderMismatchError
 from processors.errors import PlaceholderCountError
 from processors.pipeline import preprocess
@@ -160,3 +161,18 @@ def test_sentinel_without_media_is_text_for_the_authoritative_path(qwen_run):
     result = qwen_run(prompt="what is <image>?", content_parts=[])
     assert result.items == [] and result.placeholder_ranges == []
     assert result.prompt_token_ids == ids_of(qwen_run.processor, "what is <image>?")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_text_prompt_holding_an_expanded_run_is_told_so(arch, processors, fetcher, transport, limits):
+    """A text prompt decoded from expanded ids (one pad run per item) is refused with a message
+    that names the run, for every modality of every demo architecture (not "0 placeholders")."""
+    from tests.fidelity import content_part, make_prompt
+
+    processor = processors[arch]
+    for modality in sorted(processor.modalities):
+        expanded = processor.tokenizer.decode(make_prompt(processor, modality).token_ids)
+        with pytest.raises(PlaceholderMismatchError, match=f"expanded {modality} placeholder run") as caught:
+            preprocess({"prompt": expanded, "content_parts": [content_part(modality)]}, processor=processor,
+                       fetcher=fetcher, cache=None, transport=transport, limits=limits)
+        assert "token_ids" in caught.value.message and caught.value.errors["items"] == 1

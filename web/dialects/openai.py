@@ -39,7 +39,9 @@ _UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "best_of": (None
                 "continue_final_message": (False,), "priority": (0,), "guided_json": (None,),
                 "guided_regex": (None,), "guided_choice": (None,), "structured_outputs": (None,),
                 "allowed_token_ids": (None,), "bad_words": (None, []), "kv_transfer_params": (None,),
-                "truncate_prompt_tokens": (None,), "logits_processors": (None,), "mm_processor_kwargs": (None, {})}
+                "truncate_prompt_tokens": (None,), "logits_processors": (None,), "mm_processor_kwargs": (None, {}),
+                # vLLM's extra field; AReaL always sends it (false).
+                "use_beam_search": (None, False)}
 
 
 class ModelNotFoundError(NotFoundError):
@@ -84,6 +86,7 @@ class _Common(_Knobs):
     kv_transfer_params = fields.Raw()
     truncate_prompt_tokens = fields.Raw()
     logits_processors = fields.Raw()
+    use_beam_search = fields.Raw()
 
     @validates_schema
     def supported(self, data: dict, **_) -> None:
@@ -141,7 +144,7 @@ _NAMES = {"sampling_params.max_tokens": "max_tokens", "sampling_params.top_logpr
 
 
 def _params(body: dict[str, Any]) -> dict[str, Any]:
-    return native_sampling(body)
+    return native_sampling(body, vocab_size())
 
 
 # --- completions ---------------------------------------------------------------------------------

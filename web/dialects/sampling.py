@@ -2,7 +2,7 @@
 
 Field names and meanings follow vLLM's ``vllm/sampling_params.py`` (SamplingParams) and the
 ``extra`` fields of ``vllm/entrypoints/openai/protocol.py`` (CompletionRequest,
-ChatCompletionRequest): ``top_k`` -1 or 0 is off, ``stop`` a string or a list.
+ChatCompletionRequest): ``top_k`` -1, 0 or at least the vocabulary is off, ``stop`` a string or a list.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def sampling_fields() -> dict[str, fields.Field]:
     """The marshmallow fields of these knobs (types only: the native schema checks ranges)."""
     return {
         "temperature": StrictFloat(allow_nan=False), "top_p": StrictFloat(allow_nan=False),
-        "top_k": fields.Integer(strict=True, metadata={"description": "-1 or 0: off"}),
+        "top_k": fields.Integer(strict=True, metadata={"description": "-1, 0 or >= the vocabulary: off"}),
         "min_p": StrictFloat(allow_nan=False), "n": fields.Integer(strict=True),
         "seed": fields.Integer(strict=True), "min_tokens": fields.Integer(strict=True),
         "stop": OneOrMany(fields.String()), "stop_token_ids": fields.List(fields.Integer(strict=True)),
@@ -36,13 +36,20 @@ def sampling_fields() -> dict[str, fields.Field]:
     }
 
 
-def native_sampling(body: dict[str, Any]) -> dict[str, Any]:
+def top_k_of(top_k: int, vocab_size: int | None) -> int:
+    """Our ``top_k`` for vLLM's or SGLang's: -1 (off) for -1, 0 or at least the vocabulary (both
+    engines keep every token then; AReaL sends 100000000 to mean "no top-k")."""
+    off = top_k in (-1, 0) or (vocab_size is not None and top_k >= vocab_size)
+    return -1 if off else top_k
+
+
+def native_sampling(body: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
     """Our sampling_params from the vLLM-named knobs in ``body`` (absent ones keep our defaults)."""
     out = {name: body[name] for name in SAME if name in body}
     if "stop" in body:
         out["stop"] = [body["stop"]] if isinstance(body["stop"], str) else body["stop"]
     if "top_k" in body:
-        out["top_k"] = -1 if body["top_k"] in (-1, 0) else body["top_k"]
+        out["top_k"] = top_k_of(body["top_k"], vocab_size)
     if "max_tokens" in body:
         out["max_tokens"] = body["max_tokens"]
     return out

@@ -23,6 +23,7 @@ from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
+from web.dialects.sampling import top_k_of
 from web.schemas import StrictBoolean, StrictFloat
 from workers.job_results import JobResult
 
@@ -187,9 +188,7 @@ def _sampling(params: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
     out = {ours: params[theirs] for theirs, ours in _RENAMED.items() if theirs in params}
     out.update({name: params[name] for name in _SAME if name in params})
     if "top_k" in params:
-        top_k = params["top_k"]
-        off = top_k in (-1, 0) or (vocab_size is not None and top_k >= vocab_size)
-        out["top_k"] = -1 if off else top_k
+        out["top_k"] = top_k_of(params["top_k"], vocab_size)
     return out
 
 

@@ -95,7 +95,7 @@ class GenerateRequestSchema(NullMeansDefault):
 def generate_request(body: dict[str, Any]) -> dict[str, Any]:
     check_model(body.get("model"), required=False)
     sp = body["sampling_params"]
-    params = native_sampling(sp)
+    params = native_sampling(sp, vocab_size())
     k = sp.get("logprobs")
     params["logprobs"] = k is not None
     if k:
@@ -118,7 +118,10 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
     choices = [{"index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
                 "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None}
                for choice in result.choices]
+    # prompt_token_ids: the ids the model consumed (media pads expanded), as vLLM's newer
+    # token-in-token-out reply carries them: a trainer that sent one collapsed pad per item learns the real ids.
     return {"request_id": body.get("request_id") or job["id"], "choices": choices,
+            "prompt_token_ids": result.prompt_token_ids,
             "prompt_logprobs": _prompt_logprobs(result, texts), "usage": usage(result),
             "job_id": job["id"], "weight_version": result.weight_version}
 
