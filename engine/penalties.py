@@ -21,6 +21,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+MIN_REPETITION_PENALTY = 1e-6
+
 
 class RowPenalties:
     def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int]):
@@ -45,8 +47,10 @@ class RowPenalties:
         present = self.counts > 0
         if params.repetition_penalty != 1:
             seen = present | self.prompt_mask
-            penalized = torch.where(logits > 0, logits / params.repetition_penalty,
-                                    logits * params.repetition_penalty)
+            # Floored: 1e-300 is 0 in fp32, and a logit divided by it is inf (the sampler copes, but
+            # a factor past this one already makes a seen token certain or impossible).
+            factor = max(params.repetition_penalty, MIN_REPETITION_PENALTY)
+            penalized = torch.where(logits > 0, logits / factor, logits * factor)
             logits = torch.where(seen, penalized, logits)
         if params.frequency_penalty != 0:
             logits = logits - params.frequency_penalty * self.counts

@@ -17,6 +17,9 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: k alternatives per step cost k floats per token
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
+# A temperature below this samples greedily, as vLLM's and SGLang's samplers do (_SAMPLING_EPS):
+# dividing logits by 1e-40 (or 5e-324) overflows fp32 to inf and the softmax to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k
     min_p: float = 0.0
@@ -108,7 +111,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def penalized(self) -> bool:

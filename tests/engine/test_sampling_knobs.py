@@ -331,3 +331,24 @@ def test_knobs_on_cuda_match_alone_batched_and_cpu(demo_model_dir, engine, promp
     assert together[0].choices[0].token_ids == on_cpu.choices[0].token_ids
     torch.testing.assert_close(together[0].prompt_logprobs[1:], on_cpu.prompt_logprobs[1:], atol=1e-3, rtol=0)
     assert len(together[1].choices[1].top_logprobs) == len(together[1].choices[1].token_ids)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"temperature": 1e-300}, {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 9e-6},
+    {"top_p": 1e-300}, {"top_p": 5e-324},
+    {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e-300, "temperature": 1e-3},
+    {"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 1e-40, "top_p": 1e-300},
+])
+def test_tiny_sampling_values_never_reach_the_draw_as_nan(engine, prompts, knobs):
+    """Values that pass validation but overflow fp32 (a temperature of 1e-300, a top_p fp32 reads as
+    0, a repetition penalty of 1e-300) sample a token: below 1e-5 the temperature is greedy (as in
+    vLLM and SGLang), a tiny top_p keeps the most likely token, penalties are floored."""
+    prompt = prompts.text("The quick brown fox jumps over the lazy dog.")
+    params = SamplingParams(max_tokens=6, seed=3, ignore_eos=True, **knobs)
+    [result] = engine.generate([GenerationRequest(prompt, params)])
+    choice = result.choices[0]
+    assert len(choice.token_ids) == 6 and all(math.isfinite(lp) for lp in choice.logprobs)
+    if knobs.keys() <= {"temperature", "top_p"}:
+        greedy = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                                           ignore_eos=True))])[0]
+        assert choice.token_ids == greedy.choices[0].token_ids
