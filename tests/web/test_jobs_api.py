@@ -173,7 +173,7 @@ def test_openapi_lists_statuses(client):
     assert {"202", "401", "413", "422", "429", "503"} <= set(post)
 
 
-def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all(client):
+def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all_when_told(client):
     def job(rid, key=KEY_A):
         body = {"token_ids": [1, 2], "request_id": rid, "sampling_params": {"max_tokens": 2}}
         return client.post("/v1/jobs", json=body, headers=auth(key)).get_json()["id"]
@@ -188,5 +188,14 @@ def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all(clien
 
     assert [status(mine[rid]) for rid in "abc"] == ["cancelled", "cancelled", "queued"]
     assert status(theirs, KEY_B) == "queued"  # another key's job with the same request id is not ours to abort
-    assert client.post("/abort_requests", json={}, headers=auth()).get_json() == {"status": "aborted", "aborted": 1}
+    # Nothing but an explicit abort_all aborts all: a misspelled field, null or an empty body is a 422,
+    # an empty list aborts nothing.
+    for body in ({}, {"request_id": ["c"]}, {"request_ids": None}, {"rids": ["c"], "abort_all": False},
+                 {"request_ids": ["c"], "abort_all": True}):
+        reply = client.post("/abort_requests", json=body, headers=auth())
+        assert reply.status_code == 422, (body, reply.get_json())
+    assert client.post("/abort_requests", json={"request_ids": []}, headers=auth()).get_json()["aborted"] == 0
+    assert status(mine["c"]) == "queued"
+    reply = client.post("/abort_requests", json={"abort_all": True}, headers=auth())
+    assert reply.get_json() == {"status": "aborted", "aborted": 1}
     assert status(mine["c"]) == "cancelled" and status(theirs, KEY_B) == "queued"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flask import jsonify
 from flask.views import MethodView
-from marshmallow import EXCLUDE, Schema, fields, validate
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
@@ -17,6 +17,7 @@ from web.dialects.openai_stream import GenerateChunks
 from web.dialects.openai_views import documented
 from web.dialects.streaming import dialect_stream
 from web.render import render_on_worker
+from web.schemas import StrictBoolean
 from web.services import services
 from web.weights import PAUSE_REPORT_SECONDS
 from workers.weight_updates import fleet_paused
@@ -106,10 +107,20 @@ class PauseQuerySchema(Schema):
 
 
 class AbortRequestsSchema(Schema):
-    class Meta:
-        unknown = EXCLUDE
+    """Which of the caller's jobs to abort: ``request_ids`` (an empty list aborts nothing), or all
+    with an explicit ``abort_all: true``. Anything else (a misspelled field, null ids and no
+    abort_all) is a 422, never "all"."""
 
-    request_ids = fields.List(fields.String(), load_default=None, allow_none=True)
+    request_ids = fields.List(fields.String(validate=validate.Length(1, 256)), validate=validate.Length(max=10_000))
+    abort_all = StrictBoolean(load_default=False)
+
+    @validates_schema
+    def one_target(self, data: dict, **_) -> None:
+        if data["abort_all"] and data.get("request_ids"):
+            raise ValidationError("give request_ids or abort_all: true, not both", "abort_all")
+        if not data["abort_all"] and "request_ids" not in data:
+            raise ValidationError("name the jobs: request_ids (a list), or abort_all: true for all of yours",
+                                  "request_ids")
 
 
 @blp.route("/pause")
@@ -150,7 +161,9 @@ class AbortRequests(MethodView):
     @blp.response(200, description='{"status": "aborted", "aborted": n}')
     def post(self, body):
         """Abort the caller's own unfinished jobs: those with the given ``request_ids``, or all of
-        them when none are given. Each ends with finish_reason abort and its tokens so far."""
-        ids = body["request_ids"]
-        aborted = abort_jobs(current_owner(), request_ids=set(ids) if ids else None)
+        them with ``abort_all: true``. Each ends with finish_reason abort and its tokens so far."""
+        if body["abort_all"]:
+            aborted = abort_jobs(current_owner())
+        else:
+            aborted = abort_jobs(current_owner(), request_ids=set(body["request_ids"])) if body["request_ids"] else 0
         return {"status": "aborted", "aborted": aborted}
