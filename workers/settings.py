@@ -71,6 +71,9 @@ class Settings:
     stream_flush_ms: float = 10.0
     # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
     served_model_name: str | None = None
+    # A request's own chat template (chat_template_kwargs.chat_template) runs in the API process:
+    # refused unless this is set, as vLLM's --trust-request-chat-template (web/dialects/chat_template.py).
+    trust_request_chat_template: bool = False
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
     # redelivers a message whose task is still running and the job runs twice.
     task_soft_time_limit: int = 540

@@ -19,6 +19,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.errors import InvalidRequestError, NotFoundError
+from web.dialects.chat_template import template_kwargs
 from web.dialects.common import (
     TokenTexts,
     media_url,
@@ -30,6 +31,7 @@ from web.dialects.common import (
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.dialects.sampling import native_sampling, sampling_fields
 from web.schemas import StrictBoolean
+from web.services import services
 from workers.job_results import JobResult
 
 MAX_LOGPROBS = 20
@@ -240,7 +242,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     template_messages, parts = chat_messages(body["messages"])
     text = tokenizer().apply_chat_template(template_messages, tokenize=False,
                                            add_generation_prompt=body.get("add_generation_prompt", True),
-                                           **(body.get("chat_template_kwargs") or {}))
+                                           **checked_template_kwargs(body))
     # The template wrote every special token the model wants; media placeholders stay collapsed
     # (one per item) and are expanded by the preprocessing worker, exactly once.
     ids = tokenizer()(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
@@ -257,6 +259,11 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
                                                             "content_parts": "messages", "token_ids": "messages"}
     return native_request(native, names, vocab_size=vocab_size())
+
+
+def checked_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The body's ``chat_template_kwargs`` the served template reads (web/dialects/chat_template.py)."""
+    return template_kwargs(body, tokenizer(), trust_request_template=services().settings.trust_request_chat_template)
 
 
 def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -109,7 +109,7 @@ class Tokenize(MethodView):
             messages, _ = openai.chat_messages(body["messages"])
             text = tok.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=body.get("add_generation_prompt", True),
-                                           **(body.get("chat_template_kwargs") or {}))
+                                           **openai.checked_template_kwargs(body))
             ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
         return {"count": len(ids), "max_model_len": services().max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None}

@@ -7,6 +7,7 @@ from flask import jsonify
 from flask.views import MethodView
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
+from engine.errors import InvalidRequestError
 from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
 from web.dialects import openai, vllm
@@ -49,6 +50,7 @@ class ChatRender(MethodView):
         """Render a chat request into a generate request: exact prompt ids (media runs expanded)
         and ``features`` to pass back unchanged."""
         openai.check_model(body["model"])
+        _refuse_unrendered(body)
         svc = services()
         messages = [_with_media_urls(message, i) for i, message in enumerate(body["messages"])]
         rendered = render_on_worker(messages)
@@ -73,6 +75,19 @@ class CompletionRender(MethodView):
                 else tok(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"]}
                for prompt in prompts]
         return jsonify(out)
+
+
+# What the chat body takes that a render (the model's template with its generation prompt, on a CPU
+# worker) does not honour: accepted only at these values, refused by name otherwise.
+_RENDER_HONOURS = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+                   "stream": (None, False), "tool_choice": (None, "none", "auto")}
+
+
+def _refuse_unrendered(body: dict) -> None:
+    bad = {name: [f"not honoured by render; leave it out or send {allowed[-1]!r}"]
+           for name, allowed in _RENDER_HONOURS.items() if name in body and body[name] not in allowed}
+    if bad:
+        raise InvalidRequestError("render does not honour these fields", errors=bad)
 
 
 def _with_media_urls(message: dict, index: int) -> dict:
