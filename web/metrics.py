@@ -1,11 +1,19 @@
-"""GET /metrics in Prometheus format: jobs by status, queue depths, stage latency histograms."""
+"""GET /metrics in Prometheus format: jobs by status, queue depths, stage latency histograms.
+
+Served only to the scrape addresses (``ROLLOUT_METRICS_ALLOW_NETWORKS``, loopback by default):
+its counters move with each job, so read by anyone they would tell one key what another sent (a
+multimodal cache hit on bytes another key sent first).
+"""
 
 from __future__ import annotations
 
-from flask import Blueprint, Response
+import ipaddress
+
+from flask import Blueprint, Response, request
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from engine.errors import ForbiddenError
 from web.services import services
 from workers.metrics import snapshot
 from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
@@ -50,6 +58,17 @@ class RedisCollector:
 
 @blp.route("/metrics")
 def metrics() -> Response:
+    svc = services()
+    if not may_scrape(request.remote_addr, svc.settings.metrics_allow_networks):
+        raise ForbiddenError("/metrics is served to the scrape addresses only (ROLLOUT_METRICS_ALLOW_NETWORKS)")
     registry = CollectorRegistry()
-    registry.register(RedisCollector(services()))
+    registry.register(RedisCollector(svc))
     return Response(generate_latest(registry), mimetype="text/plain; version=0.0.4")
+
+
+def may_scrape(address: str | None, networks: tuple[str, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:  # a unix socket, or no peer address at all
+        return False
+    return any(ip in ipaddress.ip_network(net, strict=False) for net in networks)

@@ -101,6 +101,8 @@ class Settings:
     cpu_concurrency: int = 4
     cpu_per_key: int = 2
     render_per_key: int = 4
+    # Who may read GET /metrics (web/metrics.py): its counters move per job, so not every caller.
+    metrics_allow_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     # Guarded fetching (processors.fetch).
     allowed_media_domains: tuple[str, ...] = ()
     outbound_allow_networks: tuple[str, ...] = ()
@@ -280,11 +282,12 @@ def _check_consistency(s: Settings) -> None:
         )
     if s.task_soft_time_limit >= s.task_time_limit:
         problems.append("ROLLOUT_TASK_SOFT_TIME_LIMIT must be below ROLLOUT_TASK_TIME_LIMIT")
-    for net in s.outbound_allow_networks:
-        try:
-            ipaddress.ip_network(net, strict=False)
-        except ValueError:
-            problems.append(f"ROLLOUT_OUTBOUND_ALLOW_NETWORKS: {net!r} is not a CIDR network")
+    for name in ("outbound_allow_networks", "metrics_allow_networks"):
+        for net in getattr(s, name):
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                problems.append(f"{env_name(name)}: {net!r} is not a CIDR network")
     if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
         problems.append("ROLLOUT_REDIS_URL must start with redis://, rediss://, redis+socket:// or unix://")
     for secret in s.webhook_secrets:

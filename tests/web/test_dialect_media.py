@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 import pytest
+import torch
 
 from engine.errors import InvalidRequestError
 
@@ -48,3 +49,17 @@ def test_sglang_media_fields_become_content_parts_per_modality():
     assert request["content_parts"] == [
         {"type": "image_url", "url": "https://e.com/a.png"}, {"type": "video_url", "url": "https://e.com/v.mp4"},
         {"type": "audio_url", "url": "https://e.com/1.wav"}, {"type": "audio_url", "url": "https://e.com/2.wav"}]
+
+
+def test_flush_cache_is_for_admin_keys_only(make_app):
+    """The cache holds every key's entries (uuid entries are their owner's): one key flushing it
+    would make another's uuid-only requests fail, so only admins may."""
+    from tests.web.conftest import KEY_A, KEY_B, auth
+
+    client = make_app(admin_keys=(KEY_A,)).test_client()
+    cache = client.application.extensions["rollout"].mm_cache
+    key = cache.key(model_id="m", modality="image", options={}, uuid="img-1", owner="someone")
+    cache.put(key, {"pixel_values": torch.ones(2, 2)}, "hash")
+    refused = client.post("/flush_cache", headers=auth(KEY_B))
+    assert refused.status_code == 403 and len(cache) == 1
+    assert client.post("/flush_cache", headers=auth(KEY_A)).status_code == 200 and len(cache) == 0

@@ -49,7 +49,7 @@ def test_metrics_render_what_the_workers_record(client, redis_client):
     count(redis_client, "mm_cache_hit", 3)
     record_job_ends(redis_client, [{"status": "succeeded", "result": {"transport": "shm"}}, {"status": "failed"}])
     text = client.get("/metrics").get_data(as_text=True)
-    assert 'rollout_queue_depth{queue="preprocess"} 1.0' in text
+    assert 'rollout_queue_depth{queue="generate.shared"} 1.0' in text  # token ids without media skip the CPU
     assert "rollout_jobs_active 1.0" in text
     assert 'rollout_jobs_ended_total{status="succeeded"} 1.0' in text
     assert 'rollout_jobs_ended_total{status="failed"} 1.0' in text
@@ -68,3 +68,13 @@ def test_healthz_reports_redis_up_and_no_workers(client):
     body = response.get_json()
     assert body["redis"] == "up" and body["status"] == "degraded"
     assert set(body["workers"].values()) == {"down"} and body["model"] == "down"
+
+
+def test_metrics_are_served_to_the_scrape_addresses_only(make_app):
+    """Its counters move per job (a cache hit on bytes another key sent): not for every caller."""
+    client = make_app(metrics_allow_networks=("10.9.0.0/16",)).test_client()
+    assert client.get("/metrics", environ_base={"REMOTE_ADDR": "10.9.3.4"}).status_code == 200
+    for address in ("10.8.0.1", "127.0.0.1", "203.0.113.9"):
+        refused = client.get("/metrics", environ_base={"REMOTE_ADDR": address})
+        assert refused.status_code == 403 and refused.get_json()["code"] == "forbidden", address
+    assert make_app().test_client().get("/metrics").status_code == 200  # loopback by default

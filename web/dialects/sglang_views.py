@@ -11,7 +11,7 @@ from flask.views import MethodView
 from marshmallow import Schema, fields, validate
 
 from engine.errors import ServiceUnavailableError
-from web.auth import current_owner
+from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
 from web.dialects import sglang
 from web.dialects.abort import abort_jobs
@@ -118,8 +118,10 @@ class ServerInfo(MethodView):
 class FlushCache(MethodView):
     @blp.response(200, description="The multimodal cache is empty")
     def post(self):
-        """Empty the multimodal cache (Redis, and this API process's memory). Workers keep at most
+        """Empty the multimodal cache (Redis, and this API process's memory): admin keys only, since
+        it holds every key's entries (a key's uuid-only requests need its own). Workers keep at most
         ROLLOUT_MM_CACHE_PROCESS_BYTES of recent entries in memory until they restart."""
+        require_admin()
         cache = services().mm_cache
         if cache is not None:
             cache.clear()
