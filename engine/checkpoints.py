@@ -1,8 +1,10 @@
 """A checkpoint directory on its own, without loading it: its version and its fit to a model.
 
-Free of torch (safetensors headers are read through numpy, config through transformers'
-``AutoConfig``), so the API checks a weights directory before it asks the workers to load it;
-``engine.weights`` checks all of it again, and more, when it swaps the tensors in.
+Free of torch (safetensors headers are read through numpy, config through transformers' config
+classes), so the API checks a weights directory before it asks the workers to load it;
+``engine.weights`` checks all of it again, and more, when it swaps the tensors in. Every function
+reads through a :class:`~engine.checkpoint_dir.CheckpointDir` (files opened once, regular files
+only, confined under the weights root for updates).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from engine.checkpoint_dir import CheckpointDir, WeightsInvalidError
 
 # What a weight version is computed from: weight files and the configs (not the tokenizer).
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -27,42 +29,32 @@ _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 _INDEX = "model.safetensors.index.json"
 
 
-class WeightsInvalidError(InvalidRequestError):
-    """The directory cannot be swapped into the loaded model; ``errors["problem"]`` says why."""
-
-    code = "weights_invalid"
-
-    def __init__(self, message: str, *, problem: str, **details: Any):
-        super().__init__(message, errors={"problem": problem, **details})
-        self.problem = problem
-
-
-def weight_version_of(directory: Path) -> str:
+def weight_version_of(directory: Path | CheckpointDir) -> str:
     """A 16-hex-digit blake2b of the weight and config files (names and bytes).
 
     Content, not mtimes: a rebuilt identical checkpoint keeps its version, and an RL weight
     update that keeps every shape still changes it. It reads every weight byte (~1 s per GB).
     """
-    files = sorted(
-        {p for pattern in _WEIGHT_PATTERNS for p in directory.glob(pattern)}
-        | {directory / name for name in _CONFIG_FILES if (directory / name).is_file()}
-    )
+    if not isinstance(directory, CheckpointDir):
+        with CheckpointDir.open(directory) as checkpoint:
+            return weight_version_of(checkpoint)
+    names = sorted({name for pattern in _WEIGHT_PATTERNS for name in directory.glob(pattern)}
+                   | {name for name in _CONFIG_FILES if directory.has(name)})
     digest = hashlib.blake2b(digest_size=8)
-    for path in files:
-        digest.update(path.name.encode() + b"\0")
-        with path.open("rb") as fh:
-            while chunk := fh.read(1 << 22):
-                digest.update(chunk)
+    for name in names:
+        digest.update(name.encode() + b"\0")
+        for chunk in directory.chunks(name):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
-def check_checkpoint(directory: str | Path, reference: str | Path) -> None:
+def check_checkpoint(directory: CheckpointDir, reference: str | Path) -> None:
     """Check ``directory`` against the model directory ``reference`` from config and safetensors
     headers only (no tensor bytes, no model): what an API process can check before it asks the
     workers to load. The workers' :func:`load_weights` checks all of it again, and more."""
     from transformers import AutoConfig
 
-    directory, reference = Path(directory), Path(reference)
+    reference = Path(reference)
     try:
         reference_config = AutoConfig.from_pretrained(reference, local_files_only=True)
     except (OSError, ValueError):
@@ -72,7 +64,8 @@ def check_checkpoint(directory: str | Path, reference: str | Path) -> None:
     new = read_headers(directory)
     if not reference.is_dir():
         return  # a hub id: its tensors are compared by each worker against the loaded model
-    known = read_headers(reference)
+    with CheckpointDir.open(reference) as served:
+        known = read_headers(served)
     for name, (_, shape, _) in new.items():
         if name not in known:
             raise WeightsInvalidError(f"tensor {name!r} is not a tensor of this model", problem="unexpected_tensor",
@@ -87,18 +80,19 @@ def check_checkpoint(directory: str | Path, reference: str | Path) -> None:
                                   problem="missing_tensor", tensor=missing[0], missing=len(missing))
 
 
-def check_config(reference: Mapping[str, Any], directory: Path, *, architecture: str | None = None) -> None:
+def check_config(reference: Mapping[str, Any], directory: CheckpointDir, *, architecture: str | None = None) -> None:
     """Raise :class:`WeightsInvalidError` unless ``directory/config.json`` matches ``reference``
     (a ``PretrainedConfig.to_dict()``) in every field that changes what the model computes."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING
 
-    if not directory.is_dir():
-        raise WeightsInvalidError("the weights path is not a directory", problem="not_a_directory")
-    if not (directory / "config.json").is_file():
+    if not directory.has("config.json"):
         raise WeightsInvalidError("the weights directory has no config.json", problem="no_config")
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True).to_dict()
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        # What AutoConfig.from_pretrained does with a directory's config.json, from the bytes read
+        # through the directory's descriptor (from_pretrained would open the path again).
+        raw = json.loads(directory.read_bytes("config.json"))
+        config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw).to_dict()
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise WeightsInvalidError("the weights directory's config.json cannot be read", problem="bad_config") from None
     if config.get("model_type") != reference.get("model_type"):
         raise WeightsInvalidError(
@@ -114,46 +108,43 @@ def check_config(reference: Mapping[str, Any], directory: Path, *, architecture:
                                   problem="config_mismatch", fields=differing[:20])
 
 
-def read_headers(directory: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
+def read_headers(directory: CheckpointDir) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """``{checkpoint tensor name: (file name, shape, safetensors dtype)}`` from the headers alone."""
     from safetensors import SafetensorError, safe_open
 
-    files = safetensors_files(directory)
     headers: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    for path in files:
+    for name in safetensors_files(directory):
         try:
-            with safe_open(str(path), framework="numpy") as handle:
-                for name in handle.keys():
-                    if name in headers:
-                        raise WeightsInvalidError(f"tensor {name!r} is in two files", problem="duplicate_tensor",
-                                                  tensor=name)
-                    part = handle.get_slice(name)
-                    headers[name] = (path.name, tuple(part.get_shape()), part.get_dtype())
+            with safe_open(directory.path_of(name), framework="numpy") as handle:
+                for tensor in handle.keys():
+                    if tensor in headers:
+                        raise WeightsInvalidError(f"tensor {tensor!r} is in two files", problem="duplicate_tensor",
+                                                  tensor=tensor)
+                    part = handle.get_slice(tensor)
+                    headers[tensor] = (name, tuple(part.get_shape()), part.get_dtype())
         except (SafetensorError, OSError):
-            raise WeightsInvalidError(f"{path.name} is not a readable safetensors file", problem="bad_file",
-                                      file=path.name) from None
+            raise WeightsInvalidError(f"{name} is not a readable safetensors file", problem="bad_file",
+                                      file=name) from None
     return headers
 
 
-def safetensors_files(directory: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those its index names, else every ``*.safetensors``."""
-    index = directory / _INDEX
-    if index.is_file():
+def safetensors_files(directory: CheckpointDir) -> list[str]:
+    """The checkpoint's safetensors file names: those its index names, else every ``*.safetensors``."""
+    if directory.has(_INDEX):
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = sorted(set(json.loads(directory.read_bytes(_INDEX))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise WeightsInvalidError(f"{_INDEX} cannot be read", problem="bad_index") from None
-        files = [directory / name for name in names]
-        if any(Path(name).name != name or not path.is_file() for name, path in zip(names, files, strict=True)):
+        if any(not isinstance(name, str) or Path(name).name != name or not directory.has(name) for name in names):
             raise WeightsInvalidError(f"{_INDEX} names a file the directory lacks", problem="bad_index")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
+        return names
+    names = directory.glob("*.safetensors")
+    if not names:
         pickled = any(directory.glob(pattern) for pattern in _PICKLE_PATTERNS)
         raise WeightsInvalidError(
             "the weights directory has pickle checkpoints only; save with safetensors" if pickled
             else "the weights directory has no safetensors files", problem="no_safetensors")
-    return files
+    return names
 
 
 def _without_ignored(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import WeightsInvalidError, check_config, read_headers
 from engine.loading import LoadedModel
 
@@ -49,20 +50,23 @@ class WeightSwap:
     copy_s: float
 
 
-def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: str) -> WeightSwap:
+def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: str,
+                 root: str | Path | None = None) -> WeightSwap:
     """Swap the weights of ``directory`` into ``loaded.model`` and set ``loaded.weight_version``.
+    With ``root`` (the weights root), the directory and its files are read only as they lie under it
+    (:class:`~engine.checkpoint_dir.CheckpointDir`: no symlink, regular files only).
 
     Raises :class:`WeightsInvalidError` (the model unchanged) when the directory is not a
     checkpoint of the loaded model. Holds every new tensor on the CPU until the copy: host memory
     for one more copy of the weights.
     """
-    directory = Path(directory)
     started = time.perf_counter()
-    check_config(loaded.model.config.to_dict(), directory, architecture=loaded.architecture)
-    targets = _targets_by_checkpoint_name(loaded.model)
-    headers = read_headers(directory)
-    plan = _plan(headers, targets)
-    new = _read_tensors(directory, headers, plan)
+    with CheckpointDir.open(directory, root=root) as checkpoint:
+        check_config(loaded.model.config.to_dict(), checkpoint, architecture=loaded.architecture)
+        targets = _targets_by_checkpoint_name(loaded.model)
+        headers = read_headers(checkpoint)
+        plan = _plan(headers, targets)
+        new = _read_tensors(checkpoint, headers, plan)
     read_s = time.perf_counter() - started
     started = time.perf_counter()
     with loaded.lock, torch.no_grad():
@@ -128,7 +132,7 @@ def _storage(tensor: torch.Tensor) -> tuple:
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 
 
-def _read_tensors(directory: Path, headers, plan: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _read_tensors(directory: CheckpointDir, headers, plan: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     by_file: dict[str, list[str]] = {}
@@ -137,7 +141,7 @@ def _read_tensors(directory: Path, headers, plan: dict[str, torch.Tensor]) -> di
     new: dict[str, torch.Tensor] = {}
     for file, names in sorted(by_file.items()):
         try:
-            with safe_open(str(directory / file), framework="pt", device="cpu") as handle:
+            with safe_open(directory.path_of(file), framework="pt", device="cpu") as handle:
                 for name in names:
                     tensor = handle.get_tensor(name)
                     target = plan[name]

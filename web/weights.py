@@ -15,6 +15,7 @@ from dataclasses import asdict
 from flask.views import MethodView
 from marshmallow import EXCLUDE, Schema, fields, validate
 
+from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import check_checkpoint, weight_version_of
 from web.auth import require_admin
 from web.blueprint import Blueprint
@@ -101,8 +102,9 @@ def _update(model_path: str, version: str | None, mode: str, timeout: float | No
     require_admin()
     svc = services()
     directory = resolve_weights_dir(model_path, svc.settings.weights_root)
-    check_checkpoint(directory, svc.model_path)
-    version = version or weight_version_of(directory)
+    with CheckpointDir.open(directory, root=svc.settings.weights_root) as checkpoint:
+        check_checkpoint(checkpoint, svc.model_path)
+        version = version or weight_version_of(checkpoint)
     timeout = svc.settings.weights_update_timeout if timeout is None else timeout
     report = update_weights(svc.weight_store, version=version, model_path=str(directory), mode=mode,
                             timeout=timeout)

@@ -4,7 +4,9 @@ A weight update's ``model_path`` is read by every GPU worker, so it is checked l
 media URL (``processors/fetch/files.py``): the API checks it before it sets a target, and each
 worker checks it again before it reads (a target in Redis is not trusted blindly). ``..`` is
 refused outright, then ``realpath`` resolves every symlink and the containment check runs on the
-final path, so a symlink inside the root that leads out of it is refused too.
+final path, so a symlink inside the root that leads out of it is refused too. The check is a
+path's: what is read afterwards goes through ``engine.checkpoint_dir.CheckpointDir`` opened under
+the root, which meets no symlink and reads regular files only, so a swap after the check is refused.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class WeightSync:
     def __init__(self, store: WeightStore, engine, *, worker: str, node: str, weights_root: Path | None,
                  poll_seconds: float = 0.2):
         self.store = store
-        self.engine = engine  # anything with update_weights(directory, weight_version=) and weight_version
+        self.engine = engine  # anything with update_weights(directory, weight_version=, root=) and weight_version
         self.worker = worker
         self.node = node
         self.weights_root = weights_root
@@ -195,7 +195,7 @@ class WeightSync:
         started = time.perf_counter()
         try:
             directory = resolve_weights_dir(target.model_path, self.weights_root)
-            self.engine.update_weights(directory, weight_version=target.version)
+            self.engine.update_weights(directory, weight_version=target.version, root=self.weights_root)
         except RolloutError as error:
             self._fail(target, {"code": error.code, "message": error.message, **(
                 {"errors": error.errors} if error.errors is not None else {})})

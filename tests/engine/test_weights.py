@@ -168,3 +168,61 @@ def test_a_path_that_is_not_a_directory_is_refused(tmp_path, untouched):
     with pytest.raises(WeightsInvalidError) as caught:
         load_weights(untouched, tmp_path / "nothing-here", weight_version="never")
     assert caught.value.errors["problem"] == "not_a_directory"
+
+
+def _root_with_copy(tmp_path, new_weights_dir):
+    root = tmp_path / "root"
+    shutil.copytree(new_weights_dir, root / "step-1")
+    outside = tmp_path / "outside"
+    shutil.copytree(new_weights_dir, outside)
+    return root, outside
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_file_that_is_a_symlink_out_of_the_root_is_refused(tmp_path, untouched, new_weights_dir, name):
+    root, outside = _root_with_copy(tmp_path, new_weights_dir)
+    (root / "step-1" / name).unlink()
+    (root / "step-1" / name).symlink_to(outside / name)
+    before = _snapshot(untouched)
+    with pytest.raises(WeightsInvalidError) as caught:
+        load_weights(untouched, root / "step-1", weight_version="escaped", root=root)
+    assert caught.value.problem == "not_a_regular_file" and caught.value.errors["file"] == name
+    assert all(torch.equal(before[n], t) for n, t in untouched.model.state_dict().items())
+    assert untouched.weight_version != "escaped"
+
+
+def test_a_directory_swapped_for_a_symlink_after_its_check_is_refused(tmp_path, untouched, new_weights_dir):
+    """The race a path check leaves open: checked, then swapped for a symlink out, then read."""
+    from workers.weight_paths import resolve_weights_dir
+
+    root, outside = _root_with_copy(tmp_path, new_weights_dir)
+    checked = resolve_weights_dir("step-1", root)
+    shutil.rmtree(root / "step-1")
+    (root / "step-1").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(WeightsInvalidError) as caught:
+        load_weights(untouched, checked, weight_version="escaped", root=root)
+    assert caught.value.problem == "not_a_directory" and untouched.weight_version != "escaped"
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_is_refused_at_once(tmp_path, untouched, new_weights_dir, kind):
+    import os
+
+    root, _ = _root_with_copy(tmp_path, new_weights_dir)
+    target = root / "step-1" / "model.safetensors"
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)  # reading it would wait for a writer forever
+    else:
+        os.mknod(target, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    with pytest.raises(WeightsInvalidError) as caught:
+        load_weights(untouched, root / "step-1", weight_version="device", root=root)
+    assert caught.value.problem == "not_a_regular_file"
+
+
+def test_a_confined_directory_in_the_root_still_loads(tmp_path, demo_model_dir, new_weights_dir):
+    root, _ = _root_with_copy(tmp_path, new_weights_dir)
+    loaded = load_model(str(demo_model_dir), device="cpu")
+    swap = load_weights(loaded, root / "step-1", weight_version="step-1", root=root)
+    assert swap.tensors > 0 and loaded.weight_version == "step-1"

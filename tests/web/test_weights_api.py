@@ -134,3 +134,24 @@ def test_vllm_pause_and_resume_take_vllms_query_and_answer_its_shape(admin_clien
     assert admin_client.get("/is_paused", headers=auth(KEY_A)).get_json() == {"is_paused": False}
     assert admin_client.post("/pause?mode=sideways", headers=auth(ADMIN)).status_code == 422
     assert admin_client.post("/resume", headers=auth(KEY_A)).status_code == 403
+
+
+@pytest.mark.timeout(30)
+def test_a_symlinked_or_special_weight_file_is_refused_before_any_target(make_app, tmp_path, redis_client):
+    """The API's own check reads through the confined directory too: a config.json symlinked out of
+    the root, or a FIFO as the weights (which hung the admin call), is a 422 and sets no target."""
+    import shutil
+
+    root = tmp_path / "root"
+    build_demo_model(root / "step-1", seed=1)
+    shutil.copytree(root / "step-1", root / "fifo")
+    (root / "step-1" / "config.json").rename(tmp_path / "outside-config.json")
+    (root / "step-1" / "config.json").symlink_to(tmp_path / "outside-config.json")
+    (root / "fifo" / "model.safetensors").unlink()
+    os.mkfifo(root / "fifo" / "model.safetensors")
+    client = make_app(admin_keys=(ADMIN,), weights_root=root, weights_update_timeout=2.0).test_client()
+    for name in ("step-1", "fifo"):
+        response = _post(client, {"model_path": name, "weight_version": name})
+        assert response.status_code == 422, response.get_json()
+        assert response.get_json()["errors"]["problem"] == "not_a_regular_file", response.get_json()
+    assert WeightStore(redis_client).target() is None
