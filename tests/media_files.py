@@ -42,3 +42,32 @@ def wav_bytes(seconds: float = 1.0, rate: int = 16_000, seed: int = 0) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, samples.astype(np.float32), rate, format="WAV")
     return buffer.getvalue()
+
+
+def png_bomb_mov(streams: int = 1, side: int = 16_000) -> bytes:
+    """A mov of ``streams`` png video streams whose headers say 16x16 while each frame's PNG says
+    ``side`` x ``side`` at 16 bits per channel (its data truncated): ~1 KB that FFmpeg would decode
+    into a 1.5 GB frame per stream. Built by encoding a real 16x16 frame and rewriting the PNG's
+    IHDR in place (same length, so the container's offsets hold)."""
+    import struct
+    import zlib
+
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mov") as container:
+        outs = [container.add_stream("png", rate=1) for _ in range(streams)]
+        for stream in outs:  # every stream's size before the first packet writes the header
+            stream.width, stream.height, stream.pix_fmt = 16, 16, "rgb24"
+        for stream in outs:
+            frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), format="rgb24")
+            for packet in [*stream.encode(frame), *stream.encode()]:
+                container.mux(packet)
+    data = bytearray(buffer.getvalue())
+    at = 0
+    while (at := data.find(b"IHDR", at)) != -1:
+        body = struct.pack(">IIBBBBB", side, side, 16, 2, 0, 0, 0)  # width, height, 16-bit RGB
+        data[at + 4: at + 17] = body
+        data[at + 17: at + 21] = struct.pack(">I", zlib.crc32(b"IHDR" + body))
+        at += 4
+    return bytes(data)

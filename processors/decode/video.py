@@ -5,6 +5,15 @@ webm/mkv) can be anything a file claims. The declared duration is only used to l
 rate so that a long video still fits ``max_frames`` (spread over the whole video, not its start);
 a file that lies about it is still held to the caps while decoding, and decoding stops as soon as
 one is passed or enough frames are sampled.
+
+Memory is bounded before FFmpeg allocates: a frame's size is what its packet says, not the header
+(a 1 KB mov whose header says 16x16 held a 16000x16000 16-bit PNG: 1.5 GB, and 12 GB for 8 such
+streams, all probed when the file opened). So the pixel cap is FFmpeg's own ``max_pixels`` for the
+streams probed at open and for the decoder (a larger frame is an error, never an allocation), a
+file may hold at most :data:`MAX_STREAMS` streams, only the first video stream is decoded, and only
+video codecs are decoded as video (:data:`VIDEO_CODECS`: no still-image codec such as png or mjpeg,
+whose every packet is a new picture of any size). What one decode holds is then about
+``max_frames x max_pixels x 3`` bytes of sampled frames plus a few frames of decoder state.
 """
 
 from __future__ import annotations
@@ -25,6 +34,13 @@ VIDEO_FORMATS = ("mov", "matroska", "avi", "mpegts")
 # (say a million frames in a short clip) is refused after max_seconds * MAX_FRAME_RATE decoded
 # frames, so decoding time stays bounded by the duration cap.
 MAX_FRAME_RATE = 240
+# Streams a video file may hold (video, audio, subtitles, data): each is probed when it opens.
+MAX_STREAMS = 8
+# Codecs decoded as video (FFmpeg decoder names): motion codecs in real use. Still-image codecs
+# (png, mjpeg, bmp, tiff, webp, ...) are refused: each of their packets sets its own frame size.
+VIDEO_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "libvpx", "libvpx-vp9", "mpeg4",
+                          "mpeg2video", "mpeg1video", "h263", "theora", "prores", "dnxhd", "vc1", "wmv1",
+                          "wmv2", "wmv3", "msmpeg4", "msmpeg4v2", "msmpeg4v3", "flv"})
 
 
 @dataclass(frozen=True)
@@ -57,14 +73,22 @@ def decode_video(
     frames: list[np.ndarray] = []
     last_time = 0.0
     try:
+        bounded = {"max_pixels": str(sampling.max_pixels)}  # FFmpeg refuses larger frames, never allocates them
         with av.open(
             io.BytesIO(data),
+            options=bounded,
             container_options={"format_whitelist": ",".join(formats)},
             io_open=_no_nested_io,
         ) as container:
+            if len(container.streams) > MAX_STREAMS:
+                raise MediaTooLargeError(f"the video file has more than {MAX_STREAMS} streams")
             if not container.streams.video:
                 raise MediaDecodeError("the file has no video stream")
             stream = container.streams.video[0]
+            codec = stream.codec_context.name
+            if codec not in VIDEO_CODECS:
+                raise MediaDecodeError(f"the video stream's codec {codec!r} is not a video codec served here")
+            stream.codec_context.options = bounded
             declared = _declared_seconds(container, stream)
             if declared is not None and declared > sampling.max_seconds:
                 raise MediaTooLargeError(f"the video is longer than {sampling.max_seconds} s")
