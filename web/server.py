@@ -8,6 +8,7 @@ from gunicorn import util
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
+from web.request_buffering import RequestBuffering
 from workers.settings import Settings
 
 # Codes for the statuses gunicorn answers itself, before the app sees a request.
@@ -65,6 +66,11 @@ class JsonErrorWorker(ThreadWorker):
             self.log.debug("Failed to send error message.")
 
 
+class ApiWorker(RequestBuffering, JsonErrorWorker):
+    """What the API runs: gthread that reads whole requests in its event loop before a thread takes
+    them (``web/request_buffering.py``) and answers its own errors in our JSON shape."""
+
+
 class ApiServer(BaseApplication):
     def __init__(self, settings: Settings, redis_url: str):
         self.settings = settings
@@ -76,12 +82,13 @@ class ApiServer(BaseApplication):
         self.cfg.set("bind", f"{s.host}:{s.port}")
         self.cfg.set("workers", s.api_workers)
         # Threads: POST /v1/generate and the dialect routes wait for their jobs, and a waiting request
-        # must not hold a process. JsonErrorWorker: gunicorn's own errors in our JSON shape.
+        # must not hold a process. ApiWorker: whole requests before threads (slow clients cost a
+        # socket, not a thread), gunicorn's own errors in our JSON shape.
         # SSE streams (web/streams.py) run on threads of their own: api_stream_slots more threads,
         # each parked in a blocking Redis read that releases the GIL, and a stream past the slots
         # is refused (503), so streams never take the api_threads ordinary requests run on. gthread
         # times a worker by its main loop's heartbeat, not by request, so a stream of minutes is fine.
-        self.cfg.set("worker_class", JsonErrorWorker)
+        self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {"read_timeout": s.request_read_timeout}))
         self.cfg.set("threads", s.api_threads + s.api_stream_slots)
         self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)

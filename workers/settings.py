@@ -63,6 +63,9 @@ class Settings:
     # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
     # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
     api_threads: int = 16
+    # A request's head (and a body up to 1 MiB) must arrive within this, or it is dropped with a
+    # 408; a larger body's every read must come within it (web/request_buffering.py).
+    request_read_timeout: float = 10.0
     api_stream_slots: int = 256
     stream_keepalive_seconds: float = 5.0
     stream_events_maxlen: int = 20_000
@@ -171,6 +174,7 @@ _RANGES = {
     "max_queued_total": (1, 10**9),
     "sync_timeout_max": (0, 3600),
     "api_threads": (1, 1024),
+    "request_read_timeout": (0.1, 3600),
     "api_stream_slots": (0, 10_000),
     # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
     "stream_keepalive_seconds": (0.05, 8),
