@@ -76,7 +76,10 @@ def check_fidelity(engine: Engine, *, tolerance: float | None = None) -> Fidelit
         generation=max(abs(a - b) for a, b in zip(choice.logprobs, own, strict=True)),
         scoring=max(abs(a - b) for a, b in zip(scored, own, strict=True)),
         tolerance=tolerance, tokens=len(own))
-    greedy_gap = float((forward.max(dim=-1).values - torch.tensor(own, device=forward.device)).max())
+    # The engine never samples a media placeholder (engine/scheduler.py): the most likely other token.
+    placeholders = torch.tensor(sorted(loaded.media_token_ids.values()), dtype=torch.long, device=forward.device)
+    sampleable = forward.index_fill(-1, placeholders, -torch.inf) if len(placeholders) else forward
+    greedy_gap = float((sampleable.max(dim=-1).values - torch.tensor(own, device=forward.device)).max())
     problems = {}
     if report.generation > tolerance:
         problems["generation"] = f"sampled-token logprobs differ from the model's forward by {report.generation:.3g}"

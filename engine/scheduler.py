@@ -171,6 +171,8 @@ class Scheduler:
         self.on_step = on_step
         self._uses_encoder_outputs = supports_encoder_outputs(loaded.model)
         self._encoder_inputs = encoder_input_names(loaded.model) if self._uses_encoder_outputs else set()
+        media = sorted(t for t in loaded.media_token_ids.values() if 0 <= t < loaded.vocab_size)
+        self._placeholder_ids = torch.tensor(media, dtype=torch.long) if media else None
         self._next_handle = 0
         self._jobs: dict[int, _Job] = {}
         self._pending: list[_Job] = []
@@ -298,11 +300,13 @@ class Scheduler:
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
                 events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
-        """Each row's token from its raw logits (rows, vocab), recorded on its decoder."""
+        """Each row's token from its raw logits (rows, vocab), recorded on its decoder. Logprobs are
+        the raw distribution's; the token is never a media placeholder id (see _unsampled)."""
         for job in jobs:
             job.peak_rows = max(job.peak_rows, batch_rows)
-        tokens = torch.argmax(logits, dim=-1)  # one batched argmax serves the plain greedy rows
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._unsampled(logits)
+        tokens = torch.argmax(logits, dim=-1)  # one batched argmax serves the plain greedy rows
         for i, (row, job) in enumerate(zip(rows, jobs, strict=True)):
             if row.done:
                 continue
@@ -324,6 +328,14 @@ class Scheduler:
             events.append(RowTokens(job.tag, row.choice_index, token,
                                     float(chosen) if row.params.logprobs else None, row.finish_reason))
         return tokens
+
+    def _unsampled(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with the model's media placeholder ids at -inf: a sampled placeholder, fed back
+        (the next turn of a rollout, a scoring call), would be taken for a media slot, so it is
+        never drawn (real checkpoints give them ~0 probability; tiny random ones do not)."""
+        if self._placeholder_ids is None:
+            return logits
+        return logits.index_fill(-1, self._placeholder_ids.to(logits.device), -torch.inf)
 
     def _admit(self) -> None:
         while self._pending:

@@ -352,3 +352,31 @@ def test_tiny_sampling_values_never_reach_the_draw_as_nan(engine, prompts, knobs
         greedy = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0,
                                                                            ignore_eos=True))])[0]
         assert choice.token_ids == greedy.choices[0].token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_media_placeholder_is_never_sampled_and_logprobs_stay_raw(demo_model_dir, prompts, temperature):
+    """A placeholder id fed back (the next turn, a scoring call) would be taken for a media slot: even
+    a model that favours one never emits it, and the logprobs reported are the raw distribution's."""
+    from engine.loading import load_model
+    from engine.scoring import ScoreRequest
+
+    loaded = load_model(str(demo_model_dir), device="cpu")
+    pad = loaded.media_token_ids["image"]
+    forward = loaded.model.forward
+
+    def favouring_the_pad(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits[..., pad] += 50.0
+        return out
+
+    loaded.model.forward = favouring_the_pad
+    engine = Engine(loaded)
+    prompt = prompts.text("The quick brown fox")
+    params = SamplingParams(max_tokens=5, temperature=temperature, seed=1, ignore_eos=True, top_logprobs=1)
+    [result] = engine.generate([GenerationRequest(prompt, params)])
+    choice = result.choices[0]
+    assert pad not in choice.token_ids and len(choice.token_ids) == 5
+    assert all(step[0][0] == pad for step in choice.top_logprobs)  # the raw distribution's top is the pad
+    scored = engine.score([ScoreRequest(prompt, choice.token_ids)])[0].logprobs
+    torch.testing.assert_close(choice.logprobs, scored, atol=1e-4, rtol=0)

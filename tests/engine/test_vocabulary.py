@@ -50,5 +50,8 @@ def test_generate_and_score_refuse_a_prompt_id_outside_the_vocabulary(engine, lo
         with pytest.raises(TokenIdOutOfRangeError):
             engine.score([ScoreRequest(bad_prompt, [9])])
     assert calls == []
-    # The last id of the vocabulary is fine.
-    assert engine.score([ScoreRequest([*prompts.text("Hi"), loaded.vocab_size - 1], [loaded.vocab_size - 1])])
+    # The highest ids are fine (the last ones are media placeholders, as in real Qwen tokenizers:
+    # the highest text id is taken).
+    last = max(set(range(loaded.vocab_size)) - set(loaded.media_token_ids.values()))
+    assert last >= loaded.vocab_size - len(loaded.media_token_ids) - 1
+    assert engine.score([ScoreRequest([*prompts.text("Hi"), last], [last])])
