@@ -22,6 +22,7 @@ from marshmallow import Schema, fields, validate
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from engine.errors import InvalidRequestError, NotFoundError
+from web.attachment import attachment
 from web.auth import current_owner
 from web.batch_upload import MULTIPART_OVERHEAD
 from web.blueprint import Blueprint
@@ -163,7 +164,7 @@ class FileContent(MethodView):
     def get(self, file_id):
         """The file's content, streamed."""
         record = services().files.get(file_id, owner=current_owner())
-        headers = {"Content-Disposition": f'attachment; filename="{record["filename"]}"'}
+        headers = {"Content-Disposition": attachment(record["filename"])}
         # Rendering results needs the app (the tokenizer) while the response streams.
         return Response(stream_with_context(_content(record)), mimetype="application/jsonl", headers=headers)
 

@@ -63,3 +63,21 @@ def test_flush_cache_is_for_admin_keys_only(make_app):
     refused = client.post("/flush_cache", headers=auth(KEY_B))
     assert refused.status_code == 403 and len(cache) == 1
     assert client.post("/flush_cache", headers=auth(KEY_A)).status_code == 200 and len(cache) == 0
+
+
+def test_a_single_sglang_prompt_takes_a_list_of_one_and_refuses_longer_lists():
+    """A one-element list of sampling_params or return_logprob for one prompt is its value (it was
+    dropped: asked 1 token, got 64); a list logprob_start_len was a 500; more values are a 422."""
+    from web.dialects.sglang import to_requests
+
+    body = {"input_ids": [5, 6, 7], "sampling_params": [{"max_new_tokens": 1}], "return_logprob": [True],
+            "logprob_start_len": [1]}
+    (request,), (options,), batch = to_requests(body, vocab_size=None)
+    assert not batch and request["sampling_params"]["max_tokens"] == 1
+    assert request["sampling_params"]["logprobs"] is True and options["logprob_start_len"] == 1
+    (request,), _, _ = to_requests({**body, "return_logprob": [False]}, vocab_size=None)
+    assert request["sampling_params"]["logprobs"] is False
+    for name, value in (("logprob_start_len", [1, 2]), ("sampling_params", [{}, {}])):
+        with pytest.raises(InvalidRequestError) as caught:
+            to_requests({**body, name: value}, vocab_size=None)
+        assert name in caught.value.errors

@@ -119,3 +119,27 @@ def test_files_list_oldest_first_with_order_asc_and_pages_after_a_file(client):
 def test_bad_list_queries_are_422(client, query):
     response = client.get(f"/v1/files{query}", headers=auth())
     assert response.status_code == 422 and response.get_json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("filename", ["rollouts-é中.jsonl", "a\x00b.jsonl", 'q"uote.jsonl'])
+def test_any_file_name_downloads_with_an_rfc_6266_header(client, filename):
+    """A name with non-ASCII, NUL or CR/LF made its download a 500; it goes as filename* (RFC 5987)."""
+    from urllib.parse import unquote
+
+    made = upload(client, score_lines(1), filename=filename).get_json()
+    content = client.get(f"/v1/files/{made['id']}/content", headers=auth())
+    assert content.status_code == 200, content.get_data()[:200]
+    disposition = content.headers["Content-Disposition"]
+    assert "\r" not in disposition and "\n" not in disposition and "X-Injected" not in content.headers
+    if "filename*=" in disposition:
+        name = unquote(disposition.split("filename*=UTF-8''", 1)[1])
+        assert name == "".join(ch for ch in made["filename"] if ch.isprintable())
+    assert disposition.startswith('attachment; filename="')
+
+
+def test_the_disposition_of_a_name_with_a_line_break_is_one_header_line():
+    from web.attachment import attachment
+
+    value = attachment("a\r\nX-Injected: 1\x00é.jsonl")
+    assert "\r" not in value and "\n" not in value and "\x00" not in value
+    assert value == "attachment; filename=\"aX-Injected: 1e.jsonl\"; filename*=UTF-8''aX-Injected%3A%201%C3%A9.jsonl"

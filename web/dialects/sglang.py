@@ -161,6 +161,13 @@ def _indexed(name: str, where: str) -> str:
 
 def _per_item(body: dict, name: str, size: int, batch: bool) -> list:
     value = body.get(name)
+    if not batch and isinstance(value, list):
+        # One prompt: a one-element list is its value (as a batch of one would be); more is an error,
+        # never a value silently dropped or a list where a number goes.
+        if len(value) != 1:
+            raise InvalidRequestError(f"{name}: {len(value)} values for one prompt",
+                                      errors={name: ["one prompt takes one value (or a list of one)"]})
+        return value
     if not batch or not isinstance(value, list):
         if batch and name == "rid" and value is not None:
             raise InvalidRequestError("rid: a batch needs one rid per prompt", errors={"rid": ["must be a list"]})
