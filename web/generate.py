@@ -52,6 +52,7 @@ class Generate(MethodView):
             "job_id": finished["id"],
             "prompt_token_ids": result.get("prompt_token_ids"),
             "choices": result.get("choices"),
+            "completion_logprobs": result.get("completion_logprobs"),  # kind: "score"
             "prompt_logprobs": result.get("prompt_logprobs"),
             "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),

@@ -253,6 +253,8 @@ class SyncResultSchema(Schema):
     request_id = fields.String(allow_none=True)
     prompt_token_ids = fields.List(fields.Integer())
     choices = fields.List(fields.Nested(ChoiceSchema))
+    completion_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True, metadata={
+        "description": "kind score: each completion token's teacher-forced logprob"})
     prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True)
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
