@@ -26,6 +26,7 @@ import flask
 from flask.json.provider import DefaultJSONProvider
 from marshmallow import missing
 from webargs.flaskparser import FlaskParser, is_json_request
+from werkzeug.exceptions import UnsupportedMediaType
 
 from engine.errors import InvalidRequestError, RolloutError
 from workers import finite_json
@@ -130,5 +131,9 @@ class BodyParser(FlaskParser):
 
     def _raw_load_json(self, req: flask.Request) -> Any:
         if not is_json_request(req):
+            if req.content_length or "chunked" in req.headers.get("Transfer-Encoding", "").lower():
+                # A body not declared JSON was read as no body at all (422 on fields it holds).
+                raise UnsupportedMediaType("this route takes a JSON body: send it with Content-Type: "
+                                           "application/json")
             return missing
         return parse_json(req.get_data(cache=True))

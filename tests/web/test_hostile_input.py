@@ -185,3 +185,15 @@ def test_batch_output_lines_never_carry_nan(client):
     assert entry["response"]["body"]["choices"][0]["logprobs"] == [None]
     listed = client.get(f"/v1/batches/{batch['id']}/output", headers=auth()).get_data(as_text=True)
     assert strict_loads(listed.strip())["custom_id"] == "a"
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize("path", ["/v1/jobs", "/generate", "/v1/chat/completions", "/tokenize"])
+def test_a_json_body_not_declared_json_is_a_415_not_an_empty_body(client, path, content_type):
+    """It read as no body at all: 422s about missing fields the body held."""
+    headers = {**auth(), **({"Content-Type": content_type} if content_type else {})}
+    response = client.post(path, data=b'{"token_ids": [1, 2], "prompt": "hi"}', headers=headers)
+    body = response.get_json()
+    assert response.status_code == 415, body
+    assert (body.get("error") or body)["code"] == "unsupported_media_type"  # in each dialect's shape
+    assert queued(client) == 0
