@@ -44,6 +44,7 @@ from processors.cache import MultimodalCache
 from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
 from processors.errors import PlaceholderCountError, UnsupportedModalityError
 from processors.features_codec import decode_features
+from processors.fetch import MediaTooShortError
 from processors.finalize import Wrapper, bundle_item, finalize
 from processors.placeholders import expand_tokens
 
@@ -338,11 +339,17 @@ class _Run:
         replacements, index = [], dict.fromkeys(bundles, 0)
         for item in media:
             if item.features is not None:
-                replacements.append(self.processor.replacement(item.modality, item.features, 0))
+                run = self.processor.replacement(item.modality, item.features, 0)
             else:
-                replacements.append(self.processor.replacement(item.modality, bundles[item.modality],
-                                                               index[item.modality]))
+                run = self.processor.replacement(item.modality, bundles[item.modality], index[item.modality])
                 index[item.modality] += 1
+            if item.modality != "image" and self.processor.token_id(item.modality) not in run:
+                # The encoder makes no feature of it (Whisper-style audio under ~30 ms): say so, not
+                # "placeholder mismatch".
+                raise MediaTooShortError(f"content_parts[{item.part}]: the {item.modality} is too short for this "
+                                         "model: its encoder makes no feature of it",
+                                         errors={"part": item.part})
+            replacements.append(run)
         return replacements
 
     def _expand(self, token_ids: Sequence[int], replacements: list[list[int]], media: list[_Media]):

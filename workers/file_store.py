@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import redis
 
-from engine.errors import NotFoundError, RateLimitedError
+from engine.errors import NotFoundError, PayloadTooLargeError, RateLimitedError
 from workers.job_store import new_id
 from workers.redis_records import decode_record, encode_field, page_by_creation, plausible_id
 from workers.stored_input import StoredInput
@@ -33,6 +33,12 @@ CHUNK = 1024 * 1024
 _INT_FIELDS = ("bytes",)
 # A hint only: input is freed when batches end or files are deleted.
 STORAGE_RETRY_AFTER_S = 60
+
+
+class FileTooLargeError(PayloadTooLargeError):
+    """One file larger than all a key may store (ROLLOUT_BATCH_MAX_STORED_BYTES_PER_KEY)."""
+
+    code = "file_too_large"
 
 
 class FileStorageFullError(RateLimitedError):
@@ -63,6 +69,8 @@ class FileStore:
     def upload(self, *, owner: str, filename: str, purpose: str, stream: IO[bytes], size: int,
                cap: int) -> dict[str, Any]:
         """Store ``size`` bytes read from ``stream`` (a chunk at a time) as a new file of ``owner``."""
+        if size > cap:  # can never fit, whatever else is deleted: not a retry (429) but a 413, as batches
+            raise FileTooLargeError(f"the file takes {size} bytes; a key may store at most {cap}")
         file_id = new_id("file")
         held = self._input.reserve(owner, file_id, size, cap=cap, ttl=self.ttl)
         if held is not None:

@@ -80,11 +80,14 @@ def attempt_key(job_id: str) -> str:
 
 
 def plausible_event_id(value: str | None) -> bool:
-    """Whether ``value`` looks like a stream entry id (``ms-seq``); anything else reads from the start."""
+    """Whether ``value`` is a stream entry id Redis takes (``ms-seq``, each part a 64-bit unsigned
+    integer): a longer number is a Redis error on read, not an id of this stream."""
     if not value or len(value) > 41:
         return False
     ms, _, seq = value.partition("-")
-    return ms.isdigit() and (seq == "" or seq.isdigit())
+    if not (ms.isascii() and ms.isdigit() and (seq == "" or (seq.isascii() and seq.isdigit()))):
+        return False
+    return int(ms) < 2**64 and (seq == "" or int(seq) < 2**64)
 
 
 class JobEvents:

@@ -7,7 +7,7 @@ webhooks under the same address rules. Decoding the bytes is ``processors.decode
 
 Errors (all :class:`engine.errors.MediaError`; see ``processors.fetch.errors``):
 
-    MediaBlockedError · MediaTooLargeError · MediaTimeoutError
+    MediaBlockedError · MediaTooLargeError · MediaTimeoutError · MediaTooShortError
     MediaFetchError └ MediaRejectedError · MediaDecodeError
 """
 
@@ -18,6 +18,7 @@ from .errors import (
     MediaRejectedError,
     MediaTimeoutError,
     MediaTooLargeError,
+    MediaTooShortError,
 )
 from .fetcher import GuardedFetcher
 from .media import FetchedMedia, OutboundResponse
@@ -34,6 +35,7 @@ __all__ = [
     "MediaRejectedError",
     "MediaTimeoutError",
     "MediaTooLargeError",
+    "MediaTooShortError",
     "OutboundResponse",
     "Resolver",
     "log_policy_warnings",

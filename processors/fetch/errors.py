@@ -73,6 +73,14 @@ class MediaRejectedError(MediaFetchError):
     retryable = False
 
 
+class MediaTooShortError(MediaError):
+    """The item decodes, but is too short for the model's encoder to make any feature of it (audio
+    of a few milliseconds)."""
+
+    code = "media_too_short"
+    http_status = 422
+
+
 class MediaDecodeError(MediaError):
     """The bytes are not a readable image, video or audio file of an allowed format."""
 

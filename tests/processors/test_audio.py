@@ -83,3 +83,15 @@ def test_image_video_and_audio_in_one_prompt(run, processors, models, image_url,
     with torch.no_grad():
         logits = models("qwen2_5_omni")(input_ids=input_ids, **build_mm_kwargs(items)).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_omni", "qwen2_audio"])
+@pytest.mark.parametrize("milliseconds", [1, 10, 20])
+def test_audio_too_short_for_the_encoder_says_so(processors, fetcher, transport, limits, audio_url, arch, milliseconds):
+    """A few milliseconds make no encoder feature: "too short", not a placeholder mismatch."""
+    from processors.fetch import MediaTooShortError
+
+    with pytest.raises(MediaTooShortError, match=r"content_parts\[0\]: the audio is too short") as caught:
+        preprocess({"prompt": "<audio>", "content_parts": [{"type": "audio_url", "url": audio_url(milliseconds / 1000)}]},
+                   processor=processors[arch], fetcher=fetcher, cache=None, transport=transport, limits=limits)
+    assert caught.value.code == "media_too_short" and caught.value.http_status == 422

@@ -94,6 +94,10 @@ def test_files_and_batches_share_the_stored_input_cap(make_app):
     assert upload(client, b"x" * 900, key=KEY_B).status_code == 200  # another key has its own cap
     client.delete(f"/v1/files/{first['id']}", headers=auth())
     assert upload(client, b"x" * 1500).status_code == 200
+    # One file larger than the whole cap can never fit: a 413, not a retryable 429.
+    whole = upload(client, b"x" * 3001)
+    assert whole.status_code == 413 and whole.get_json()["error"]["code"] == "file_too_large"
+    assert "Retry-After" not in whole.headers
 
 
 def test_large_files_stream_in_chunks(client):
