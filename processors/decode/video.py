@@ -71,7 +71,7 @@ def decode_video(
 ) -> DecodedVideo:
     """Frames of the first video stream, one per ``1 / fps`` seconds of video time."""
     frames: list[np.ndarray] = []
-    last_time = 0.0
+    last_time, decoding = 0.0, False
     try:
         bounded = {"max_pixels": str(sampling.max_pixels)}  # FFmpeg refuses larger frames, never allocates them
         with av.open(
@@ -88,6 +88,8 @@ def decode_video(
             codec = stream.codec_context.name
             if codec not in VIDEO_CODECS:
                 raise MediaDecodeError(f"the video stream's codec {codec!r} is not a video codec served here")
+            if not stream.width or not stream.height:  # probing refused its first frame under max_pixels
+                raise MediaTooLargeError(f"the video frames have more than {sampling.max_pixels} pixels")
             stream.codec_context.options = bounded
             declared = _declared_seconds(container, stream)
             if declared is not None and declared > sampling.max_seconds:
@@ -101,6 +103,7 @@ def decode_video(
             rate = float(stream.average_rate) if stream.average_rate else None
             budget = int(sampling.max_seconds * MAX_FRAME_RATE) + 1
             next_time = 0.0
+            decoding = True
             for decoded, frame in enumerate(container.decode(stream)):
                 if decoded >= budget:
                     raise MediaTooLargeError(
@@ -121,6 +124,10 @@ def decode_video(
                     next_time += step
                 if len(frames) == sampling.max_frames:
                     break  # enough: the rest is never decoded
+    except av.error.ArgumentError as exc:
+        if decoding:  # EINVAL from the decoder: a frame past max_pixels (opening gives EINVAL for much else)
+            raise MediaTooLargeError(f"the video frames have more than {sampling.max_pixels} pixels") from exc
+        raise MediaDecodeError("the video cannot be decoded") from exc
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise MediaDecodeError("the video cannot be decoded") from exc
     if not frames:
