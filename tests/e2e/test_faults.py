@@ -43,9 +43,11 @@ VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 10, 8, 6
 STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/job_reaper.py)
 HOOK_PATH = "/hooks/faults"
 # Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
-# 1,500 tokens: a batch still decodes when a test kills the worker or stops Redis under it.
+# 1,000 tokens: a batch still decodes when a test kills the worker or stops Redis under it, and the
+# 16 rows a restarted worker decodes at once (20 jobs) end within the 6 s soft limit on 2 busy cores
+# (1,500 tokens took 6-7 s there: the jobs failed job_time_limit_exceeded).
 LONG_TEXT = [{"token_ids": [100 + i, 140, 150, 160],
-              "sampling_params": {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}} for i in range(10)]
+              "sampling_params": {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}} for i in range(10)]
 MEDIA_DELAY_S = 0.3
 
 
