@@ -44,6 +44,19 @@ def check_media_count(count: int, limit: int, what: str = "content parts") -> No
                                        errors={"count": count, "limit": limit})
 
 
+def context_limit(configured: int | None, model_context: int | None) -> int | None:
+    """The one context limit every layer checks a request against: ``ROLLOUT_MAX_MODEL_LEN`` when
+    set (never past the model's own context), else the model's (None: neither is known)."""
+    if configured is None:
+        return model_context
+    return configured if model_context is None else min(configured, model_context)
+
+
+def new_tokens_of(kind: str, max_tokens: int, completion_token_ids) -> int:
+    """The tokens a request adds to its prompt: a score job's completion, or up to max_tokens."""
+    return len(completion_token_ids or ()) if kind == "score" else max_tokens
+
+
 def check_context(prompt_tokens: int, new_tokens: int, limit: int | None, *, prompt: str = "prompt") -> None:
     """The prompt plus the tokens it may add must fit the context of ``limit`` tokens (None: no
     limit). ``prompt`` names what was counted (e.g. the prompt with its placeholders expanded)."""

@@ -82,14 +82,16 @@ def preprocess(
     limits: PreprocessLimits,
     options: Mapping[str, Any] | None = None,
     owner: str | None = None,
+    new_tokens: int = 0,
 ) -> ProcessedPrompt:
     """Preprocess a validated request (``token_ids`` or ``prompt``; ``content_parts`` or
     ``features``). ``fetcher`` has ``fetch(url) -> FetchedMedia``; ``options`` are image
     processor kwargs (part of the cache key). ``owner`` is the API key id the request belongs to:
     cache entries found by a part's ``uuid`` are its own (without an owner, uuids are not used for
     the cache; the bytes' sha256 still is). Fetch and decode errors keep their type and name the
-    part (``content_parts[i]``)."""
-    with _Run(processor, fetcher, cache, limits, dict(options or {}), owner) as run:
+    part (``content_parts[i]``). ``new_tokens``: what the request adds to the prompt (max_tokens, or
+    a score job's completion), counted with the expanded prompt against the context limit."""
+    with _Run(processor, fetcher, cache, limits, dict(options or {}), owner, new_tokens) as run:
         token_ids, bundles = run.layout(request, add_special_tokens=True)
     started = time.perf_counter()
     items = finalize(bundles, processor=processor, transport=transport, before_wrap=run.store)
@@ -119,7 +121,8 @@ class _Run:
     """One request's way through the pipeline (state shared by the steps; not reused)."""
 
     def __init__(self, processor, fetcher, cache, limits: PreprocessLimits, options: dict[str, Any],
-                 owner: str | None = None):
+                 owner: str | None = None, new_tokens: int = 0):
+        self.new_tokens = new_tokens
         self.processor: MultimodalProcessor = processor
         self.owner = owner  # uuid cache entries are private to it (see processors.cache)
         self.fetcher = fetcher
@@ -195,7 +198,8 @@ class _Run:
             placeholders=end - at, items=items)
 
     def _check_length(self, ids: list[int]) -> None:
-        check_context(len(ids), 0, self.limits.max_prompt_tokens, prompt="prompt with its media placeholders expanded")
+        check_context(len(ids), self.new_tokens, self.limits.max_prompt_tokens,
+                      prompt="prompt with its media placeholders expanded")
 
     def store(self, items: list[MultimodalItem]) -> None:
         """Put freshly processed per-image features into the cache (finalize's before_wrap)."""

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from flask import current_app
 
+from engine.request_rules import context_limit
 from web.auth import KeyRing
 from workers.job_events import JobEvents
 from workers.redis_client import with_pool_size
@@ -27,7 +28,7 @@ class Services(Runtime):
 
     @property
     def max_model_len(self) -> int | None:
-        return self.settings.max_model_len or self.model_facts.context_length
+        return context_limit(self.settings.max_model_len, self.model_facts.context_length)
 
     @cached_property
     def stream_slots(self):

@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, check_token_ids
-from engine.request_rules import check_context, check_media_count, check_metadata
+from engine.request_rules import check_context, check_media_count, check_metadata, new_tokens_of
 from web.auth import current_owner
 from web.services import services
 from workers.gpu_limits import scheduler_limits
@@ -28,8 +28,8 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
                                   errors={"sampling_params": {"min_tokens": [f"at most max_tokens ({params['max_tokens']})"]}})
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).
-    check_context(prompt_len, len(request.get("completion_token_ids") or []) or params["max_tokens"],
-                  svc.max_model_len or None)
+    check_context(prompt_len, new_tokens_of(request.get("kind", "generate"), params["max_tokens"],
+                                            request.get("completion_token_ids")), svc.max_model_len)
     if request.get("kind", "generate") == "generate":
         # Image placeholders are expanded later; a prompt that can never fit is refused now.
         check_capacity(scheduler_limits(settings), prompt_len, params["max_tokens"], params.get("n", 1))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from engine.request_rules import context_limit
 from processors.fetch import FetchPolicy, GuardedFetcher
 from workers.gpu_limits import scheduler_limits
 from workers.job_events import JobEvents
@@ -61,7 +62,8 @@ def processing_limits(settings: Settings, context_length: int | None):
     video = VideoSampling(max_seconds=s.max_video_seconds, max_frames=s.max_video_frames, fps=s.video_fps,
                           max_pixels=s.max_video_pixels)
     return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                            max_prompt_tokens=s.max_model_len or context_length or PreprocessLimits.max_prompt_tokens,
+                            max_prompt_tokens=context_limit(s.max_model_len, context_length)
+                            or PreprocessLimits.max_prompt_tokens,
                             video=video, max_audio_seconds=s.max_audio_seconds, fetch_concurrency=s.fetch_concurrency)
 
 
@@ -254,6 +256,8 @@ class Runtime:
         s = self.settings
         _use_torch_threads(s)
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
+        # The engine checks the same limit as the API and the CPU worker (engine.request_rules).
+        loaded.max_context_length = context_limit(s.max_model_len, loaded.max_context_length)
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
         return Engine(loaded, scheduler_limits(s))
 

@@ -111,3 +111,18 @@ def test_an_image_past_the_aspect_ratio_limit_is_a_decode_error_naming_the_part(
 def test_an_image_at_the_aspect_ratio_limit_is_processed(run, image_url):
     job = run({"prompt": QWEN, "content_parts": [{"type": "image_url", "url": image_url(200, 1)}]})
     assert len(job.items) == 1
+
+
+def test_the_expanded_prompt_plus_max_tokens_is_held_to_the_context(processors, fetcher, transport, image_url):
+    """An image prompt that fits alone but not with its max_tokens is refused once expanded (the API
+    counted the collapsed prompt, and the engine the model's own context, so it passed both)."""
+    part = [{"type": "image_url", "url": image_url()}]
+    limits = PreprocessLimits(max_prompt_tokens=20)
+    request = {"prompt": f"{QWEN} describe it", "content_parts": part}
+    fits = preprocess(request, processor=processors["qwen2_vl"], fetcher=fetcher, cache=None, transport=transport,
+                      limits=limits, new_tokens=20 - 12)
+    expanded = len(fits.prompt_token_ids)
+    with pytest.raises(ContextLengthError) as caught:
+        preprocess(request, processor=processors["qwen2_vl"], fetcher=fetcher, cache=None, transport=transport,
+                   limits=limits, new_tokens=20 - expanded + 1)
+    assert caught.value.errors == {"prompt_tokens": expanded, "max_tokens": 20 - expanded + 1, "max_context": 20}

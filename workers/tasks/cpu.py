@@ -23,6 +23,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
+from engine.request_rules import new_tokens_of
 from workers.job_request import JobRequest
 from workers.job_store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
@@ -123,4 +124,5 @@ def run_processor(rt, request: JobRequest, *, owner: str):
     return preprocess_request(
         request.processor_input(), processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
         limits=rt.processing_limits, owner=owner,
+        new_tokens=new_tokens_of(request.kind, request.sampling.max_tokens, request.completion_token_ids),
     )
