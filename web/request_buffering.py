@@ -9,7 +9,8 @@ event loop reads each request itself, without blocking, until its head and a bod
 bytes already in its parser. A request not complete within ``ROLLOUT_REQUEST_READ_TIMEOUT`` is
 dropped in the loop (a JSON 408). A larger body (a batch upload) or ``Expect: 100-continue`` goes
 to a thread after its head, and each read of the rest must come within the same timeout, or the
-body ends there (the view sees a client that went away).
+body ends there (the view sees a client that went away). The other way, a write that waits
+``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped reading) fails and ends the connection.
 
 Written on gthread's own hooks (``accept``, ``on_client_socket_readable``, ``murder_pending``):
 gunicorn has no setting for header or body read timeouts, and an async front (nginx) is not part
@@ -22,6 +23,7 @@ import errno
 import json
 import selectors
 import socket
+import struct
 import time
 from functools import partial
 
@@ -39,6 +41,7 @@ class RequestBuffering:
     is read in its event loop first. ``read_timeout`` is set on the class the server builds."""
 
     read_timeout: float = 10.0
+    write_timeout: float = 30.0
 
     def init_process(self):
         self._reading: dict[TConn, float] = {}  # connection -> deadline for its request to be in
@@ -96,6 +99,10 @@ class RequestBuffering:
         buffered = bytes(conn.request_bytes)
         del conn.request_bytes
         conn.sock.setblocking(True)
+        # A send that waits this long (a reader that stopped reading: an SSE stream, a large result)
+        # fails, and the connection ends: set on the socket itself, as gunicorn writes with blocking
+        # sendall and keeps no timeout of its own (setblocking does not clear SO_SNDTIMEO).
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.write_timeout))
         conn.init()  # the parser (plain HTTP/1.1: no TLS or h2 preface here, so nothing is read)
         unreader = conn.parser.unreader
         if not isinstance(unreader.sock, _IdleLimited):
@@ -140,6 +147,11 @@ def _ready(data: bytearray) -> bool:
     except ValueError:
         return True  # the parser refuses it
     return length > BUFFERED_BODY_BYTES or len(data) - end - len(_HEAD_END) >= length
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
 
 
 class _IdleLimited:

@@ -88,7 +88,8 @@ class ApiServer(BaseApplication):
         # each parked in a blocking Redis read that releases the GIL, and a stream past the slots
         # is refused (503), so streams never take the api_threads ordinary requests run on. gthread
         # times a worker by its main loop's heartbeat, not by request, so a stream of minutes is fine.
-        self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {"read_timeout": s.request_read_timeout}))
+        self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {"read_timeout": s.request_read_timeout,
+                                                                     "write_timeout": s.stream_write_timeout}))
         self.cfg.set("threads", s.api_threads + s.api_stream_slots)
         self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)

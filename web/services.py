@@ -34,7 +34,9 @@ class Services(Runtime):
     def stream_slots(self):
         from web.streams import StreamSlots
 
-        return StreamSlots(self.settings.api_stream_slots)
+        s = self.settings
+        per_key = s.api_stream_slots_per_key or max(1, s.api_stream_slots * 3 // 4)
+        return StreamSlots(s.api_stream_slots, per_key)
 
     @cached_property
     def events(self) -> JobEvents:

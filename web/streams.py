@@ -9,7 +9,9 @@ second async server (its own auth, error shapes and deployment for the same rout
 need is a bound so streams never take the threads ordinary requests run on: each process has
 ``ROLLOUT_API_THREADS`` threads for requests plus ``ROLLOUT_API_STREAM_SLOTS`` for streams, and a
 stream beyond the slots is refused with ``503 too_many_streams`` (retryable) instead of queueing
-in front of ordinary requests.
+in front of ordinary requests; one key holds at most ``ROLLOUT_API_STREAM_SLOTS_PER_KEY`` of them. A
+reader that stops reading is dropped once a write to it waits ``ROLLOUT_STREAM_WRITE_TIMEOUT``
+(``web/request_buffering.py`` sets it on the socket), and its slot comes back.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import redis
 from flask import Response
 
 from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
+from web.auth import current_owner
 from workers.job_events import plausible_event_id
 from workers.job_follow import AttemptFilter, Ended, KeepAlive, follow
 from workers.job_view import public_job
@@ -50,21 +53,36 @@ def sse(data: Any, *, event: str | None = None, event_id: str | None = None) -> 
 
 
 class StreamSlots:
-    """The streams one API process serves at once (a semaphore that never blocks)."""
+    """The streams one API process serves at once, and of those one key holds at most
+    ``per_key`` (so one key's streams, or readers that never read, leave slots to the others).
+    Never blocks: a stream past either bound is a 503."""
 
-    def __init__(self, slots: int):
-        self._free = threading.BoundedSemaphore(slots) if slots else None
+    def __init__(self, slots: int, per_key: int | None = None):
+        self.slots = slots
+        self.per_key = slots if per_key is None else min(per_key, slots)
+        self._lock = threading.Lock()
+        self._taken: dict[str, int] = {}
 
-    def take(self) -> Callable[[], None]:
-        if self._free is None or not self._free.acquire(blocking=False):
-            raise TooManyStreamsError("this API process serves as many streams as it may "
-                                      "(ROLLOUT_API_STREAM_SLOTS); retry shortly", headers={"Retry-After": "1"})
+    def take(self, owner: str = "") -> Callable[[], None]:
+        with self._lock:
+            if sum(self._taken.values()) >= self.slots:
+                raise TooManyStreamsError("this API process serves as many streams as it may "
+                                          "(ROLLOUT_API_STREAM_SLOTS); retry shortly", headers={"Retry-After": "1"})
+            if self._taken.get(owner, 0) >= self.per_key:
+                raise TooManyStreamsError("this key holds as many streams of this API process as a key may "
+                                          "(ROLLOUT_API_STREAM_SLOTS_PER_KEY); retry when one ends",
+                                          headers={"Retry-After": "1"})
+            self._taken[owner] = self._taken.get(owner, 0) + 1
         released = threading.Event()
 
         def release() -> None:
-            if not released.is_set():
+            with self._lock:
+                if released.is_set():
+                    return
                 released.set()
-                self._free.release()
+                self._taken[owner] -= 1
+                if not self._taken[owner]:
+                    del self._taken[owner]
 
         return release
 
@@ -74,7 +92,7 @@ def stream_response(svc, chunks: Iterable[bytes], *, on_close: tuple[Callable[[]
     """An SSE response over ``chunks`` holding one stream slot (``release`` gives back one taken
     already); ``on_close`` runs when the server closes the response: at its end, or when the
     client went away (the next write failed)."""
-    release = release or svc.stream_slots.take()
+    release = release or svc.stream_slots.take(current_owner())
     response = Response(chunks, mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     response.call_on_close(release)

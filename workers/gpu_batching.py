@@ -125,6 +125,15 @@ class GenerateBatches(Batches):
         """Messages handed to the running session and not yet settled, by request id."""
         return self.__dict__.setdefault("_inflight_requests", {})
 
+    def held_delivery_tags(self) -> list[str]:
+        """The delivery tags of every message this worker holds unsettled (buffered, or taken by the
+        running session): what its heartbeat reports (``workers/held_messages.py``). Read from the
+        heartbeat thread: the buffer under its own mutex, the in-flight map as one atomic copy."""
+        with self._buffer.mutex:
+            buffered = list(self._buffer.queue)
+        requests = buffered + list(self._inflight.copy().values())
+        return [str(request.message.delivery_tag) for request in requests if request.message is not None]
+
     def take(self, limit: int) -> list[SimpleRequest]:
         """In the pool thread, between decode steps: up to ``limit`` buffered messages join the
         running session (acknowledged later, one by one, as their jobs end)."""

@@ -48,6 +48,16 @@ def alive_workers(client: redis.Redis) -> dict[str, dict]:
     return alive
 
 
+def statuses(client: redis.Redis, kind: str) -> list[dict]:
+    """The status of every worker of ``kind`` with a live heartbeat."""
+    out = []
+    for key in client.scan_iter(match=f"rq:worker:{kind}:*", count=100):
+        raw = client.get(key)
+        if raw is not None:
+            out.append(json.loads(raw))
+    return out
+
+
 def any_alive(client: redis.Redis, kind: str) -> bool:
     """Whether some worker of ``kind`` has a live heartbeat."""
     return next(client.scan_iter(match=f"rq:worker:{kind}:*", count=100), None) is not None

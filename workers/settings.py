@@ -67,6 +67,10 @@ class Settings:
     # 408; a larger body's every read must come within it (web/request_buffering.py).
     request_read_timeout: float = 10.0
     api_stream_slots: int = 256
+    # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
+    # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.
+    api_stream_slots_per_key: int | None = None
+    stream_write_timeout: float = 30.0
     stream_keepalive_seconds: float = 5.0
     stream_events_maxlen: int = 20_000
     # The GPU session writes a job's new tokens at most this often (a first token and a job's end
@@ -176,6 +180,8 @@ _RANGES = {
     "api_threads": (1, 1024),
     "request_read_timeout": (0.1, 3600),
     "api_stream_slots": (0, 10_000),
+    "api_stream_slots_per_key": (1, 10_000),
+    "stream_write_timeout": (0.1, 3600),
     # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
     "stream_keepalive_seconds": (0.05, 8),
     "stream_events_maxlen": (100, 10**8),

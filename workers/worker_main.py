@@ -97,9 +97,11 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         if kind in ("cpu", "gpu"):
+            from workers.held_messages import start_held_message_sweep
             from workers.job_reaper import start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
+            start_held_message_sweep(rt)  # messages a dead GPU worker held, back at once
         if kind == "batches":
             from workers.batch_reaper import start_batch_reaper
 
@@ -158,6 +160,8 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
 
 def _gpu_status(rt) -> dict:
-    # The weight version a GPU worker serves: what SGLang-style /get_model_info reports.
+    # The weight version a GPU worker serves (what SGLang-style /get_model_info reports), and the
+    # messages it holds: a dead worker's go back to their queues at once (workers/held_messages.py).
     ready = rt.model_ready
-    return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None}
+    return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
+            "held": rt.celery.tasks[GENERATE_TASK].held_delivery_tags()}

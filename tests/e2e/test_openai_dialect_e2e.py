@@ -168,3 +168,22 @@ def test_areals_knobs_use_beam_search_false_and_a_top_k_past_the_vocabulary(clie
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"use_beam_search": True})
     assert beams.value.body["param"] == "use_beam_search"
+
+
+def test_vllms_prompt_logprobs_extra_is_returned_not_dropped(server, model, stack):
+    """vLLM's chat and completion replies carry ``prompt_logprobs`` when asked (it was computed, then
+    dropped): the same numbers as the job's own (which the fidelity contract checks)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    completion = requests.post(f"{server}/v1/completions", headers=headers, timeout=60, json={
+        "model": model, "prompt": [100, 140, 150], "max_tokens": 1, "prompt_logprobs": 1}).json()
+    chat = requests.post(f"{server}/v1/chat/completions", headers=headers, timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0,
+        "return_token_ids": True}).json()
+    native = stack.client.post("/v1/generate", headers=stack.headers(), json={
+        "token_ids": [100, 140, 150], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1}}).get_json()
+    got = completion["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == 3
+    assert [step[str(t)]["logprob"] for step, t in zip(got[1:], [140, 150], strict=True)] == pytest.approx(
+        native["prompt_logprobs"][1:], abs=1e-6)
+    assert all(len(step) <= 2 for step in got[1:])  # the prompt token and the top 1
+    assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None

@@ -19,7 +19,8 @@ STREAMS = 200
 @pytest.fixture(scope="module")
 def api_url(redis_url, demo_model_dir, tmp_path_factory):
     with gunicorn_api(empty_db_url(redis_url, 25), demo_model_dir, tmp_path_factory.mktemp("streams-state"),
-                      api_threads="4", api_stream_slots=str(STREAMS), stream_keepalive_seconds="1") as served:
+                      api_threads="4", api_stream_slots=str(STREAMS), api_stream_slots_per_key=str(STREAMS),
+                      stream_keepalive_seconds="1") as served:
         yield served
 
 
@@ -74,3 +75,24 @@ def test_200_open_streams_leave_ordinary_requests_served(api_url):
                 break
         time.sleep(0.5)
     assert again.status_code == 200
+
+
+def test_one_key_holds_at_most_its_share_of_the_slots():
+    """A key's streams (or its readers that never read) leave the rest to other keys."""
+    from web.streams import StreamSlots, TooManyStreamsError
+
+    slots = StreamSlots(4, per_key=3)
+    mine = [slots.take("key_a") for _ in range(3)]
+    with pytest.raises(TooManyStreamsError) as refused:
+        slots.take("key_a")
+    assert refused.value.headers["Retry-After"] == "1" and "PER_KEY" in refused.value.message
+    other = slots.take("key_b")
+    with pytest.raises(TooManyStreamsError):  # all four taken
+        slots.take("key_c")
+    mine[0]()
+    mine[0]()  # a second release of one slot gives back nothing more
+    slots.take("key_a")
+    with pytest.raises(TooManyStreamsError):
+        slots.take("key_b")
+    other()
+    slots.take("key_b")

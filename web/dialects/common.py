@@ -170,3 +170,27 @@ def _rename(messages: Any, names: dict[str, str]) -> dict[str, Any]:
                 break
         out[path] = value
     return out
+
+
+def prompt_logprobs_of(result, texts) -> list | None:
+    """A result's prompt logprobs in vLLM's shape (its generate route, and the OpenAI routes' vLLM
+    extra ``prompt_logprobs``): per prompt position ``{token_id: {logprob, rank, decoded_token}}`` (the
+    prompt token and the top k), ``None`` for the first."""
+    lps = result.prompt_logprobs
+    if lps is None:
+        return None
+    ids, tops = result.prompt_token_ids, result.prompt_top_logprobs or []
+    out: list[dict | None] = []
+    for i, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
+        if lp is None:
+            out.append(None)
+            continue
+        step = {str(token_id): {"logprob": lp, "rank": None, "decoded_token": texts(token_id)}}
+        for rank, (alt, alt_lp) in enumerate((tops[i] if i < len(tops) else None) or [], start=1):
+            entry = {"logprob": alt_lp, "rank": rank, "decoded_token": texts(alt)}
+            if str(alt) in step:
+                step[str(alt)]["rank"] = rank
+            else:
+                step[str(alt)] = entry
+        out.append(step)
+    return out

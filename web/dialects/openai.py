@@ -24,6 +24,7 @@ from web.dialects.common import (
     TokenTexts,
     media_url,
     native_request,
+    prompt_logprobs_of,
     served_model_name,
     tokenizer,
     vocab_size,
@@ -200,6 +201,8 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
                      "finish_reason": choice.finish_reason, "stop_reason": stop_reason(choice)}
             if body.get("return_token_ids"):
                 entry.update(prompt_token_ids=prompt_ids, token_ids=choice.token_ids)
+            if body.get("prompt_logprobs") is not None:  # vLLM's extra, per choice in its completion reply
+                entry["prompt_logprobs"] = prompt_logprobs_of(result, texts)
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
             "model": served_model_name(), "choices": choices,
@@ -334,6 +337,8 @@ def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> 
              "system_fingerprint": result.weight_version}
     if body.get("return_token_ids"):
         reply["prompt_token_ids"] = result.prompt_token_ids or request["token_ids"]
+    if body.get("prompt_logprobs") is not None:  # vLLM's extra, top level in its chat reply
+        reply["prompt_logprobs"] = prompt_logprobs_of(result, TokenTexts())
     return reply
 
 

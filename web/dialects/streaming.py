@@ -51,7 +51,7 @@ class ChunkWriter(Protocol):
 def dialect_stream(requests: list[dict[str, Any]], writer: ChunkWriter):
     """Submit ``requests`` (native, one job each) and answer with their stream."""
     svc, owner = services(), current_owner()
-    release = svc.stream_slots.take()  # before any job exists: a refused stream leaves nothing behind
+    release = svc.stream_slots.take(owner)  # before any job exists: a refused stream leaves nothing behind
     jobs: list[dict[str, Any]] = []
     try:
         for request in requests:

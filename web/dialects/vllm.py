@@ -22,7 +22,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.request_rules import prompt_input_problem
-from web.dialects.common import TokenTexts, native_request, vocab_size
+from web.dialects.common import TokenTexts, native_request, prompt_logprobs_of, vocab_size
 from web.dialects.fields import NullMeansDefault, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
@@ -122,7 +122,7 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
     # token-in-token-out reply carries them: a trainer that sent one collapsed pad per item learns the real ids.
     return {"request_id": body.get("request_id") or job["id"], "choices": choices,
             "prompt_token_ids": result.prompt_token_ids,
-            "prompt_logprobs": _prompt_logprobs(result, texts), "usage": usage(result),
+            "prompt_logprobs": prompt_logprobs_of(result, texts), "usage": usage(result),
             "job_id": job["id"], "weight_version": result.weight_version}
 
 
@@ -140,29 +140,6 @@ def token_logprobs(choice: Choice, k: int) -> list[dict]:
         out.append({"token": f"token_id:{token_id}", "logprob": max(lp, -9999.0),
                     "top_logprobs": [{"token": f"token_id:{t}", "logprob": max(v, -9999.0)}
                                      for t, v in entries[:max(k, 1)]]})
-    return out
-
-
-def _prompt_logprobs(result: JobResult, texts) -> list | None:
-    """vLLM's shape: per prompt position ``{token_id: {logprob, rank, decoded_token}}`` (the
-    prompt token and the top k), ``None`` for the first."""
-    lps = result.prompt_logprobs
-    if lps is None:
-        return None
-    ids, tops = result.prompt_token_ids, result.prompt_top_logprobs or []
-    out: list[dict | None] = []
-    for i, (token_id, lp) in enumerate(zip(ids, lps, strict=True)):
-        if lp is None:
-            out.append(None)
-            continue
-        step = {str(token_id): {"logprob": lp, "rank": None, "decoded_token": texts(token_id)}}
-        for rank, (alt, alt_lp) in enumerate((tops[i] if i < len(tops) else None) or [], start=1):
-            entry = {"logprob": alt_lp, "rank": rank, "decoded_token": texts(alt)}
-            if str(alt) in step:
-                step[str(alt)]["rank"] = rank
-            else:
-                step[str(alt)] = entry
-        out.append(step)
     return out
 
 

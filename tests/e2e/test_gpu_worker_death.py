@@ -1,0 +1,39 @@
+"""A killed GPU worker's jobs end soon after a restart, at the default visibility timeout (an hour):
+its held messages go back to their queues once its heartbeat is gone (workers/held_messages.py),
+not when kombu's visibility timeout would give them back."""
+
+from __future__ import annotations
+
+import time
+
+from tests.conftest import empty_db_url
+from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
+
+JOBS = [{"token_ids": [100 + i, 140, 150], "sampling_params": {"max_tokens": 400, "temperature": 0, "ignore_eos": True}}
+        for i in range(20)]
+
+
+def test_a_killed_gpu_workers_jobs_end_within_30_s_of_its_restart(redis_url, demo_model_dir, loopback_host,
+                                                                 tmp_path_factory):
+    env = make_stack_env(redis_url=empty_db_url(redis_url, 20), model_dir=demo_model_dir,
+                         state_dir=tmp_path_factory.mktemp("death-state"), loopback=loopback_host,
+                         ROLLOUT_VISIBILITY_TIMEOUT="3600", ROLLOUT_GPU_BATCH_SIZE="8")
+    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "gpu-death"), workers=("cpu", "gpu")) as stack:
+        ids = [stack.submit(body)["id"] for body in JOBS]
+        deadline = time.monotonic() + 60
+        while not any(stack.services.jobs.get(job_id)["status"] == "generating" for job_id in ids):
+            assert time.monotonic() < deadline, "no job started generating"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a batch decoding, the next one reserved
+        stack.kill("gpu")  # kill -9: nothing acknowledged, nothing given back
+        at_kill = [stack.services.jobs.get(job_id)["status"] for job_id in ids]
+        assert "generating" in at_kill, at_kill
+        stack.start("gpu")
+        stack.wait_ready(["gpu"])
+        restarted = time.monotonic()
+        done = [stack.wait(job_id, timeout=max(1.0, 30 - (time.monotonic() - restarted))) for job_id in ids]
+        assert [job["status"] for job in done] == ["succeeded"] * len(ids), [job["status"] for job in done]
+        assert all(len(job["result"]["choices"][0]["token_ids"]) == 400 for job in done)
+        ended_after = time.monotonic() - restarted
+        print(f"every job ended {ended_after:.1f} s after the restart")
+        assert ended_after < 30, ended_after
