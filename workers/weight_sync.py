@@ -168,6 +168,7 @@ class WeightSync:
                     finally:
                         self._lock.release()
                 self._report()
+                self._put_back_if_refused()
             except redis.RedisError:
                 pass  # Redis is away: keep serving what is loaded, look again shortly
             except Exception:
@@ -205,6 +206,7 @@ class WeightSync:
         else:
             self._served_id = self._tried_id = target.id
             self._error = None
+            self._quietly(self.store.mark_served, target)
             log.info("serving weights %s (loaded in %.2f s)", target.version, time.perf_counter() - started)
         finally:
             self._loading = False
@@ -215,6 +217,26 @@ class WeightSync:
         self._tried_id = target.id
         self._error = error
         log.warning("weights %s not loaded (%s); old weights kept, no work taken", target.version, error["code"])
+
+    def _put_back_if_refused(self) -> None:
+        """A target every live worker refused goes back to the last served one, by the workers'
+        own reports: it must not wait for the update call, which may have stopped waiting (a
+        ``timeout_s`` of 0, an API that died), or the whole fleet would take no work."""
+        target = self._target
+        if target is None or self.state != "failed":
+            return
+        if (refusals := self.store.refused_everywhere(target.id)) is not None:
+            if self.store.put_back(target.id, refusals):
+                log.warning("weights %s were refused by every GPU worker: the last served target is back",
+                            target.version)
+                self._changed.set()
+
+    @staticmethod
+    def _quietly(call, *args) -> None:
+        try:
+            call(*args)
+        except redis.RedisError:
+            pass  # Redis is away: a later load or report writes it again
 
     def record(self) -> WorkerWeights:
         state = self.state

@@ -20,9 +20,16 @@ POLL_SECONDS = 0.1
 
 
 class WeightsRefusedError(InvalidRequestError):
-    """Every live GPU worker refused the new weights; the previous target was put back."""
+    """Every live GPU worker refused the new weights; the last served target was put back."""
 
     code = "weights_refused"
+
+
+class WeightsSupersededError(RolloutError):
+    """A newer update set its target while this one's was loading: the fleet moved on."""
+
+    code = "weights_superseded"
+    http_status = 409
 
 
 class WeightsNotLoadedError(RolloutError):
@@ -56,30 +63,39 @@ def update_weights(store: WeightStore, *, version: str, model_path: str, mode: s
     :class:`WeightsNotLoadedError` with the per-worker report when some did not serve it in time."""
     target = store.set_target(version=version, model_path=model_path, mode=mode)
     workers = wait_for_fleet(store, target, timeout)
-    report = UpdateReport(target, workers, sum(w.interrupted for w in workers if w.target_id == target.id))
     failed = [w for w in workers if w.target_id == target.id and w.state == "failed"]
     if workers and len(failed) == len(workers):
-        store.restore_previous(target.id)
-        first = failed[0].error or {}
+        store.put_back(target.id, failed)  # the workers do it too, by their own reports
+    if (refusals := store.refusals(target.id)) is not None:  # put back, by this call or by the workers
+        first = (refusals[0].error if refusals else None) or {}
         raise WeightsRefusedError(f"no GPU worker could load the weights: {first.get('message', 'unknown error')}",
-                                  errors={"workers": [asdict(w) for w in workers], **(first.get("errors") or {})})
+                                  errors={"workers": [asdict(w) for w in refusals], **(first.get("errors") or {})})
+    current = store.target()
+    if current is not None and current.id != target.id and current.set_at > target.set_at:
+        raise WeightsSupersededError(f"weights {current.version} were set while these were loading",
+                                     errors={"target": asdict(current)})
+    report = UpdateReport(target, workers, sum(w.interrupted for w in workers if w.target_id == target.id))
     if len(report.serving) < len(workers):
         raise WeightsNotLoadedError(_summary(report), errors=report.to_dict() | {"success": False})
     return report
 
 
 def wait_for_fleet(store: WeightStore, target: WeightTarget, timeout: float) -> list[WorkerWeights]:
-    """The live workers' records once each serves ``target`` or failed it, or at ``timeout``.
-    Redis going away meanwhile is waited out (until the timeout)."""
+    """The live workers' records once each serves ``target`` or failed it, once ``target`` is no
+    longer the fleet's (put back, or a newer one set), or at ``timeout``. Redis going away
+    meanwhile is waited out (until the timeout)."""
     deadline = time.monotonic() + timeout
     workers: list[WorkerWeights] = []
     while True:
         try:
             workers = store.workers()
+            current = store.target()
         except redis.RedisError:
             pass
         else:
             if all(_serves(w, target) or (w.target_id == target.id and w.state == "failed") for w in workers):
+                return workers
+            if current is None or current.id != target.id:
                 return workers
         if time.monotonic() >= deadline:
             return workers

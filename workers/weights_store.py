@@ -15,8 +15,11 @@ Keys:
 - ``rq:weights:target``: hash ``id`` (random, new per update), ``version``, ``model_path``,
   ``mode`` (finish | abort | retract), ``set_at``. A worker compares ``id``, not ``version``: the
   same version name set twice (a retry after a failure) is loaded again.
-- ``rq:weights:previous``: the target before the last one, to put back when every worker refused
-  the new one (a bad directory changes nothing).
+- ``rq:weights:served``: the last target a worker loaded and served, put back when every live
+  worker refused a newer one (a bad directory changes nothing). The workers put it back by their
+  own reports (:meth:`WeightStore.put_back`), whether or not the update call still waits, and only
+  over the refused target (compare-and-swap): two refused updates in a row leave the served one.
+- ``rq:weights:refusal:<target id>``: JSON, the workers' records of a target put back (a day).
 - ``rq:weights:pause``: JSON ``{"mode", "at"}`` while generation is paused.
 - ``rq:weights:worker:<name>``: JSON :class:`WorkerWeights`, TTL :data:`WORKER_TTL`.
 """
@@ -31,7 +34,9 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 TARGET_KEY = "rq:weights:target"
-PREVIOUS_KEY = "rq:weights:previous"
+SERVED_KEY = "rq:weights:served"
+REFUSAL_PREFIX = "rq:weights:refusal:"
+REFUSAL_TTL = 24 * 3600
 PAUSE_KEY = "rq:weights:pause"
 WORKER_PREFIX = "rq:weights:worker:"
 WORKER_TTL = 6
@@ -88,37 +93,50 @@ class WeightStore:
         return WeightTarget.from_hash(self.redis.hgetall(TARGET_KEY))
 
     def set_target(self, *, version: str, model_path: str, mode: str) -> WeightTarget:
-        """Make this the fleet's target (keeping the one before as ``previous``)."""
+        """Make this the fleet's target."""
         new = WeightTarget(secrets.token_hex(8), version, model_path, mode, time.time())
-
-        def swap(pipe: redis.client.Pipeline) -> None:
-            current = pipe.hgetall(TARGET_KEY)
-            pipe.multi()
-            pipe.delete(PREVIOUS_KEY)
-            if current:
-                pipe.hset(PREVIOUS_KEY, mapping=current)
-            pipe.delete(TARGET_KEY)
-            pipe.hset(TARGET_KEY, mapping=new.to_hash())
-
-        self.redis.transaction(swap, TARGET_KEY)
+        pipe = self.redis.pipeline()  # MULTI: no reader sees half a target
+        pipe.delete(TARGET_KEY)
+        pipe.hset(TARGET_KEY, mapping=new.to_hash())
+        pipe.execute()
         return new
 
-    def restore_previous(self, replaced_id: str) -> bool:
-        """Put the previous target back, if ``replaced_id`` is still the target (nobody set a newer one)."""
+    def mark_served(self, target: WeightTarget) -> None:
+        """``target`` loaded and serves on some worker: what a refused newer one is put back to."""
+        pipe = self.redis.pipeline()
+        pipe.delete(SERVED_KEY)
+        pipe.hset(SERVED_KEY, mapping=target.to_hash())
+        pipe.execute()
+
+    def put_back(self, refused_id: str, refusals: list[WorkerWeights] = ()) -> bool:
+        """Make the last served target the fleet's again, if ``refused_id`` is still the target
+        (nobody set a newer one); no target at all when none was ever served (the start-up weights).
+        The workers' ``refusals`` are kept for the update call to report (:meth:`refusals`)."""
 
         def restore(pipe: redis.client.Pipeline) -> bool:
             current = WeightTarget.from_hash(pipe.hgetall(TARGET_KEY))
-            if current is None or current.id != replaced_id:
+            if current is None or current.id != refused_id:
                 return False
-            previous = pipe.hgetall(PREVIOUS_KEY)
+            served = pipe.hgetall(SERVED_KEY)
             pipe.multi()
             pipe.delete(TARGET_KEY)
-            if previous:
-                pipe.hset(TARGET_KEY, mapping=previous)
-            pipe.delete(PREVIOUS_KEY)
+            if served:
+                pipe.hset(TARGET_KEY, mapping=served)
+            pipe.set(REFUSAL_PREFIX + refused_id, json.dumps([asdict(w) for w in refusals]), ex=REFUSAL_TTL)
             return True
 
         return bool(self.redis.transaction(restore, TARGET_KEY, value_from_callable=True))
+
+    def refusals(self, target_id: str) -> list[WorkerWeights] | None:
+        """The workers' refusals of a target that was put back; None when it was not."""
+        raw = self.redis.get(REFUSAL_PREFIX + target_id)
+        return None if raw is None else [WorkerWeights(**record) for record in json.loads(raw)]
+
+    def refused_everywhere(self, target_id: str) -> list[WorkerWeights] | None:
+        """Every live worker's record when each reports ``target_id`` failed (at least one); else None."""
+        workers = self.workers()
+        refused = bool(workers) and all(w.target_id == target_id and w.state == "failed" for w in workers)
+        return workers if refused else None
 
     def pause(self, mode: str) -> None:
         self.redis.set(PAUSE_KEY, json.dumps({"mode": mode, "at": time.time()}))

@@ -156,3 +156,50 @@ def test_the_update_call_answers_once_every_live_worker_serves(store, root, demo
     finally:
         for sync in syncs:
             sync.stop()
+
+
+def test_a_refused_target_goes_back_by_the_workers_reports_even_when_the_call_stopped_waiting(store, root,
+                                                                                             demo_model_dir):
+    """``timeout_s: 0`` (or an API that died while waiting) left the bad target in place, and every
+    worker refused it and took no work until another update: the fleet halted."""
+    from workers.weight_updates import WeightsNotLoadedError
+
+    syncs = [_sync(store, Engine(load_model(str(demo_model_dir), device="cpu")), root, name=f"w{i}") for i in (1, 2)]
+    for sync in syncs:
+        sync.start()
+    try:
+        update_weights(store, version="step-1", model_path=str(root / "step-1"), mode="finish", timeout=30)
+        # The call does not wait for the refusal (or sees it, if the workers were that quick).
+        with pytest.raises((WeightsNotLoadedError, WeightsRefusedError)):
+            update_weights(store, version="broken", model_path=str(root / "bad"), mode="finish", timeout=0)
+        _wait(lambda: store.target().version == "step-1")  # put back by the workers themselves
+        _wait(lambda: all(s.may_serve for s in syncs))
+        assert all(s.engine.weight_version == "step-1" for s in syncs)
+
+        # Two refused updates in a row (the second set before the first was put back): each put-back
+        # only replaces its own target, and the served one is what stays.
+        first = store.set_target(version="broken-1", model_path=str(root / "bad"), mode="finish")
+        second = store.set_target(version="broken-2", model_path=str(root / "bad"), mode="finish")
+        assert not store.put_back(first.id)  # no longer the target: nothing to put back
+        _wait(lambda: store.target().version == "step-1")
+        assert store.target().id not in (first.id, second.id)
+        _wait(lambda: all(s.may_serve for s in syncs))
+    finally:
+        for sync in syncs:
+            sync.stop()
+
+
+def test_a_superseded_update_call_answers_at_once_with_a_409(store, root):
+    """It waited its full timeout although the fleet had moved on to a newer target."""
+    from workers.weight_updates import WeightsSupersededError
+    from workers.weights_store import WorkerWeights
+
+    # A worker still loading (played by the test, as its record says while a large checkpoint loads).
+    store.report(WorkerWeights(worker="w1", node="n1", state="loading", version="base", target_id=None))
+    threading.Timer(0.3, lambda: store.set_target(version="step-2", model_path=str(root / "step-2"),
+                                                  mode="finish")).start()
+    started = time.monotonic()
+    with pytest.raises(WeightsSupersededError) as caught:
+        update_weights(store, version="step-1", model_path=str(root / "step-1"), mode="finish", timeout=30)
+    assert caught.value.http_status == 409 and time.monotonic() - started < 5
+    assert caught.value.errors["target"]["version"] == "step-2"
