@@ -1,6 +1,6 @@
 """Engine benchmarks on the tiny demo model: batched vs one-at-a-time generation, and scoring.
 
-§7 figure: "GPU worker throughput, batched / one at a time (16 concurrent jobs)", goal >= 5,
+Goal (bench/README.md): "GPU worker throughput, batched / one at a time (16 concurrent jobs)", goal >= 5,
 measured here in-process: 16 mixed requests (text and image prompts, greedy and seeded
 sampling, 64 new tokens each, ignore_eos so every request does the same work) in one
 ``Engine.generate`` call vs 16 calls. :func:`score_in_process` is the in-process scoring loop

@@ -1,4 +1,4 @@
-"""Preprocessing of a repeated video and a repeated audio clip: cache hit / miss (§7 goal: <= 0.1).
+"""Preprocessing of a repeated video and a repeated audio clip: cache hit / miss (goal: <= 0.1).
 
 Each figure is the median time of ``processors.pipeline.preprocess`` (fetch of a data: URL,
 decode, model processor, finalize with the node-local ``shm`` transport) on the demo model

@@ -1,4 +1,4 @@
-"""Preprocessing of a repeated image: cache hit / cache miss (§7 goal: <= 0.1), side by side.
+"""Preprocessing of a repeated image: cache hit / cache miss (goal: <= 0.1), side by side.
 
 Each figure is the median time of ``processors.pipeline.preprocess`` (fetch, decode, image
 processor, finalize with the node-local ``shm`` transport) for one image of 448x448 and of

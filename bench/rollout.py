@@ -1,6 +1,6 @@
 """A GRPO-shaped rollout through the service vs a hand-rolled static ``generate`` loop in-process.
 
-§7 figures: "GRPO-shaped rollout: service / hand-rolled in-process static generate batches"
+Goals (bench/README.md): "GRPO-shaped rollout: service / hand-rolled in-process static generate batches"
 (goal >= 2.0), "prefill tokens computed / distinct prompt tokens" (<= 1.1) and "vision-encoder
 calls / distinct images" after a second epoch (= 1).
 

@@ -1,4 +1,4 @@
-"""Every benchmark in one run: the DESIGN §7 table plus submit throughput, in a few minutes on 2 cores.
+"""Every benchmark in one run: the goals table of bench/README.md plus submit throughput, in a few minutes on 2 cores.
 
 Each module runs in its own interpreter (``python -m bench.run_all --module NAME`` prints its rows
 as JSON), one after the other, so none inherits another's threads, torch settings or Redis; a
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "latest.md"
-# In DESIGN §7 order: the service module carries the end-to-end, latency and bulk-scoring figures.
+# In the order of bench/README.md's table: the service module carries the end-to-end, latency and bulk-scoring figures.
 MODULES = ("service", "preprocess_cache", "media_cache", "transport", "generation_batching", "rollout",
            "streaming", "batch_submit", "weights")
 MODULE_TIMEOUT_S = 600

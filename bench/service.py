@@ -1,4 +1,4 @@
-"""Service-level figures of DESIGN §7, side by side in one run on the tiny demo model.
+"""Service-level figures of bench/README.md, side by side in one run on the tiny demo model.
 
 One real stack: an embedded Redis, the CPU, GPU and batches workers as subprocesses (started with
 ``python -m web.cli worker KIND``, as a deployment runs them) and the API in this process (Flask
@@ -328,7 +328,7 @@ def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int
             service.start_workers()
             engine = Engine(load_model(str(model_dir), device="cpu"))
             service.wait_ready()
-            # Warm up both sides: the first task after a worker starts is slow (DESIGN §8).
+            # Warm up both sides: the first task after a worker starts is slow (docs/architecture.md).
             for job_id in [service.submit(job_body(i)) for i in range(BATCH)]:
                 service.result(job_id)
             engine.generate([engine_request(i) for i in range(BATCH)])

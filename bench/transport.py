@@ -1,4 +1,4 @@
-"""Feature transport on one node: a handle through Redis vs the bytes through Redis (DESIGN §7).
+"""Feature transport on one node: a handle through Redis vs the bytes through Redis (bench/README.md).
 
 Two unrelated processes (a producer and a consumer, each its own interpreter) and a real
 redis-server. For each size, side by side in one run:

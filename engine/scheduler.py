@@ -2,7 +2,7 @@
 and leave the moment they finish.
 
 Why by hand: transformers' own continuous batching (``generate_batch``, ``init_continuous_batching``)
-takes token ids only and drops ``pixel_values`` (transformers#43386, DESIGN §8), so it cannot serve
+takes token ids only and drops ``pixel_values`` (transformers#43386; docs/architecture.md), so it cannot serve
 a multimodal request. What this module uses of transformers: the model's forward with its own
 mask building from a 2-D ``attention_mask``, its ``DynamicCache`` (rows dropped with
 ``batch_select_indices``), its position handling (``_prepare_position_ids_for_generation``, which

@@ -1,6 +1,6 @@
 """Feature transport within a node: how finalized items' tensors reach the GPU worker.
 
-The finalize step wraps each feature tensor, last (DESIGN §3); the wrapped feature is an opaque
+The finalize step wraps each feature tensor, last (docs/architecture.md, "Finalize wraps last"); the wrapped feature is an opaque
 :class:`WrappedFeature` whose JSON-safe ``handle`` travels with the Celery task. The GPU worker
 opens handles with :func:`open_feature` and acknowledges them with :func:`acknowledge`.
 

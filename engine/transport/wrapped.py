@@ -1,6 +1,6 @@
 """The opaque stand-in for a feature tensor after the transport wrap.
 
-Wrapping is the last step of finalizing an item (DESIGN §3): after it nothing may index, slice,
+Wrapping is the last step of finalizing an item (docs/architecture.md, "Finalize wraps last"): after it nothing may index, slice,
 reshape or compute on the feature. A wrapped feature therefore refuses every tensor operation
 with :class:`WrappedFeatureAccessError` instead of failing later in a confusing way; only its
 metadata (kind, dtype, shape, nbytes) and its JSON-safe handle are readable.

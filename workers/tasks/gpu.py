@@ -4,7 +4,7 @@ Batching: :class:`workers.gpu_batching.GenerateBatches` hands this task the ``ro
 messages the worker has reserved, and the task runs a :class:`workers.gpu_session.GenerateSession`
 in the worker's single pool thread: jobs join the engine's running batch between decode steps and
 leave as they end, and the session takes more messages while it runs. transformers' continuous
-batching cannot serve this path (it drops ``pixel_values``, DESIGN §8): the scheduler is ours
+batching cannot serve this path (it drops ``pixel_values``, docs/architecture.md): the scheduler is ours
 (``engine/scheduler.py``).
 
 Time limit: Celery enforces none here (celery-batches hands the batch to the pool without one, and

@@ -1,7 +1,7 @@
 """Scoring batch lines directly: a chunk of plain-token score lines in one GPU task.
 
 A score line of plain token ids needs no processor, and a job record plus two Celery messages per
-line cost the service more than the scoring itself (DESIGN §7's bulk-scoring figure). Such lines
+line cost the service more than the scoring itself (the bulk-scoring figure of bench/README.md). Such lines
 are scored here, ``ROLLOUT_GPU_BATCH_SIZE`` rows per forward pass, and recorded straight into the
 batch's results. Other lines (media, generation) still run as jobs.
 """
