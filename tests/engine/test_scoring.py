@@ -52,7 +52,7 @@ def test_a_row_scores_the_same_alone_and_in_a_batch(engine, prompts):
 
 
 def test_completion_mm_token_type_ids_are_text_and_placeholder_ids_are_refused(engine, prompts):
-    # §8: transformers 5.x Qwen-VL needs mm_token_type_ids over the appended completion too
+    # transformers 5.x Qwen-VL needs mm_token_type_ids over the appended completion too
     # (0: text); a placeholder id in a completion would be taken for a media slot, so it is refused.
     from engine.batch_inputs import Row, collate
 
