@@ -100,4 +100,23 @@ class ApiServer(BaseApplication):
     def load(self):
         from web.app import create_app
 
-        return create_app(self.settings, self.redis_url)
+        return closing_after_413(create_app(self.settings, self.redis_url))
+
+
+def closing_after_413(app):
+    """A 413 leaves the rest of the body unread, so the connection cannot carry another request:
+    the reply says ``Connection: close`` and gunicorn closes it. gunicorn drops an application's
+    own Connection header (hop-by-hop); its response's ``force_close`` is the way, and the
+    ``start_response`` it hands the application is bound to that response."""
+
+    def wsgi(environ, start_response):
+        def start(status, headers, exc_info=None):
+            if status.startswith("413"):
+                response = getattr(start_response, "__self__", None)
+                if hasattr(response, "force_close"):
+                    response.force_close()
+            return start_response(status, headers, exc_info)
+
+        return app(environ, start)
+
+    return wsgi

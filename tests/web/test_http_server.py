@@ -75,6 +75,9 @@ def test_a_chunked_json_body_over_the_limit_is_413(api_url, path):
                              headers={**auth(), "Content-Type": "application/json"}, timeout=30)
     assert response.status_code == 413, response.text
     assert response.json()["code"] == "payload_too_large"
+    # The rest of the body is unread: the connection cannot carry another request, and says so
+    # (it answered keep-alive, then dropped the client's next request).
+    assert response.headers["Connection"] == "close"
 
 
 def test_a_chunked_json_body_within_the_limit_is_taken(api_url):
