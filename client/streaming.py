@@ -5,7 +5,8 @@ needs only ``requests``, and the format is a handful of line rules (the HTML spe
 interpretation": ``data``/``event``/``id`` fields, ``:`` comments, a blank line ends a message).
 
 :class:`JobStream` iterates the events as dicts ``{"event", "id", "data"}``, reconnects with
-``Last-Event-ID`` when the connection drops (the job is durable; the stream is a view of it), and
+``Last-Event-ID`` when the connection drops or the server says ``interrupted`` (the job is
+durable; the stream is a view of it), and
 keeps each choice's tokens and text so far. A ``restart`` event (the job's GPU worker died and the
 job runs again from its prompt) clears them, and tokens of an older attempt are dropped, so at the
 end ``token_ids`` equal the result's.
@@ -71,6 +72,8 @@ class JobStream:
                         failures = 0
                         if message["id"]:
                             self.last_event_id = message["id"]
+                        if message["event"] == "interrupted":  # the server lost Redis for long: resume
+                            raise ConnectionFailedError(f"the events of {self.job_id} were interrupted")
                         if self._take(message):
                             yield message
                         if message["event"] in ("result", "error"):

@@ -119,7 +119,8 @@ def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
     for a failed job, ``error``. A dead attempt's late tokens are left out (see job_events)."""
     attempts = AttemptFilter()
     try:
-        for item in follow(svc.events, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds):
+        for item in follow(svc.events, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds,
+                           outage_s=svc.settings.stream_outage_seconds):
             if isinstance(item, KeepAlive):
                 yield KEEPALIVE
                 continue
@@ -137,7 +138,10 @@ def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
     except RolloutError as error:
         yield sse(error.to_dict(), event="error")
     except redis.RedisError:
-        yield sse({"code": "service_unavailable", "message": "the job store is unavailable"}, event="error")
+        # Redis away past ROLLOUT_STREAM_OUTAGE_SECONDS: the stream ends, the job does not (an
+        # ``error`` event would say it failed). The client resumes with the last id it read.
+        yield sse({"code": "stream_interrupted", "message": "the job store is unavailable; resume with "
+                   "Last-Event-ID", "job_id": job_id, "retryable": True}, event="interrupted")
     except GeneratorExit:
         raise
     except Exception:

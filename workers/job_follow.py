@@ -8,9 +8,12 @@ stream keeps to deliver each token once across a redo (see ``workers/job_events.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from engine.choice import Choice
 from engine.errors import RolloutError
@@ -45,34 +48,60 @@ class Ended:
 
 
 def follow(events: JobEvents, jobs: JobStore, positions: dict[str, str], *,
-           keepalive: float) -> Iterator[tuple[str, JobEvent | Ended] | KeepAlive]:
+           keepalive: float, outage_s: float = 0.0) -> Iterator[tuple[str, JobEvent | Ended] | KeepAlive]:
     """Events of the jobs in ``positions`` (job id -> last entry id seen, ``"0"`` for all), each
-    job's ``Ended`` after its terminal status, until every job ended."""
+    job's ``Ended`` after its terminal status, until every job ended.
+
+    Redis away for less than ``outage_s`` seconds (a blip, a failover) is ridden out: keep-alives
+    while it is away, then the events from where the stream was, none lost or twice (a read that
+    fails halfway moves no position). A longer outage raises its RedisError."""
     positions = dict(positions)
     block_ms = max(1, int(keepalive * 1000))
+    down_since: float | None = None
     while positions:
-        batch = events.read(positions, block_ms=block_ms)
-        if not batch:
+        try:
+            items, moved = _next_items(events, jobs, positions, block_ms)
+        except redis.RedisError:
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= outage_s:
+                raise
             yield KeepAlive()
-            # A job whose record ended while its stream says nothing (the stream trimmed, expired,
-            # or the job was ended by a path that predates streams): read once more, then end it.
-            for job, job_id in zip(jobs.get_many(list(positions)), list(positions), strict=True):
-                if job is not None and job["status"] in TERMINAL:
-                    for _, event in events.read({job_id: positions[job_id]}, block_ms=None):
-                        positions[job_id] = event.id
-                        yield job_id, event
-                    positions.pop(job_id)
-                    yield job_id, Ended(job)
+            time.sleep(min(0.5, keepalive))
             continue
-        for job_id, event in batch:
-            if job_id not in positions:
-                continue
-            positions[job_id] = event.id
-            yield job_id, event
-            if event.type == "status" and event.data.get("status") in TERMINAL:
+        down_since = None
+        positions = moved
+        yield from items
+
+
+def _next_items(events: JobEvents, jobs: JobStore, positions: dict[str, str], block_ms: int):
+    """One read's items and the positions after them (``positions`` itself is left as it was, so a
+    read that fails halfway is read again whole)."""
+    positions = dict(positions)
+    items: list = []
+    batch = events.read(positions, block_ms=block_ms)
+    if not batch:
+        items.append(KeepAlive())
+        # A job whose record ended while its stream says nothing (the stream trimmed, expired,
+        # or the job was ended by a path that predates streams): read once more, then end it.
+        for job, job_id in zip(jobs.get_many(list(positions)), list(positions), strict=True):
+            if job is not None and job["status"] in TERMINAL:
+                for _, event in events.read({job_id: positions[job_id]}, block_ms=None):
+                    positions[job_id] = event.id
+                    items.append((job_id, event))
                 positions.pop(job_id)
-                job = jobs.get_many([job_id])[0]
-                yield job_id, Ended(job if job is not None else {"id": job_id, "status": event.data["status"]})
+                items.append((job_id, Ended(job)))
+        return items, positions
+    for job_id, event in batch:
+        if job_id not in positions:
+            continue
+        positions[job_id] = event.id
+        items.append((job_id, event))
+        if event.type == "status" and event.data.get("status") in TERMINAL:
+            positions.pop(job_id)
+            job = jobs.get_many([job_id])[0]
+            items.append((job_id, Ended(job if job is not None else {"id": job_id, "status": event.data["status"]})))
+    return items, positions
 
 
 class AttemptFilter:

@@ -73,6 +73,9 @@ class Settings:
     stream_write_timeout: float = 30.0
     stream_keepalive_seconds: float = 5.0
     stream_events_maxlen: int = 20_000
+    # A stream rides out Redis away for less than this (keep-alives meanwhile, then on from where
+    # it was); past it a native stream ends with ``event: interrupted`` and the client resumes.
+    stream_outage_seconds: float = 30.0
     # The GPU session writes a job's new tokens at most this often (a first token and a job's end
     # at once): faster decode steps share one entry. 0: every step.
     stream_flush_ms: float = 10.0
@@ -185,6 +188,7 @@ _RANGES = {
     # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
     "stream_keepalive_seconds": (0.05, 8),
     "stream_events_maxlen": (100, 10**8),
+    "stream_outage_seconds": (0, 3600),
     "stream_flush_ms": (0, 10_000),
     "weights_update_timeout": (0, 3600),
     "task_soft_time_limit": (1, 10**6),

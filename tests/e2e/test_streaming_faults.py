@@ -1,7 +1,8 @@
-"""Streams across a kill -9 of the GPU worker mid-job: the job is redone from its prompt (attempt 2),
-the native events say ``restart`` and the client drops the void attempt, and a dialect stream
-continues where the redo provably equals what it sent; either way the streamed tokens equal the
-final result's, in order, none twice."""
+"""Streams across faults: a kill -9 of the GPU worker mid-job (the job is redone from its prompt,
+attempt 2; the native events say ``restart`` and the client drops the void attempt; a dialect
+stream continues where the redo provably equals what it sent), and a Redis blip under open streams
+(ridden out, then on from where they were). Either way the streamed tokens equal the final
+result's, in order, none twice."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 8, 7, 6
 
 
 @pytest.fixture(scope="module")
-def killable(demo_model_dir, loopback_host, tmp_path_factory):
-    server = EmbeddedRedis(tmp_path_factory.mktemp("stream-fault-redis"), port=free_port()).start()
+def redis_server(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("stream-fault-redis"), port=free_port(), persistent=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def killable(redis_server, demo_model_dir, loopback_host, tmp_path_factory):
+    server = redis_server
     env = make_stack_env(redis_url=server.url, model_dir=demo_model_dir, loopback=loopback_host,
                          state_dir=tmp_path_factory.mktemp("stream-fault-state"), node_id="stream-faults",
                          ROLLOUT_VISIBILITY_TIMEOUT=str(VISIBILITY_S), ROLLOUT_TASK_TIME_LIMIT=str(HARD_LIMIT_S),
@@ -33,7 +41,7 @@ def killable(demo_model_dir, loopback_host, tmp_path_factory):
                          workers=("gpu",)) as stack:
             yield stack
     finally:
-        server.stop()
+        pass  # the server is the module's (redis_server)
 
 
 def test_streams_survive_a_gpu_worker_killed_mid_job(killable):
@@ -85,3 +93,79 @@ def test_streams_survive_a_gpu_worker_killed_mid_job(killable):
     # The native stream said restart, and the client's tokens are the result's.
     assert "restart" in native["events"] and native["events"][-1] == "result"
     assert native["token_ids"] == final
+
+
+def test_streams_ride_out_a_redis_blip(killable, redis_server):
+    """A one-second Redis outage ended live streams with ``service_unavailable`` (which reads as a
+    failed job); now the native and the SGLang stream wait it out and go on where they were."""
+    stack = killable
+    body = {"input_ids": [121, 140, 150], "stream": True,
+            "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
+    with serve(stack, stream_keepalive_seconds=0.2) as (url, _):
+        chunks: list[dict] = []
+        native: dict = {}
+
+        def read_dialect():
+            with requests.post(f"{url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
+                               stream=True, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith(b"data:") and line != b"data: [DONE]":
+                        chunks.append(json.loads(line[5:]))
+
+        def read_native(job_id):
+            with RolloutClient(url, API_KEY) as client:
+                stream = client.stream(job_id)
+                native["events"] = [event["event"] for event in stream]
+                native["token_ids"] = stream.token_ids[0]
+
+        dialect = threading.Thread(target=read_dialect)
+        dialect.start()
+        deadline = time.monotonic() + 60
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert chunks, "no first chunk"
+        job_id = chunks[0]["meta_info"]["job_id"]
+        follower = threading.Thread(target=read_native, args=(job_id,))
+        follower.start()
+        time.sleep(0.2)
+        redis_server.stop()
+        time.sleep(1.0)
+        redis_server.start()  # same port, same append-only file
+        dialect.join(120)
+        follower.join(120)
+    job = stack.wait(job_id, timeout=60)
+    assert job["status"] == "succeeded", job
+    final = job["result"]["choices"][0]["token_ids"]
+    assert all("error" not in chunk for chunk in chunks), [c for c in chunks if "error" in c][:1]
+    assert chunks[-1]["output_ids"] == final
+    assert native["events"][-1] == "result" and "error" not in native["events"]
+    assert native["token_ids"] == final
+
+
+def test_past_the_outage_bound_the_native_stream_says_interrupted_and_the_client_resumes(killable, redis_server):
+    stack = killable
+    job = stack.submit({"token_ids": [122, 140, 150],
+                        "sampling_params": {"max_tokens": 900, "temperature": 0, "ignore_eos": True}})
+    with serve(stack, stream_keepalive_seconds=0.2, stream_outage_seconds=0) as (url, _):
+        seen: list[str] = []
+        native: dict = {}
+
+        def read_native():
+            with RolloutClient(url, API_KEY) as client:
+                stream = client.stream(job["id"])
+                for event in stream:
+                    seen.append(event["event"])
+                native["token_ids"] = stream.token_ids[0]
+
+        follower = threading.Thread(target=read_native)
+        follower.start()
+        deadline = time.monotonic() + 60
+        while "tokens" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        redis_server.stop()
+        time.sleep(1.0)
+        redis_server.start()
+        follower.join(120)
+    done = stack.wait(job["id"], timeout=60)
+    assert done["status"] == "succeeded"
+    assert seen[-1] == "result" and native["token_ids"] == done["result"]["choices"][0]["token_ids"]
