@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, pre_load
+from marshmallow import Schema, ValidationError, fields, pre_load, validate
 
-from web.schemas import TokenIds
+from web.schemas import StrictBoolean, TokenIds
 
 
 class OneOrMany(fields.Field):
@@ -49,3 +49,13 @@ def refuse_non_default(body: dict[str, Any], defaults: dict[str, tuple], where: 
            for name, allowed in defaults.items() if name in body and body[name] not in allowed}
     if bad:
         raise ValidationError(bad)
+
+
+class StreamOptionsSchema(Schema):
+    """OpenAI's ``stream_options``: ``include_usage`` is honoured (a last chunk with the usage);
+    vLLM's ``continuous_usage_stats`` only off; any other key is a 422 (marshmallow refuses unknown
+    fields), never dropped."""
+
+    include_usage = StrictBoolean(allow_none=True)
+    continuous_usage_stats = StrictBoolean(allow_none=True, validate=validate.OneOf(
+        [False], error="not supported here: usage comes in the last chunk (include_usage)"))

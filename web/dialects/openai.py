@@ -29,7 +29,13 @@ from web.dialects.common import (
     tokenizer,
     vocab_size,
 )
-from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
+from web.dialects.fields import (
+    NullMeansDefault,
+    OneOrMany,
+    StreamOptionsSchema,
+    TokenIdsOrBatch,
+    refuse_non_default,
+)
 from web.dialects.sampling import native_sampling, sampling_fields
 from web.schemas import StrictBoolean
 from web.services import services
@@ -69,7 +75,7 @@ class _Common(_Knobs):
     model = fields.String(required=True, metadata={"description": "The served model (GET /v1/models)"})
     max_tokens = fields.Integer(strict=True)
     stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
-    stream_options = fields.Dict()
+    stream_options = fields.Nested(StreamOptionsSchema)
     user = fields.String(metadata={"description": "An end-user id; recorded nowhere"})
     return_token_ids = StrictBoolean()
     return_tokens_as_token_ids = StrictBoolean()
@@ -126,6 +132,8 @@ class ChatCompletionRequestSchema(_Common):
     def one_limit(self, data: dict, **_) -> None:
         if "max_tokens" in data and "max_completion_tokens" in data:
             raise ValidationError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        if data.get("top_logprobs") and not data.get("logprobs"):  # as OpenAI: it would be dropped
+            raise ValidationError("top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def prompts_of(prompt: Any) -> tuple[list, bool]:
@@ -278,6 +286,9 @@ def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
             raise _bad(f"messages[{i}].role", "must be a string")
+        for name in ("audio", "refusal"):  # an assistant's audio reply or refusal: not served, never dropped
+            if message.get(name) is not None:
+                raise _bad(f"messages[{i}].{name}", "not supported here")
         converted: dict[str, Any] = {k: v for k, v in message.items() if k in ("role", "name", "tool_calls",
                                                                                  "tool_call_id")}
         if content is None or isinstance(content, str):

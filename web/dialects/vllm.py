@@ -23,7 +23,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from engine.choice import Choice
 from engine.request_rules import prompt_input_problem
 from web.dialects.common import TokenTexts, native_request, prompt_logprobs_of, vocab_size
-from web.dialects.fields import NullMeansDefault, refuse_non_default
+from web.dialects.fields import NullMeansDefault, StreamOptionsSchema, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
 from web.schemas import ContentPartSchema, StrictBoolean, TokenIds
@@ -68,7 +68,8 @@ class FeaturesSchema(NullMeansDefault):
     content_parts = fields.List(fields.Nested(ContentPartSchema), required=True, validate=validate.Length(max=1024))
     mm_placeholders = fields.Dict()
     mm_hashes = fields.Dict()
-    kwargs_data = fields.Raw()
+    kwargs_data = fields.Raw(validate=validate.Equal(None, error="must be null: processed tensors do not "
+                                                     "travel through clients (send content_parts)"))
 
 
 class GenerateRequestSchema(NullMeansDefault):
@@ -79,7 +80,7 @@ class GenerateRequestSchema(NullMeansDefault):
     sampling_params = fields.Nested(VllmSamplingParamsSchema, required=True)
     model = fields.String()
     stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
-    stream_options = fields.Dict()
+    stream_options = fields.Nested(StreamOptionsSchema)
     cache_salt = fields.String(metadata={"description": "Accepted: no prompt cache is shared between keys"})
     priority = fields.Integer(strict=True)
     kv_transfer_params = fields.Raw()
