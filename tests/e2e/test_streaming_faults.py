@@ -31,17 +31,53 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killable(redis_server, demo_model_dir, loopback_host, tmp_path_factory):
-    server = redis_server
+    server = redis_server  # the module's: the blip tests stop and start it
     env = make_stack_env(redis_url=server.url, model_dir=demo_model_dir, loopback=loopback_host,
                          state_dir=tmp_path_factory.mktemp("stream-fault-state"), node_id="stream-faults",
                          ROLLOUT_VISIBILITY_TIMEOUT=str(VISIBILITY_S), ROLLOUT_TASK_TIME_LIMIT=str(HARD_LIMIT_S),
                          ROLLOUT_TASK_SOFT_TIME_LIMIT=str(SOFT_LIMIT_S))
-    try:
-        with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "stream-faults"),
-                         workers=("gpu",)) as stack:
-            yield stack
-    finally:
-        pass  # the server is the module's (redis_server)
+    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "stream-faults"), workers=("gpu",)) as stack:
+        yield stack
+
+
+class OpenStreams:
+    """An SGLang stream of ``body`` and, once its first chunk names the job, the native stream of
+    that job through the bundled client, each read on its own thread."""
+
+    def __init__(self, url: str, body: dict):
+        self.url, self.body = url, body
+        self.chunks: list[dict] = []
+        self.native: dict = {}
+        self._dialect = threading.Thread(target=self._read_dialect)
+        self._follower: threading.Thread | None = None
+
+    def start(self) -> str:
+        self._dialect.start()
+        deadline = time.monotonic() + 60
+        while not self.chunks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert self.chunks, "no first chunk"
+        job_id = self.chunks[0]["meta_info"]["job_id"]
+        self._follower = threading.Thread(target=self._read_native, args=(job_id,))
+        self._follower.start()
+        return job_id
+
+    def join(self) -> None:
+        self._dialect.join(120)
+        self._follower.join(120)
+
+    def _read_dialect(self) -> None:
+        with requests.post(f"{self.url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=self.body,
+                           stream=True, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data:") and line != b"data: [DONE]":
+                    self.chunks.append(json.loads(line[5:]))
+
+    def _read_native(self, job_id: str) -> None:
+        with RolloutClient(self.url, API_KEY) as client:
+            stream = client.stream(job_id)
+            self.native["events"] = [event["event"] for event in stream]
+            self.native["token_ids"] = stream.token_ids[0]
 
 
 def test_streams_survive_a_gpu_worker_killed_mid_job(killable):
@@ -49,37 +85,14 @@ def test_streams_survive_a_gpu_worker_killed_mid_job(killable):
     body = {"input_ids": [120, 140, 150], "stream": True,
             "sampling_params": {"max_new_tokens": 700, "temperature": 0, "ignore_eos": True}}
     with serve(stack, stream_keepalive_seconds=0.2) as (url, _):
-        chunks: list[dict] = []
-        native: dict = {}
-
-        def read_dialect():
-            with requests.post(f"{url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
-                               stream=True, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith(b"data:") and line != b"data: [DONE]":
-                        chunks.append(json.loads(line[5:]))
-
-        def read_native(job_id):
-            with RolloutClient(url, API_KEY) as client:
-                stream = client.stream(job_id)
-                native["events"] = [event["event"] for event in stream]
-                native["token_ids"] = stream.token_ids[0]
-
-        dialect = threading.Thread(target=read_dialect)
-        dialect.start()
-        deadline = time.monotonic() + 60
-        while not chunks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert chunks, "no first chunk"
-        job_id = chunks[0]["meta_info"]["job_id"]
-        follower = threading.Thread(target=read_native, args=(job_id,))
-        follower.start()
+        streams = OpenStreams(url, body)
+        job_id = streams.start()
+        chunks, native = streams.chunks, streams.native
         assert stack.services.redis.llen(SHARED_GENERATE_QUEUE) == 0
         stack.kill("gpu")  # kill -9 mid-job: its message is unacknowledged and comes back
         sent_before_kill = len(chunks[-1]["output_ids"])
         stack.start("gpu")
-        dialect.join(120)
-        follower.join(120)
+        streams.join()
     job = stack.wait(job_id, timeout=60)
     assert job["status"] == "succeeded", job
     final = job["result"]["choices"][0]["token_ids"]
@@ -102,37 +115,14 @@ def test_streams_ride_out_a_redis_blip(killable, redis_server):
     body = {"input_ids": [121, 140, 150], "stream": True,
             "sampling_params": {"max_new_tokens": 900, "temperature": 0, "ignore_eos": True}}
     with serve(stack, stream_keepalive_seconds=0.2) as (url, _):
-        chunks: list[dict] = []
-        native: dict = {}
-
-        def read_dialect():
-            with requests.post(f"{url}/generate", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
-                               stream=True, timeout=120) as response:
-                for line in response.iter_lines():
-                    if line.startswith(b"data:") and line != b"data: [DONE]":
-                        chunks.append(json.loads(line[5:]))
-
-        def read_native(job_id):
-            with RolloutClient(url, API_KEY) as client:
-                stream = client.stream(job_id)
-                native["events"] = [event["event"] for event in stream]
-                native["token_ids"] = stream.token_ids[0]
-
-        dialect = threading.Thread(target=read_dialect)
-        dialect.start()
-        deadline = time.monotonic() + 60
-        while not chunks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert chunks, "no first chunk"
-        job_id = chunks[0]["meta_info"]["job_id"]
-        follower = threading.Thread(target=read_native, args=(job_id,))
-        follower.start()
+        streams = OpenStreams(url, body)
+        job_id = streams.start()
+        chunks, native = streams.chunks, streams.native
         time.sleep(0.2)
         redis_server.stop()
         time.sleep(1.0)
         redis_server.start()  # same port, same append-only file
-        dialect.join(120)
-        follower.join(120)
+        streams.join()
     job = stack.wait(job_id, timeout=60)
     assert job["status"] == "succeeded", job
     final = job["result"]["choices"][0]["token_ids"]
