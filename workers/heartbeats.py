@@ -58,6 +58,19 @@ def statuses(client: redis.Redis, kind: str) -> list[dict]:
     return out
 
 
+def vanished(client: redis.Redis, kinds: tuple[str, ...], seen_key: str) -> set[str]:
+    """The heartbeats of ``kinds`` live at the previous call (by any process, remembered in
+    ``seen_key``) and gone now: workers that died or stopped in between."""
+    live = {key for kind in kinds for key in client.scan_iter(match=f"rq:worker:{kind}:*", count=100)}
+    pipe = client.pipeline()
+    pipe.smembers(seen_key)
+    pipe.delete(seen_key)
+    if live:
+        pipe.sadd(seen_key, *live)
+    before = pipe.execute()[0]
+    return {key.decode() for key in before - live}
+
+
 def any_alive(client: redis.Redis, kind: str) -> bool:
     """Whether some worker of ``kind`` has a live heartbeat."""
     return next(client.scan_iter(match=f"rq:worker:{kind}:*", count=100), None) is not None

@@ -98,9 +98,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         if kind in ("cpu", "gpu"):
             from workers.held_messages import start_held_message_sweep
-            from workers.job_reaper import start_reaper
+            from workers.job_reaper import start_after_death_reaper, start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
+            start_after_death_reaper(rt)  # ... looked for at once when a worker dies
             start_held_message_sweep(rt)  # messages a dead GPU worker held, back at once
         if kind == "batches":
             from workers.batch_reaper import start_batch_reaper

@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
-from workers.job_reaper import JobReaper
+from workers.job_reaper import AFTER_DEATH_SWEEPS, AfterDeathReaper, JobReaper
 from workers.job_request import JobRequest
 from workers.job_store import UNFINISHED_KEY
 from workers.names import (
@@ -156,3 +156,32 @@ def test_a_long_carried_backlog_is_worked_through_in_turns(rt, reaper, monkeypat
     assert reaper.sweep() == []  # now the lost one is among the oldest: a suspect
     assert reaper.sweep() == [lost]
     assert [job_id for _, job_id, _ in queued(rt, PREPROCESS_QUEUE)] == [*carried, lost]
+
+
+def test_a_dead_workers_lost_message_is_sent_again_within_two_sweeps_of_its_heartbeat_going(rt):
+    after_death = AfterDeathReaper(rt)
+    rt.redis.set("rq:worker:gpu:node-1-41", "{}")
+    rt.redis.set("rq:worker:cpu:node-1-42", "{}")
+    lost = new_job(rt)  # what the worker popped and never recorded; just now, nowhere near stalled
+    assert after_death.sweep() == [] and after_death.sweep() == []  # every worker alive: not looked for
+    rt.redis.delete("rq:worker:gpu:node-1-41")  # killed: its heartbeat lapses
+    assert after_death.sweep() == []  # missed once: it may be between a pop and its record
+    assert after_death.sweep() == [lost]
+    assert queued(rt, PREPROCESS_QUEUE) == [(PREPROCESS_TASK, lost, {"retry_handles": False})]
+
+
+def test_the_sweeps_after_a_death_stop_after_a_few(rt):
+    after_death = AfterDeathReaper(rt)
+    rt.redis.set("rq:worker:cpu:node-1-42", "{}")
+    after_death.sweep()
+    rt.redis.delete("rq:worker:cpu:node-1-42")
+    for _ in range(AFTER_DEATH_SWEEPS):
+        after_death.sweep()
+    late = new_job(rt)  # lost after the last sweep: the stall sweep's, not these
+    assert after_death.sweep() == [] and after_death.sweep() == []
+    assert queued(rt, PREPROCESS_QUEUE) == []
+    # The next death looks again.
+    rt.redis.set("rq:worker:gpu:node-2-7", "{}")
+    after_death.sweep()
+    rt.redis.delete("rq:worker:gpu:node-2-7")
+    assert after_death.sweep() == [] and after_death.sweep() == [late]
