@@ -15,6 +15,10 @@ The checks, in order (each cheap before the next costs more):
 3. every tensor reads, converts to the dtype its parameter has (the dtype the model was loaded in)
    and is finite.
 
+4. with ``expected_digest`` (what the weight version was first loaded as): the tensors' content
+   digest (:func:`weights_digest`) equals it. A trainer that overwrites ``latest/`` in place would
+   otherwise have a restarted worker serve other weights under the same version label.
+
 Only then are the tensors copied. The copy itself cannot fail half-way on a shape or dtype (both
 were checked), and it runs under ``loaded.lock``, which every generate and score call holds.
 
@@ -27,6 +31,7 @@ model's own names. Conversions that change tensors (fused or split weights) are 
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +53,22 @@ class WeightSwap:
     bytes: int
     read_s: float
     copy_s: float
+    digest: str  # of the tensors swapped in (weights_digest)
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, by name: the same weights give the
+    same digest however the files split them."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: str,
-                 root: str | Path | None = None) -> WeightSwap:
+                 root: str | Path | None = None, expected_digest: str | None = None) -> WeightSwap:
     """Swap the weights of ``directory`` into ``loaded.model`` and set ``loaded.weight_version``.
     With ``root`` (the weights root), the directory and its files are read only as they lie under it
     (:class:`~engine.checkpoint_dir.CheckpointDir`: no symlink, regular files only).
@@ -67,6 +84,11 @@ def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: 
         headers = read_headers(checkpoint)
         plan = _plan(headers, targets)
         new = _read_tensors(checkpoint, headers, plan)
+    digest = weights_digest(new)
+    if expected_digest is not None and digest != expected_digest:
+        raise WeightsInvalidError(
+            f"{directory} no longer holds the weights version {weight_version!r} was first loaded as "
+            "(overwritten in place?)", problem="content_changed", expected_digest=expected_digest, digest=digest)
     read_s = time.perf_counter() - started
     started = time.perf_counter()
     with loaded.lock, torch.no_grad():
@@ -76,7 +98,7 @@ def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: 
         loaded.weight_version = weight_version
     return WeightSwap(weight_version=weight_version, previous_version=previous, tensors=len(new),
                       bytes=sum(t.numel() * t.element_size() for t in new.values()), read_s=read_s,
-                      copy_s=time.perf_counter() - started)
+                      copy_s=time.perf_counter() - started, digest=digest)
 
 
 def _targets_by_checkpoint_name(model) -> dict[str, torch.Tensor]:

@@ -75,6 +75,8 @@ class TargetSchema(Schema):
     model_path = fields.String()
     mode = fields.String()
     set_at = fields.Float()
+    digest = fields.String(metadata={"description": "content digest of the weights, bound by the first worker "
+                                                    "to load them; empty until then"})
 
 
 class WeightsStateSchema(Schema):
@@ -132,8 +134,8 @@ class Weights(MethodView):
         """The fleet's target weights and what each live GPU worker serves."""
         require_admin()
         store = services().weight_store
-        target, paused = store.read()
-        return {"target": asdict(target) if target else None, "paused": paused,
+        target, pause = store.read()
+        return {"target": asdict(target) if target else None, "paused": pause.mode if pause else None,
                 "workers": [asdict(w) for w in store.workers()]}
 
     @blp.arguments(WeightsUpdateSchema)
@@ -167,8 +169,7 @@ class PauseGeneration(MethodView):
         (requeued) or finish (``in_place``: a static batch cannot pause mid-way, so it finishes)."""
         require_admin()
         store = services().weight_store
-        store.pause(body["mode"])
-        workers = fleet_paused(store, PAUSE_REPORT_SECONDS)
+        workers = fleet_paused(store, store.pause(body["mode"]), PAUSE_REPORT_SECONDS)
         return {"success": True, "message": f"generation paused ({body['mode']}) on {len(workers)} GPU workers",
                 "num_paused_requests": sum(w.interrupted for w in workers)}
 

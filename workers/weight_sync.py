@@ -27,13 +27,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import redis
 
+from engine.checkpoint_dir import WeightsInvalidError
 from engine.errors import RolloutError
 from workers.weight_paths import resolve_weights_dir
-from workers.weights_store import WeightStore, WeightTarget, WorkerWeights
+from workers.weights_store import Pause, WeightStore, WeightTarget, WorkerWeights
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,13 @@ class WeightSync:
         self._changed = threading.Event()  # the watcher saw a new target or pause state
         self._known = False  # the target was read at least once
         self._target: WeightTarget | None = None
-        self._pause: str | None = None
+        self._pause: Pause | None = None
         self._served_id: str | None = None  # the target whose weights are loaded (None: the start-up model)
         self._tried_id: str | None = None  # the target last tried, loaded or not
         self._loading = False
         self._error: dict | None = None  # why the target last tried did not load
         self._interrupted = 0
-        self._interrupted_for: str | None = None  # the target (or "pause") the count belongs to
+        self._interrupted_for: str | None = None  # the target (or pause) the count belongs to
         self._stop = threading.Event()
 
     # --- used by the batch loop -------------------------------------------------------------------
@@ -122,8 +124,8 @@ class WeightSync:
 
     def interruption(self) -> str | None:
         """``"abort"`` or ``"retract"`` when rows in flight must stop now, else None."""
-        if self._pause in INTERRUPTING_MODES:
-            return self._pause
+        if self._pause is not None and self._pause.mode in INTERRUPTING_MODES:
+            return self._pause.mode
         target = self._target
         if (target is not None and target.mode in INTERRUPTING_MODES
                 and target.id not in (self._served_id, self._tried_id)):
@@ -182,7 +184,7 @@ class WeightSync:
         changed = (target.id if target else None) != (self._target.id if self._target else None) or pause != self._pause
         scope = target.id if target and target.id not in (self._served_id, self._tried_id) else None
         if pause is not None:
-            scope = "pause"
+            scope = f"pause:{pause.id}"
         if scope is not None and scope != self._interrupted_for:
             self._interrupted_for, self._interrupted = scope, 0
         self._target, self._pause = target, pause
@@ -196,7 +198,16 @@ class WeightSync:
         started = time.perf_counter()
         try:
             directory = resolve_weights_dir(target.model_path, self.weights_root)
-            self.engine.update_weights(directory, weight_version=target.version, root=self.weights_root)
+            swap = self.engine.update_weights(directory, weight_version=target.version, root=self.weights_root,
+                                              expected_digest=target.digest or None)
+            bound = target.digest or self._bind_digest(target, swap.digest)
+            if bound is not None and bound != swap.digest:
+                # Another worker loaded this target first and read other content (the directory
+                # changed between the two loads): these weights are not the version's.
+                raise WeightsInvalidError(
+                    f"{target.model_path} changed while the fleet loaded version {target.version!r}",
+                    problem="content_changed", expected_digest=bound, digest=swap.digest)
+            target = replace(target, digest=bound or swap.digest)
         except RolloutError as error:
             self._fail(target, {"code": error.code, "message": error.message, **(
                 {"errors": error.errors} if error.errors is not None else {})})
@@ -242,8 +253,15 @@ class WeightSync:
         state = self.state
         return WorkerWeights(worker=self.worker, node=self.node, state=state,
                              version=self.engine.weight_version, target_id=self._tried_id,
-                             paused=self._pause is not None, error=self._error if state == "failed" else None,
+                             paused=self._pause is not None, pause_id=self._pause.id if self._pause else None,
+                             error=self._error if state == "failed" else None,
                              interrupted=self._interrupted)
+
+    def _bind_digest(self, target: WeightTarget, digest: str) -> str | None:
+        try:
+            return self.store.bind_digest(target.id, digest)
+        except redis.RedisError:
+            return None  # Redis is away: the next worker to load the target binds it
 
     def _report(self) -> None:
         self.store.report(self.record())

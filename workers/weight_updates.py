@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import redis
 
 from engine.errors import InvalidRequestError, RolloutError
-from workers.weights_store import WeightStore, WeightTarget, WorkerWeights
+from workers.weights_store import Pause, WeightStore, WeightTarget, WorkerWeights
 
 POLL_SECONDS = 0.1
 
@@ -102,12 +102,13 @@ def wait_for_fleet(store: WeightStore, target: WeightTarget, timeout: float) -> 
         time.sleep(POLL_SECONDS)
 
 
-def fleet_paused(store: WeightStore, timeout: float) -> list[WorkerWeights]:
-    """The live workers' records once each has seen the pause, or at ``timeout``."""
+def fleet_paused(store: WeightStore, pause: Pause, timeout: float) -> list[WorkerWeights]:
+    """The live workers' records once each has seen ``pause`` (not an earlier one: its count of
+    stopped rows is this pause's), or at ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         workers = store.workers()
-        if all(w.paused for w in workers) or time.monotonic() >= deadline:
+        if all(w.pause_id == pause.id for w in workers) or time.monotonic() >= deadline:
             return workers
         time.sleep(POLL_SECONDS)
 

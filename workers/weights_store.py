@@ -14,13 +14,17 @@ dead worker drops out of the report by itself.
 Keys:
 - ``rq:weights:target``: hash ``id`` (random, new per update), ``version``, ``model_path``,
   ``mode`` (finish | abort | retract), ``set_at``. A worker compares ``id``, not ``version``: the
-  same version name set twice (a retry after a failure) is loaded again.
+  same version name set twice (a retry after a failure) is loaded again. ``digest``: empty until
+  the first worker loads it, then the content digest of what it loaded (``engine.weights.
+  weights_digest``, bound once: :meth:`WeightStore.bind_digest`); every later load of the target
+  (another worker, a restart) must read the same content or refuses it.
 - ``rq:weights:served``: the last target a worker loaded and served, put back when every live
   worker refused a newer one (a bad directory changes nothing). The workers put it back by their
   own reports (:meth:`WeightStore.put_back`), whether or not the update call still waits, and only
   over the refused target (compare-and-swap): two refused updates in a row leave the served one.
 - ``rq:weights:refusal:<target id>``: JSON, the workers' records of a target put back (a day).
-- ``rq:weights:pause``: JSON ``{"mode", "at"}`` while generation is paused.
+- ``rq:weights:pause``: JSON ``{"mode", "at", "id"}`` while generation is paused; ``id`` is new per
+  pause, so each pause's stopped rows are counted afresh and its call waits for reports of it.
 - ``rq:weights:worker:<name>``: JSON :class:`WorkerWeights`, TTL :data:`WORKER_TTL`.
 """
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import redis
 
@@ -49,12 +53,26 @@ STATES = ("starting", "loading", "serving", "failed")
 
 
 @dataclass(frozen=True)
+class Pause:
+    mode: str
+    id: str  # random, new per pause
+
+    @classmethod
+    def from_json(cls, raw: bytes | None) -> Pause | None:
+        if not raw:
+            return None
+        record = json.loads(raw)
+        return cls(record["mode"], record.get("id") or f"at-{record.get('at')}")
+
+
+@dataclass(frozen=True)
 class WeightTarget:
     id: str
     version: str
     model_path: str
     mode: str
     set_at: float
+    digest: str = ""
 
     @classmethod
     def from_hash(cls, raw: dict) -> WeightTarget | None:
@@ -63,13 +81,15 @@ class WeightTarget:
         values = {k.decode() if isinstance(k, bytes) else k: v.decode() if isinstance(v, bytes) else v
                   for k, v in raw.items()}
         try:
-            return cls(values["id"], values["version"], values["model_path"], values["mode"], float(values["set_at"]))
+            return cls(values["id"], values["version"], values["model_path"], values["mode"], float(values["set_at"]),
+                       values.get("digest", ""))
         except (KeyError, ValueError):
             return None
 
     def to_hash(self) -> dict[str, str]:
         return {"id": self.id, "version": self.version, "model_path": self.model_path, "mode": self.mode,
-                "set_at": repr(self.set_at)}
+                "set_at": repr(self.set_at),
+                "digest": self.digest}
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,7 @@ class WorkerWeights:
     version: str | None  # the weight version it serves (old weights while loading or after a failure)
     target_id: str | None  # the target it last applied or tried
     paused: bool = False
+    pause_id: str | None = None  # the pause it has seen (Pause.id)
     error: dict | None = None  # {code, message} of the last failed load
     interrupted: int = 0  # rows stopped by the last update (abort / retract) or pause
     at: float = field(default_factory=time.time)
@@ -100,6 +121,22 @@ class WeightStore:
         pipe.hset(TARGET_KEY, mapping=new.to_hash())
         pipe.execute()
         return new
+
+    def bind_digest(self, target_id: str, digest: str) -> str | None:
+        """Bind ``digest`` to target ``target_id`` unless it already has one: the digest it is bound
+        to now (the first loader's), or None when the target is no longer ``target_id``."""
+
+        def bind(pipe: redis.client.Pipeline) -> str | None:
+            current = WeightTarget.from_hash(pipe.hgetall(TARGET_KEY))
+            if current is None or current.id != target_id:
+                return None
+            if current.digest:
+                return current.digest
+            pipe.multi()
+            pipe.hset(TARGET_KEY, "digest", digest)
+            return digest
+
+        return self.redis.transaction(bind, TARGET_KEY, value_from_callable=True)
 
     def mark_served(self, target: WeightTarget) -> None:
         """``target`` loaded and serves on some worker: what a refused newer one is put back to."""
@@ -138,24 +175,26 @@ class WeightStore:
         refused = bool(workers) and all(w.target_id == target_id and w.state == "failed" for w in workers)
         return workers if refused else None
 
-    def pause(self, mode: str) -> None:
-        self.redis.set(PAUSE_KEY, json.dumps({"mode": mode, "at": time.time()}))
+    def pause(self, mode: str) -> Pause:
+        pause = Pause(mode, secrets.token_hex(8))
+        self.redis.set(PAUSE_KEY, json.dumps({"mode": mode, "at": time.time(), "id": pause.id}))
+        return pause
 
     def resume(self) -> None:
         self.redis.delete(PAUSE_KEY)
 
     def paused(self) -> str | None:
         """The pause mode while generation is paused, else None."""
-        raw = self.redis.get(PAUSE_KEY)
-        return json.loads(raw)["mode"] if raw else None
+        pause = Pause.from_json(self.redis.get(PAUSE_KEY))
+        return pause.mode if pause else None
 
-    def read(self) -> tuple[WeightTarget | None, str | None]:
-        """Target and pause mode in one round trip (what a worker's watcher reads)."""
+    def read(self) -> tuple[WeightTarget | None, Pause | None]:
+        """Target and pause in one round trip (what a worker's watcher reads)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(TARGET_KEY)
         pipe.get(PAUSE_KEY)
         raw_target, raw_pause = pipe.execute()
-        return WeightTarget.from_hash(raw_target), (json.loads(raw_pause)["mode"] if raw_pause else None)
+        return WeightTarget.from_hash(raw_target), Pause.from_json(raw_pause)
 
     def report(self, record: WorkerWeights) -> None:
         self.redis.set(WORKER_PREFIX + record.worker, json.dumps(asdict(record)), ex=WORKER_TTL)
@@ -164,7 +203,8 @@ class WeightStore:
         """Every live GPU worker's record (a dead one's expires within WORKER_TTL), by name."""
         keys = sorted(self.redis.scan_iter(match=WORKER_PREFIX + "*", count=200))
         records = []
+        known = {f.name for f in fields(WorkerWeights)}
         for raw in self.redis.mget(keys) if keys else []:
-            if raw is not None:
-                records.append(WorkerWeights(**json.loads(raw)))
+            if raw is not None:  # a worker of another release may report more fields: read ours
+                records.append(WorkerWeights(**{k: v for k, v in json.loads(raw).items() if k in known}))
         return records

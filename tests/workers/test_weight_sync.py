@@ -3,6 +3,7 @@ Redis and a real tiny model: no Celery here, the batch loop is played by the tes
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 
@@ -14,7 +15,7 @@ from engine.generation import Engine
 from engine.loading import load_model
 from tests.conftest import empty_db_url
 from workers.weight_sync import WeightSync
-from workers.weight_updates import WeightsRefusedError, update_weights
+from workers.weight_updates import WeightsRefusedError, fleet_paused, update_weights
 from workers.weights_store import WeightStore
 
 
@@ -97,6 +98,31 @@ def test_a_failed_load_keeps_the_old_weights_and_takes_no_work(store, engine, ro
     assert sync.poll() and engine.weight_version == "step-2"
 
 
+def test_a_version_is_bound_to_the_content_first_loaded_and_a_directory_overwritten_in_place_is_refused(
+        store, engine, root, demo_model_dir):
+    latest = root / "latest"
+    shutil.copytree(root / "step-1", latest, dirs_exist_ok=True)
+    first = _sync(store, engine, root)
+    target = store.set_target(version="v7", model_path=str(latest), mode="finish")
+    assert first.poll() and engine.weight_version == "v7"
+    bound = store.target().digest
+    assert bound and store.bind_digest(target.id, "another") == bound  # bound once, by the first loader
+    # The trainer writes its next step over latest/; a worker that (re)starts now must not serve it as v7.
+    shutil.copytree(root / "step-2", latest, dirs_exist_ok=True)
+    restarted = Engine(load_model(str(demo_model_dir), device="cpu"))
+    before = {k: v.clone() for k, v in restarted.loaded.model.state_dict().items()}
+    late = _sync(store, restarted, root, name="w2")
+    assert not late.poll() and late.state == "failed"
+    error = late.record().error
+    assert (error["code"], error["errors"]["problem"], error["errors"]["expected_digest"]) == (
+        "weights_invalid", "content_changed", bound)
+    assert all(restarted.loaded.model.state_dict()[k].equal(v) for k, v in before.items())
+    # The same content under another directory (or split into other files) is the same version.
+    shutil.copytree(root / "step-1", latest, dirs_exist_ok=True)
+    again = _sync(store, Engine(load_model(str(demo_model_dir), device="cpu")), root, name="w3")
+    assert again.poll() and again.state == "serving"
+
+
 def test_a_target_outside_the_root_is_refused_by_the_worker_too(store, engine, root, demo_model_dir):
     sync = _sync(store, engine, root)
     store.set_target(version="evil", model_path=str(demo_model_dir), mode="finish")
@@ -133,6 +159,25 @@ def test_pause_holds_batches_until_continue(store, engine, root):
         threading.Timer(0.3, store.resume).start()
         with sync.batch(hold_seconds=5) as may_serve:
             assert may_serve  # held, then served once generation continued
+    finally:
+        sync.stop()
+
+
+def test_each_pause_counts_its_own_stopped_rows_and_its_call_waits_for_reports_of_it(store, engine, root):
+    sync = _sync(store, engine, root)
+    sync.start()
+    try:
+        first = store.pause("abort")
+        _wait(lambda: sync.interruption() == "abort")
+        sync.note_interrupted(3)  # a batch stopped three rows for the first pause
+        assert [w.interrupted for w in fleet_paused(store, first, timeout=5)] == [3]
+        store.resume()
+        _wait(lambda: sync.interruption() is None)
+        second = store.pause("abort")
+        # Answered once the worker reported the second pause, with none of the first pause's rows.
+        assert [(w.pause_id, w.interrupted) for w in fleet_paused(store, second, timeout=5)] == [(second.id, 0)]
+        sync.note_interrupted(1)
+        assert [w.interrupted for w in store.workers()] == [1]
     finally:
         sync.stop()
 

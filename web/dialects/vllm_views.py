@@ -146,8 +146,8 @@ class Pause(MethodView):
         """Pause generation for a weight update (admin keys): GPU workers take no new work until /resume."""
         require_admin()
         store = services().weight_store
-        store.pause("finish" if query["wait_for_inflight_requests"] else _PAUSE_MODES[query["mode"]])
-        fleet_paused(store, PAUSE_REPORT_SECONDS)
+        pause = store.pause("finish" if query["wait_for_inflight_requests"] else _PAUSE_MODES[query["mode"]])
+        fleet_paused(store, pause, PAUSE_REPORT_SECONDS)
         return {"status": "paused"}
 
 
@@ -166,8 +166,7 @@ class IsPaused(MethodView):
     @blp.response(200, description='{"is_paused": bool}')
     def get(self):
         """Whether generation is paused."""
-        _, paused = services().weight_store.read()
-        return {"is_paused": paused is not None}
+        return {"is_paused": services().weight_store.paused() is not None}
 
 
 @blp.route("/abort_requests")
