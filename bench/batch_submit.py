@@ -38,7 +38,7 @@ from client import RolloutClient  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
 from web import batches  # noqa: E402
 from web.app import create_app  # noqa: E402
-from workers.redis_server import EmbeddedRedis  # noqa: E402
+from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 from workers.settings import Settings  # noqa: E402
 from workers.tasks.batches import submit_chunk  # noqa: E402
 

@@ -44,7 +44,7 @@ from processors.cache import MultimodalCache  # noqa: E402
 from processors.fetch import FetchPolicy, GuardedFetcher  # noqa: E402
 from processors.pipeline import PreprocessLimits, preprocess  # noqa: E402
 from processors.registry import load_processor  # noqa: E402
-from workers.redis_server import EmbeddedRedis  # noqa: E402
+from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 
 SIZES = (448, 1024)
 MISS_RUNS, HIT_RUNS = 5, 15

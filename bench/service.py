@@ -49,8 +49,8 @@ from engine.loading import load_model
 from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 from web.app import create_app
-from workers.heartbeats import alive_workers
-from workers.redis_server import EmbeddedRedis
+from workers.infra.heartbeats import alive_workers
+from workers.infra.redis_server import EmbeddedRedis
 from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ from bench.service import BATCH, HEADERS, Service, _row, engine_request, job_bod
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
 from engine.loading import load_model
-from workers.job_events import JobEvents
+from workers.jobs.events import JobEvents
 
 
 def serve(service: Service):

@@ -1,7 +1,7 @@
 """One sampled continuation of a prompt, as the engine makes it and a job's result stores it.
 
 Apart from ``engine/generation_types.py``, which holds tensors, so the API reads stored results
-(``workers.job_results.JobResult``) without importing torch.
+(``workers.jobs.results.JobResult``) without importing torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :meth:`Engine.generate` submits a call's requests to a scheduler and steps it until all ended
 (a call's requests decode together, rows leaving as they finish); the GPU worker keeps one
-scheduler running and submits jobs into it between steps (``workers/gpu_session.py``).
+scheduler running and submits jobs into it between steps (``workers/gpu/session.py``).
 
 Why a per-row sampler: ``generate(do_sample=True)`` draws every row from one RNG with one set of
 parameters, so a request's tokens would depend on its batch neighbours. Each row picks its token

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from web.cli import build_parser
-from workers.heartbeats import WORKER_KINDS
+from workers.infra.heartbeats import WORKER_KINDS
 from workers.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_jso
 from web.openai_batch_lines import ENDPOINTS
 from web.openai_batch_object import VIEWS
 from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
-from workers.batch_store import STATUSES
+from workers.batches.store import STATUSES
 from workers.webhooks import BATCH_EVENTS
 
 

@@ -26,13 +26,13 @@ from web.openai_batch_lines import (
 )
 from web.services import services
 from web.submit import check_limits
-from workers.batch_creation import BatchTooLargeError, ParsedBatch
+from workers.batches.creation import BatchTooLargeError, ParsedBatch
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
 # Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
 MAX_COMPLETION_WINDOW = 7 * 24 * 3600
 MIN_COMPLETION_WINDOW = 60
-# Line errors shown in a 422 (the batch object shows workers.batch_creation.REPORTED_LINE_ERRORS).
+# Line errors shown in a 422 (the batch object shows workers.batches.creation.REPORTED_LINE_ERRORS).
 REFUSED_LINE_ERRORS = 5
 # Room for the multipart boundaries and the form fields around the file.
 MULTIPART_OVERHEAD = 64 * 1024

@@ -8,7 +8,7 @@ gets). Each line of the file is ours, ``{"custom_id": ..., "kind": "generate" | 
 The body is checked by the same schema and limits as ``POST /v1/jobs`` (the line's ``kind`` wins
 over ``body.kind``). An invalid line does not fail the batch: it goes to the batch's errors with
 its line number, and the batch runs the other lines; only a file without one valid line is refused
-(422). The file is validated here, in the API process; ``workers.batch_creation`` stores its valid
+(422). The file is validated here, in the API process; ``workers.batches.creation`` stores its valid
 lines in Redis, and the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per
 chunk of lines.
 """
@@ -39,8 +39,8 @@ from web.batch_upload import (
 from web.blueprint import Blueprint
 from web.openai_batch_object import batch_view
 from web.services import services
-from workers.batch_creation import create_batch
-from workers.batch_messages import request_cancel
+from workers.batches.creation import create_batch
+from workers.batches.messages import request_cancel
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from engine.errors import RolloutError
-from workers.heartbeats import WORKER_KINDS
+from workers.infra.heartbeats import WORKER_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if getattr(args, "handler", None):  # batch subcommands talk to a running service
         return args.handler(args)
-    from workers.logs import configure_logging
+    from workers.infra.logs import configure_logging
     from workers.settings import load_settings
 
     settings = load_settings()

@@ -29,8 +29,8 @@ from web.blueprint import Blueprint
 from web.dialects.errors import install, openai_shape
 from web.openai_batch_lines import render_results
 from web.services import services
-from workers.batch_creation import BatchTooLargeError
-from workers.file_store import PURPOSES
+from workers.batches.creation import BatchTooLargeError
+from workers.batches.files import PURPOSES
 
 blp = Blueprint("files", __name__, url_prefix="/v1/files", description="Files for batches (OpenAI's Files API)")
 install(blp, openai_shape)

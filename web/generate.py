@@ -15,7 +15,7 @@ from web.dialects.common import job_error
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
 from web.submit import submit
-from workers.job_view import public_job
+from workers.jobs.view import public_job
 
 blp = Blueprint("generate", __name__, description="Synchronous generation in the native shape")
 

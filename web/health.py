@@ -7,8 +7,8 @@ from marshmallow import Schema, fields
 
 from web.blueprint import Blueprint
 from web.services import services
-from workers.heartbeats import WORKER_KINDS, alive_workers
-from workers.model_check import last_model_check
+from workers.gpu.model_check import last_model_check
+from workers.infra.heartbeats import WORKER_KINDS, alive_workers
 
 blp = Blueprint("health", __name__, description="Health")
 

@@ -11,7 +11,7 @@ from web.schemas import JobListQuerySchema, JobListSchema, JobRequestSchema, Job
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
 from web.submit import submit
-from workers.job_view import public_job
+from workers.jobs.view import public_job
 from workers.lifecycle import cancel_job
 
 blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Generation and scoring jobs")

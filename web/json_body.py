@@ -29,7 +29,7 @@ from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import UnsupportedMediaType
 
 from engine.errors import InvalidRequestError, RolloutError
-from workers import finite_json
+from workers.infra import finite_json
 
 # Far deeper than any request we define, far shallower than the recursion limit, so nothing that
 # walks a request later (marshmallow, json.dumps of metadata) can run out of stack.

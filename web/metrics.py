@@ -15,14 +15,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from engine.errors import ForbiddenError
 from web.services import services
-from workers.metrics import snapshot
+from workers.infra.metrics import snapshot
 from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 
 blp = Blueprint("metrics", __name__)
 
 
 class RedisCollector:
-    """Reads the numbers every process keeps in Redis (see ``workers.metrics``) at scrape time."""
+    """Reads the numbers every process keeps in Redis (see ``workers.infra.metrics``) at scrape time."""
 
     def __init__(self, svc):
         self.svc = svc

@@ -35,7 +35,7 @@ from engine.errors import InvalidRequestError
 from web.dialects import openai
 from web.dialects.errors import openai_shape
 from web.schemas import JobRequestSchema
-from workers import finite_json
+from workers.infra import finite_json
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -19,9 +19,9 @@ from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schemas import ContentPartSchema
 from web.services import services
-from workers.fair_share import KeyShare
-from workers.heartbeats import any_alive
-from workers.job_store import new_id
+from workers.infra.fair_share import KeyShare
+from workers.infra.heartbeats import any_alive
+from workers.infra.redis_records import new_id
 from workers.renders import NoRenderWorkerError, request_render, wait_bound, wait_render
 
 blp = Blueprint("render", __name__, description="Chat template rendering (on a CPU worker; the request waits for it)")

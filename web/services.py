@@ -14,8 +14,8 @@ from flask import current_app
 
 from engine.request_rules import context_limit
 from web.auth import KeyRing
-from workers.job_events import JobEvents
-from workers.redis_client import with_pool_size
+from workers.infra.redis_client import with_pool_size
+from workers.jobs.events import JobEvents
 from workers.runtime import Runtime
 from workers.settings import Settings
 

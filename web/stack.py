@@ -22,8 +22,8 @@ import requests
 
 from engine.errors import ServiceUnavailableError
 from web.supervisor import Child, Supervisor, process_child
+from workers.infra.redis_server import EmbeddedRedis
 from workers.models import DEMO_MODEL_NAME, resolve_model_path
-from workers.redis_server import EmbeddedRedis
 from workers.settings import Settings, SettingsError
 
 CHILDREN = (("api",), ("worker", "cpu"), ("worker", "gpu"), ("worker", "webhooks"), ("worker", "batches"))

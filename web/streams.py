@@ -2,7 +2,7 @@
 
 How long-lived streams are served (gunicorn's gthread worker, ``web/server.py``): a stream is a
 WSGI response generator on a worker thread, and that thread spends its life blocked in one Redis
-XREAD (``workers/job_follow.py``), which releases the GIL: an idle stream costs a parked OS thread
+XREAD (``workers/jobs/follow.py``), which releases the GIL: an idle stream costs a parked OS thread
 (its stack is virtual memory, mostly untouched) and no CPU. That is why threads and not gevent
 (monkey-patching Celery's publisher, redis-py and the rest of the API process for one route) nor a
 second async server (its own auth, error shapes and deployment for the same routes). What threads
@@ -27,9 +27,9 @@ from flask import Response
 
 from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
 from web.auth import current_owner
-from workers.job_events import plausible_event_id
-from workers.job_follow import AttemptFilter, Ended, KeepAlive, follow
-from workers.job_view import public_job
+from workers.jobs.events import plausible_event_id
+from workers.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
+from workers.jobs.view import public_job
 
 log = logging.getLogger(__name__)
 

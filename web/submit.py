@@ -9,9 +9,9 @@ from engine.errors import InvalidRequestError, check_token_ids
 from engine.request_rules import check_context, check_media_count, check_metadata, new_tokens_of
 from web.auth import current_owner
 from web.services import services
-from workers.gpu_limits import scheduler_limits
-from workers.job_request import JobRequest
-from workers.submission import submit_job
+from workers.gpu.limits import scheduler_limits
+from workers.jobs.request import JobRequest
+from workers.jobs.submission import submit_job
 
 
 def check_limits(request: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,9 @@ import logging
 from typing import Any
 
 from engine.errors import InternalError, RolloutError
-from workers.batch_progress import record_job_lines
-from workers.job_store import TERMINAL
-from workers.metrics import record_job_ends
+from workers.batches.progress import record_job_lines
+from workers.infra.metrics import record_job_ends
+from workers.jobs.store import TERMINAL
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import redis
 from celery import Celery
 
 from engine.errors import RolloutError, ServiceUnavailableError
-from workers.job_store import new_id
+from workers.infra.redis_records import new_id
 from workers.names import PREPROCESS_QUEUE, RENDER_TASK
 
 # Queueing and processing on top of the media deadline, before the API gives up waiting.

@@ -20,11 +20,11 @@ import redis
 
 from engine.request_rules import context_limit
 from processors.fetch import FetchPolicy, GuardedFetcher
-from workers.gpu_limits import scheduler_limits
-from workers.job_events import JobEvents
-from workers.job_store import JobStore, Limits
+from workers.gpu.limits import scheduler_limits
+from workers.infra.redis_client import connect
+from workers.jobs.events import JobEvents
+from workers.jobs.store import JobStore, Limits
 from workers.models import model_id, resolve_model_path
-from workers.redis_client import connect
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -103,20 +103,20 @@ class Runtime:
 
     @cached_property
     def batches(self):
-        from workers.batch_store import BatchStore
+        from workers.batches.store import BatchStore
 
         return BatchStore(self.redis, result_ttl=self.settings.result_ttl)
 
     @cached_property
     def files(self):
-        from workers.file_store import FileStore
+        from workers.batches.files import FileStore
 
         return FileStore(self.redis, ttl=self.settings.result_ttl)
 
     @cached_property
     def weight_store(self):
-        """The fleet's weight target and each worker's report (workers/weights_store.py)."""
-        from workers.weights_store import WeightStore
+        """The fleet's weight target and each worker's report (workers/weights/store.py)."""
+        from workers.weights.store import WeightStore
 
         return WeightStore(self.redis)
 
@@ -195,7 +195,7 @@ class Runtime:
 
     def share(self, kind: str):
         """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""
-        from workers.fair_share import KeyShare
+        from workers.infra.fair_share import KeyShare
 
         if kind not in self._shares:
             s = self.settings
@@ -226,7 +226,7 @@ class Runtime:
         """Load the model, check that it scores its own tokens as it generates them, and load the
         fleet's current weights: all before this worker takes work (``workers/worker_main.py``).
         A model that fails the check is recorded (``/healthz`` says why) and raises."""
-        from workers.model_check import record_model_check
+        from workers.gpu.model_check import record_model_check
 
         try:
             engine = self.engine
@@ -263,8 +263,8 @@ class Runtime:
 
     @cached_property
     def weight_sync(self):
-        """This GPU worker's side of fleet-wide weight updates (workers/weight_sync.py)."""
-        from workers.weight_sync import WeightSync
+        """This GPU worker's side of fleet-wide weight updates (workers/weights/sync.py)."""
+        from workers.weights.sync import WeightSync
 
         s = self.settings
         return WeightSync(self.weight_store, self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,

@@ -58,7 +58,7 @@ class Settings:
     max_queued_per_key: int = 10_000
     max_queued_total: int = 100_000
     sync_timeout_max: float = 300.0
-    # Streaming (workers/job_events.py, web/streams.py): each gunicorn worker serves up to
+    # Streaming (workers/jobs/events.py, web/streams.py): each gunicorn worker serves up to
     # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
     # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
     # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
@@ -90,7 +90,7 @@ class Settings:
     task_time_limit: int = 600
     visibility_timeout: int = 3600
     # A job or webhook that has not moved for this long is looked for in every queue
-    # (workers/job_reaper.py, workers/webhook_reaper.py); one no message carries is sent again.
+    # (workers/jobs/reaper.py, workers/webhooks/reaper.py); one no message carries is sent again.
     stalled_job_after: int = 120
     task_events: bool = False
     gpu_batch_size: int = 16
@@ -106,7 +106,7 @@ class Settings:
     # None: by dtype (1e-3 in fp32, 0.15 in 16-bit types).
     fidelity_check: bool = True
     fidelity_tolerance: float | None = None
-    # Fairness between keys (workers/fair_share.py): a CPU worker runs this many jobs at once, and
+    # Fairness between keys (workers/infra/fair_share.py): a CPU worker runs this many jobs at once, and
     # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
     cpu_concurrency: int = 4
     cpu_per_key: int = 2

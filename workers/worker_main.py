@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from celery import signals
 
 from workers.celery_app import create_celery
-from workers.heartbeats import start_heartbeat
-from workers.logs import configure_logging
+from workers.infra.heartbeats import start_heartbeat
+from workers.infra.logs import configure_logging
 from workers.names import (
     BATCHES_QUEUE,
     GENERATE_TASK,
@@ -36,17 +36,17 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
         # Prefork even for one process, because only prefork enforces Celery's time limits (the
         # solo pool enforces none). More processes than cores: a job waiting on slow media holds
         # its process without using the CPU, and one key may hold at most ROLLOUT_CPU_PER_KEY
-        # slots (workers/fair_share.py), so the rest stay free for other keys.
+        # slots (workers/infra/fair_share.py), so the rest stay free for other keys.
         return WorkerKind((PREPROCESS_QUEUE,), "prefork", settings.cpu_concurrency, 1)
     if kind == "gpu":
         # One process owns the model and runs one batch at a time in its pool thread, while the
-        # event loop reserves the next batch (workers/gpu_batching.py): celery-batches batches only
+        # event loop reserves the next batch (workers/tasks/gpu_batching.py): celery-batches batches only
         # reserved messages, so the prefetch is two batches rather than 1.
         queues = (settings.generate_queue, SHARED_GENERATE_QUEUE)
         return WorkerKind(queues, "threads", 1, 2 * settings.gpu_batch_size)
     if kind == "webhooks":
         # Deliveries wait on the network, not the CPU: threads, many of them, of which one key
-        # holds at most ROLLOUT_WEBHOOK_PER_KEY (workers/fair_share.py), so hanging receivers of
+        # holds at most ROLLOUT_WEBHOOK_PER_KEY (workers/infra/fair_share.py), so hanging receivers of
         # one key leave threads for everyone else.
         return WorkerKind((WEBHOOKS_QUEUE,), "threads", settings.webhook_concurrency, 1)
     if kind == "batches":
@@ -63,7 +63,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         generate = app.tasks[GENERATE_TASK]
         generate.flush_every = settings.gpu_batch_size
         generate.max_wait = settings.gpu_batch_wait_ms / 1000
-        generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/gpu_batching.py)
+        generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/tasks/gpu_batching.py)
 
     @signals.setup_logging.connect(weak=False)
     def keep_our_logging(**_):
@@ -93,23 +93,23 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
             sweep_orphaned_segments()
         if kind in ("cpu", "webhooks"):
-            from workers.fair_share import start_sweeper
+            from workers.infra.fair_share import start_sweeper
 
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         if kind in ("cpu", "gpu"):
-            from workers.held_messages import start_held_message_sweep
-            from workers.job_reaper import start_after_death_reaper, start_reaper
+            from workers.gpu.held_messages import start_held_message_sweep
+            from workers.jobs.reaper import start_after_death_reaper, start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
             start_after_death_reaper(rt)  # ... looked for at once when a worker dies
             start_held_message_sweep(rt)  # messages a dead GPU worker held, back at once
         if kind == "batches":
-            from workers.batch_reaper import start_batch_reaper
+            from workers.batches.reaper import start_batch_reaper
 
             _ = rt.model_facts  # which lines need no processor: read the model's config once, now
             start_batch_reaper(rt, stall_s=settings.stalled_job_after)  # chunks and expiry checks a crash lost
         if kind == "webhooks":
-            from workers.webhook_reaper import start_webhook_reaper
+            from workers.webhooks.reaper import start_webhook_reaper
 
             start_webhook_reaper(rt, stall_s=settings.stalled_job_after)  # webhooks whose message a crash lost
         start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
@@ -162,7 +162,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
 def _gpu_status(rt) -> dict:
     # The weight version a GPU worker serves (what SGLang-style /get_model_info reports), and the
-    # messages it holds: a dead worker's go back to their queues at once (workers/held_messages.py).
+    # messages it holds: a dead worker's go back to their queues at once (workers/gpu/held_messages.py).
     ready = rt.model_ready
     return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
             "held": rt.celery.tasks[GENERATE_TASK].held_delivery_tags()}

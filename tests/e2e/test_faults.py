@@ -13,7 +13,7 @@ Two windows these tests once had to step around are closed, and the tests now go
 - kombu's Redis transport takes a message off its queue (BRPOP) before it records it as
   unacknowledged. The GPU worker's event loop, blocked by a batch on the solo pool, left a message
   Redis had handed over unread in the socket, so a SIGKILL lost it. Batches now run in a pool
-  thread (workers/gpu_batching.py); the kill test kills the worker with the next batch reserved.
+  thread (workers/tasks/gpu_batching.py); the kill test kills the worker with the next batch reserved.
 - The solo pool enforces no Celery time limit. The CPU worker now runs prefork at any concurrency
   (the time-limit test runs one process); the GPU task keeps its own deadline
   (workers/tasks/gpu.py).
@@ -35,12 +35,12 @@ from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, setting
 from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, wait_until, webhook_counts
 from web.app import create_app
 from workers.celery_app import create_celery
+from workers.infra.redis_server import EmbeddedRedis, free_port
+from workers.jobs.prompt_codec import text_prompt
 from workers.names import SHARED_GENERATE_QUEUE
-from workers.prompt_codec import text_prompt
-from workers.redis_server import EmbeddedRedis, free_port
 
 VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 10, 8, 6
-STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/job_reaper.py)
+STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/jobs/reaper.py)
 HOOK_PATH = "/hooks/faults"
 # Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
 # 1,000 tokens: a batch still decodes when a test kills the worker or stops Redis under it, and the

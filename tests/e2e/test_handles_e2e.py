@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import db_url
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
 from tests.e2e.test_jobs_e2e import GREEDY, image_data_url
-from workers.job_store import JobStore
+from workers.jobs.store import JobStore
 
 
 @pytest.fixture(scope="module")

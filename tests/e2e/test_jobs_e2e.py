@@ -162,7 +162,7 @@ def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):
 
 
 def test_jobs_waiting_together_run_as_one_batch_and_a_lone_job_is_not_held(stack):
-    """The GPU worker's flush rule (workers/gpu_batching.py): jobs that wait in the queue when the
+    """The GPU worker's flush rule (workers/tasks/gpu_batching.py): jobs that wait in the queue when the
     worker reads them become one batch; a job alone goes at once, without waiting for company."""
     gpu = stack.workers["gpu"]
     bodies = [{"token_ids": [100 + i, 110, 120], "sampling_params": GREEDY} for i in range(6)]

@@ -7,7 +7,7 @@ lines. Media comes from the loopback host, so each test sees exactly which URLs 
 
 GPU batches: a bad row of one key (token ids outside the vocabulary, or anything else that makes
 the engine raise) fails its own job only; the other key's jobs in the batch complete (that their
-results equal those they get alone, in batches made exactly so: tests/workers/test_gpu_isolation.py).
+results equal those they get alone, in batches made exactly so: tests/workers/gpu/test_isolation.py).
 """
 
 from __future__ import annotations

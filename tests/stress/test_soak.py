@@ -33,7 +33,7 @@ import requests
 from PIL import Image
 
 from processors.cache import MultimodalCache
-from workers.redis_server import free_port
+from workers.infra.redis_server import free_port
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(660)]
 

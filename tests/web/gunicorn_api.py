@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 
 from tests.web.conftest import KEY_A
-from workers.redis_server import free_port
+from workers.infra.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import pytest
 
 from tests.web.conftest import KEY_B, auth
 from web import batches
-from workers.batch_progress import record_lines
-from workers.batch_sweeps import cancel_lines
+from workers.batches.progress import record_lines
+from workers.batches.sweeps import cancel_lines
 from workers.lifecycle import end_job
 from workers.names import BATCHES_QUEUE
 from workers.tasks.batches import submit_chunk

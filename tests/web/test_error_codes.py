@@ -69,5 +69,5 @@ def test_the_api_process_knows_every_code_a_worker_may_store():
     # What a worker has imported once it has preprocessed and generated (parts load on first use).
     worker = _codes_known_after("from workers.celery_app import TASK_MODULES; import importlib; "
                                 "[importlib.import_module(m) for m in TASK_MODULES]; import processors.registry, "
-                                "processors.pipeline, processors.render, engine.generation, workers.gpu_session")
+                                "processors.pipeline, processors.render, engine.generation, workers.gpu.session")
     assert worker - _codes_known_after("import web.app") == set()

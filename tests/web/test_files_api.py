@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.web.conftest import KEY_B, auth
-from workers.file_store import CHUNK
+from workers.batches.files import CHUNK
 
 
 def upload(client, data: bytes, *, key=None, purpose="batch", filename="in.jsonl"):

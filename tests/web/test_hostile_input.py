@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from tests.web.conftest import auth
-from workers.batch_progress import record_job_lines
+from workers.batches.progress import record_job_lines
 from workers.lifecycle import end_job
 from workers.names import PREPROCESS_QUEUE
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tests.web.conftest import KEY_B, auth
-from workers.metrics import count, observe_stage, record_job_ends
+from workers.infra.metrics import count, observe_stage, record_job_ends
 from workers.webhooks import WebhookStore
 
 

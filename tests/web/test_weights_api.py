@@ -9,7 +9,7 @@ import pytest
 
 from engine.demo_model import build_demo_model
 from tests.web.conftest import KEY_A, auth
-from workers.weights_store import WeightStore
+from workers.weights.store import WeightStore
 
 ADMIN = "admin-key-secret"
 

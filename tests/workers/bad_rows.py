@@ -1,5 +1,5 @@
 """Jobs of one key that pass no check but the engine's, written through the submission layer as if
-the API had let them through (shared by tests/workers/test_gpu_isolation.py and the e2e tests)."""
+the API had let them through (shared by tests/workers/gpu/test_isolation.py and the e2e tests)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 import json
 
 from web.schemas import SamplingParamsSchema
-from workers.job_request import JobRequest
+from workers.jobs.request import JobRequest
+from workers.jobs.submission import submit_job
 from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
-from workers.submission import submit_job
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 DEFAULT_SAMPLING = SamplingParamsSchema().load({})  # as the API stores a request's sampling_params
@@ -34,7 +34,7 @@ def plant_mismatched_image_job(jobs, celery, owner: str, *, processor, fetcher, 
     untyped RuntimeError, features and placeholders do not match), which no check catches first."""
     from engine.transport import InlineTransport
     from processors.pipeline import PreprocessLimits, preprocess
-    from workers.prompt_codec import encode_prompt
+    from workers.jobs.prompt_codec import encode_prompt
 
     request = stored_request(prompt="<image>Describe it.", content_parts=[{"type": "image_url", "url": image_url}])
     processed = preprocess(request, processor=processor, fetcher=fetcher, cache=None, transport=InlineTransport(),

@@ -12,11 +12,11 @@ import pytest
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
-from workers.job_request import JobRequest
+from workers.jobs.request import JobRequest
+from workers.jobs.submission import submit_job
 from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
 from workers.settings import Settings
-from workers.submission import submit_job
 from workers.tasks.cpu import PreprocessRequest
 
 OWNER = "key_owner"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from web.services import services
-from workers.job_store import TERMINAL
+from workers.jobs.store import TERMINAL
 from workers.lifecycle import cancel_job
 
 _PAGE = 200

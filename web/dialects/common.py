@@ -21,7 +21,7 @@ from web.dialects.errors import flatten
 from web.schemas import JobRequestSchema
 from web.services import services
 from web.submit import check_vocabulary, submit
-from workers.job_store import TERMINAL
+from workers.jobs.store import TERMINAL
 from workers.lifecycle import cancel_job
 
 _NATIVE = JobRequestSchema()

@@ -39,7 +39,7 @@ from web.dialects.fields import (
 from web.dialects.sampling import native_sampling, sampling_fields
 from web.schemas import StrictBoolean
 from web.services import services
-from workers.job_results import JobResult
+from workers.jobs.results import JobResult
 
 MAX_LOGPROBS = 20
 # OpenAI / vLLM knobs this service cannot honour: accepted only at these values.

@@ -24,8 +24,8 @@ from web.dialects import openai, vllm
 from web.dialects.common import TokenTexts, served_model_name
 from web.dialects.errors import openai_shape
 from web.streams import sse
-from workers.job_follow import ChoiceDelta, TokenLedger
-from workers.job_results import JobResult
+from workers.jobs.follow import ChoiceDelta, TokenLedger
+from workers.jobs.results import JobResult
 
 
 def _error(error: RolloutError) -> bytes:

@@ -21,7 +21,7 @@ from web.dialects import sglang
 from web.dialects.common import TokenTexts
 from web.dialects.errors import sglang_shape
 from web.streams import sse
-from workers.job_follow import ChoiceDelta, TokenLedger
+from workers.jobs.follow import ChoiceDelta, TokenLedger
 
 
 class SglangChunks:

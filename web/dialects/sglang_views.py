@@ -21,8 +21,8 @@ from web.dialects.sglang_stream import SglangChunks
 from web.dialects.streaming import dialect_stream
 from web.schemas import StrictBoolean
 from web.services import services
-from workers.heartbeats import alive_workers
-from workers.model_check import last_model_check
+from workers.gpu.model_check import last_model_check
+from workers.infra.heartbeats import alive_workers
 from workers.models import model_id
 
 blp = Blueprint("sglang", __name__, description="SGLang's native API (/generate and its small routes)")

@@ -4,7 +4,7 @@ each chunk, and cancel the jobs when the client goes away.
 A dialect gives :func:`dialect_stream` a :class:`ChunkWriter`: ``delta`` for new tokens of one
 choice, ``done`` with a job that ended (its result as the non-streamed reply sees it), ``end`` for
 what follows the last job (usage chunks), and ``error`` for the dialect's in-stream error shape.
-The tokens come through :class:`workers.job_follow.TokenLedger`: each once, in order, equal to the
+The tokens come through :class:`workers.jobs.follow.TokenLedger`: each once, in order, equal to the
 result's (the ledger's ``finish`` checks it), also across a redo after a worker died.
 
 Disconnect: the WSGI server closes the response when a write fails; a stream that did not reach
@@ -26,9 +26,9 @@ from web.dialects.common import job_error
 from web.services import services
 from web.streams import KEEPALIVE, sse, stream_response
 from web.submit import submit
-from workers.job_follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
-from workers.job_results import JobResult
-from workers.job_store import TERMINAL
+from workers.jobs.follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
+from workers.jobs.results import JobResult
+from workers.jobs.store import TERMINAL
 from workers.lifecycle import cancel_job
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from web.dialects.fields import NullMeansDefault, StreamOptionsSchema, refuse_no
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
 from web.schemas import ContentPartSchema, StrictBoolean, TokenIds
-from workers.job_results import JobResult
+from workers.jobs.results import JobResult
 
 _UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
                 "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),

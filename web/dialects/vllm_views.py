@@ -21,7 +21,7 @@ from web.render import render_on_worker
 from web.schemas import StrictBoolean
 from web.services import services
 from web.weights import PAUSE_REPORT_SECONDS
-from workers.weight_updates import fleet_paused
+from workers.weights.updates import fleet_paused
 
 blp = Blueprint("vllm", __name__, description="vLLM's token-in-token-out API (generate and render)")
 install(blp, openai_shape)

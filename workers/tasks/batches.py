@@ -26,22 +26,22 @@ import logging
 from celery import shared_task
 
 from engine.errors import NotFoundError
-from workers.batch_messages import schedule_expiry, send_score_lines
-from workers.batch_progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
-from workers.batch_store import DIRECT_LINE
-from workers.batch_sweeps import cancel_lines, expire
-from workers.job_request import JobRequest
-from workers.job_store import TERMINAL as JOB_TERMINAL
-from workers.job_store import QueueFullError
+from workers.batches.messages import schedule_expiry, send_score_lines
+from workers.batches.progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
+from workers.batches.store import DIRECT_LINE
+from workers.batches.sweeps import cancel_lines, expire
+from workers.infra.redis_client import REDIS_DOWN
+from workers.jobs.request import JobRequest
+from workers.jobs.store import TERMINAL as JOB_TERMINAL
+from workers.jobs.store import QueueFullError
+from workers.jobs.submission import submit_job
 from workers.lifecycle import cancel_job
 from workers.names import (
     CANCEL_BATCH_TASK,
     ENQUEUE_CHUNK_TASK,
     EXPIRE_BATCH_TASK,
 )
-from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
-from workers.submission import submit_job
 from workers.tasks.outage import requeued_while_redis_is_down
 from workers.tasks.score_lines import scorable_directly
 

@@ -7,7 +7,7 @@ acknowledges the message without running any of our code, so :class:`PreprocessR
 job then, with the same code.
 
 Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` preprocessing
-slots; otherwise its message is parked until one of the key's jobs ends (workers/fair_share.py says
+slots; otherwise its message is parked until one of the key's jobs ends (workers/infra/fair_share.py says
 why this shape), so one key's slow media never hold every process.
 """
 
@@ -24,14 +24,14 @@ from celery.worker.request import Request
 
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from engine.request_rules import new_tokens_of
-from workers.job_request import JobRequest
-from workers.job_store import TERMINAL
+from workers.infra.logs import job_context
+from workers.infra.metrics import count, observe_stage
+from workers.infra.redis_client import REDIS_DOWN
+from workers.jobs.prompt_codec import encode_prompt
+from workers.jobs.request import JobRequest
+from workers.jobs.store import TERMINAL
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
-from workers.logs import job_context
-from workers.metrics import count, observe_stage
 from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
-from workers.prompt_codec import encode_prompt
-from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 

@@ -1,7 +1,7 @@
 """The GPU task: open the finalized items, generate in a continuous batch or score, store results.
 
-Batching: :class:`workers.gpu_batching.GenerateBatches` hands this task the ``rollout.generate``
-messages the worker has reserved, and the task runs a :class:`workers.gpu_session.GenerateSession`
+Batching: :class:`workers.tasks.gpu_batching.GenerateBatches` hands this task the ``rollout.generate``
+messages the worker has reserved, and the task runs a :class:`workers.gpu.session.GenerateSession`
 in the worker's single pool thread: jobs join the engine's running batch between decode steps and
 leave as they end, and the session takes more messages while it runs. transformers' continuous
 batching cannot serve this path (it drops ``pixel_values``, docs/architecture.md): the scheduler is ours
@@ -12,7 +12,7 @@ the threads pool cannot interrupt a thread anyway), so every job keeps its own d
 ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joins: its rows stop then and it fails with
 ``job_time_limit_exceeded``, its batch mates go on.
 
-Weight updates (workers/weight_sync.py, driven by the session): a pending target stops new rows
+Weight updates (workers/weights/sync.py, driven by the session): a pending target stops new rows
 from joining; in mode ``finish`` the running rows end on the old weights, in ``abort`` they end
 now with ``finish_reason: "abort"`` and their tokens so far, in ``retract`` their jobs go back to
 the queue to run again from the prompt on the new weights. The batch then loads the target and
@@ -26,14 +26,14 @@ import logging
 
 from celery import shared_task
 
-from workers.gpu_batching import REQUEUE, GenerateBatches
-from workers.gpu_session import GenerateSession
+from workers.gpu.session import REQUEUE, GenerateSession
+from workers.infra.logs import job_context
+from workers.infra.redis_client import REDIS_DOWN
+from workers.jobs.prompt_codec import release_prompt
 from workers.lifecycle import fail_unexpected
-from workers.logs import job_context
 from workers.names import GENERATE_TASK
-from workers.prompt_codec import release_prompt
-from workers.redis_client import REDIS_DOWN
 from workers.runtime import runtime
+from workers.tasks.gpu_batching import GenerateBatches
 
 log = logging.getLogger(__name__)
 

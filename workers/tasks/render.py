@@ -14,8 +14,8 @@ from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
+from workers.infra.redis_client import REDIS_DOWN
 from workers.names import PREPROCESS_QUEUE, RENDER_TASK
-from workers.redis_client import REDIS_DOWN
 from workers.renders import answer_render, error_answer, request_key
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down

@@ -15,10 +15,10 @@ from typing import Any
 from celery import shared_task
 
 from engine.errors import NotFoundError, RolloutError
-from workers.batch_progress import line_error, record_lines
-from workers.batch_store import DIRECT_LINE
-from workers.job_request import JobRequest
-from workers.job_results import engine_result
+from workers.batches.progress import line_error, record_lines
+from workers.batches.store import DIRECT_LINE
+from workers.jobs.request import JobRequest
+from workers.jobs.results import engine_result
 from workers.names import SCORE_LINES_TASK
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down

@@ -1,5 +1,5 @@
 """The webhook tasks (queue ``webhooks``): make one event per object end, deliver it with retries.
-Events are made by ``workers.webhook_events``.
+Events are made by ``workers.webhooks.emit``.
 
 - ``rollout.webhooks.job_ended(job_id)``: sent by ``workers.lifecycle`` when a job ends. Makes the
   job's event (at most one per job and event type: a second call finds it and only makes sure its
@@ -24,11 +24,10 @@ from collections.abc import Callable
 from celery import shared_task
 
 from engine.errors import NotFoundError
-from workers.metrics import count
+from workers.infra.metrics import count
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
-from workers.webhook_events import emit_job_event, queue_attempt
 from workers.webhooks import (
     FINAL_STATES,
     RETRYING,
@@ -36,6 +35,7 @@ from workers.webhooks import (
     retry_delay,
     send_attempt,
 )
+from workers.webhooks.emit import emit_job_event, queue_attempt
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _deliver(task, event_id: str, attempt: int) -> str | None:
     if owner is None:
         return None  # no such event (expired)
     # Fairness: one key's hanging receivers may hold only its share of the delivery threads; an
-    # attempt over the share is parked until one of the key's attempts ends (workers/fair_share.py).
+    # attempt over the share is parked until one of the key's attempts ends (workers/infra/fair_share.py).
     share, member = rt.share("webhooks"), f"{event_id}:{attempt}"
     if not share.acquire_or_park(owner, member, task=DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
                                  queue=WEBHOOKS_QUEUE):

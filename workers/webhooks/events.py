@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from workers import finite_json
+from workers.infra import finite_json
 from workers.settings import Settings
 
 JOB_EVENTS = ("job.succeeded", "job.failed", "job.cancelled")

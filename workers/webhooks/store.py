@@ -10,7 +10,7 @@ from typing import Any
 
 import redis
 
-from workers.redis_records import decode_record
+from workers.infra.redis_records import decode_record
 from workers.webhooks.attempts import Outcome
 from workers.webhooks.events import EVENT_TYPES, FAILED, PENDING, RETRYING, build_payload
 

@@ -1,0 +1,163 @@
+"""The job store on its own, against a real Redis: records, forward-only moves, the caps on
+unfinished jobs, the prompt blob, cancel flags, waiting and listing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.errors import InternalError, NotFoundError
+from tests.conftest import empty_db_url
+from workers.jobs.store import TOTAL_ACTIVE_KEY, JobStore, Limits, QueueFullError
+
+OWNER, OTHER = "key_owner", "key_other"
+REQUEST = {"kind": "generate", "token_ids": [1, 2, 3]}
+
+
+@pytest.fixture
+def store(redis_url):
+    import redis
+
+    client = redis.Redis.from_url(empty_db_url(redis_url, 12))
+    yield JobStore(client, Limits(max_active_per_owner=3, max_active_total=5, result_ttl=600))
+    client.close()
+
+
+def create(store: JobStore, owner: str = OWNER, **kwargs) -> dict:
+    return store.create(owner=owner, kind="generate", request=REQUEST, request_id=kwargs.pop("request_id", None),
+                        **kwargs)
+
+
+def test_create_returns_what_get_reads_back(store):
+    job = create(store, request_id="r1", webhook={"url": "https://hooks.example.com"}, metadata={"step": 7},
+                 extra={"batch_id": "batch_x"})
+    assert job["id"].startswith("job_") and len(job["id"]) > 20
+    assert job["status"] == "queued" and job["request"] == REQUEST
+    assert store.get(job["id"]) == job
+    assert job["metadata"] == {"step": 7} and job["batch_id"] == "batch_x"
+
+
+def test_another_owner_and_implausible_ids_are_not_found(store):
+    job = create(store)
+    assert store.get(job["id"], owner=OWNER)["id"] == job["id"]
+    with pytest.raises(NotFoundError):
+        store.get(job["id"], owner=OTHER)
+    for bad in ("", "x" * 65, "job_1:prompt", "job_*"):
+        with pytest.raises(NotFoundError):
+            store.get(bad)
+
+
+def test_status_moves_forward_only_and_ends_once(store):
+    job = create(store)
+    assert store.advance(job["id"], "generating", owner=OWNER)
+    assert not store.advance(job["id"], "preprocessing", owner=OWNER)  # backwards
+    assert not store.advance(job["id"], "generating", owner=OWNER)  # already there
+    assert store.advance(job["id"], "succeeded", result={"choices": []})  # owner looked up
+    assert not store.advance(job["id"], "failed", owner=OWNER)
+    assert not store.advance(job["id"], "cancelled", owner=OWNER)
+    ended = store.get(job["id"])
+    assert ended["status"] == "succeeded" and ended["result"] == {"choices": []}
+    assert ended["started_at"] is not None and ended["completed_at"] >= ended["started_at"]
+    assert store.redis.ttl(store.key(job["id"])) > 0  # kept for result_ttl, then gone
+
+
+def test_caps_count_unfinished_jobs_exactly(store):
+    jobs = [create(store) for _ in range(3)]
+    with pytest.raises(QueueFullError) as per_owner:
+        create(store)
+    assert per_owner.value.headers == {"Retry-After": "5"}
+    create(store, owner=OTHER)
+    create(store, owner=OTHER)
+    with pytest.raises(QueueFullError, match="service"):
+        create(store, owner="key_third")
+    assert store.active_counts() == 5
+    # Ending a job frees its place; ending it again (a redelivery) frees nothing more.
+    assert store.fail(jobs[0]["id"], InternalError("boom"))
+    assert not store.fail(jobs[0]["id"], InternalError("boom"))
+    assert store.active_counts() == 4 and store.active_count(OWNER) == 2
+    create(store)
+    assert int(store.redis.get(TOTAL_ACTIVE_KEY)) == 5
+
+
+def test_fail_stores_the_typed_error(store):
+    job = create(store)
+    store.fail(job["id"], InternalError("internal error while generating"))
+    ended = store.get(job["id"])
+    assert ended["status"] == "failed"
+    assert ended["error"] == {"code": "internal_error", "message": "internal error while generating"}
+
+
+def test_the_prompt_lives_until_the_job_ends(store):
+    plain = create(store, prompt='{"token_ids": [1, 2, 3]}')
+    later = create(store)
+    assert store.prompts([plain["id"], later["id"]]) == [b'{"token_ids": [1, 2, 3]}', None]
+    store.save_prompt(later["id"], '{"token_ids": [4]}')
+    assert store.prompts([later["id"]]) == [b'{"token_ids": [4]}']
+    assert 0 < store.redis.ttl(store.prompt_key(later["id"])) <= 600
+    store.advance(plain["id"], "cancelled", owner=OWNER)
+    assert store.prompts([plain["id"], later["id"]]) == [None, b'{"token_ids": [4]}']
+
+
+def test_cancel_flags_are_per_job_and_cleared_at_the_end(store):
+    first, second = create(store), create(store)
+    assert store.cancel_requested([first["id"], second["id"]]) == set()
+    assert store.cancel_requested([]) == set()
+    store.request_abort(second["id"])
+    assert store.cancel_requested([first["id"], second["id"]]) == {second["id"]}
+    store.advance(second["id"], "cancelled", owner=OWNER)
+    assert store.cancel_requested([second["id"]]) == set()
+
+
+def test_advance_each_moves_many_in_one_call(store):
+    first, second = create(store), create(store)
+    moved = store.advance_each([(first["id"], OWNER, "succeeded", {"result": {"n": 1}}),
+                                (second["id"], OWNER, "queued", {})])
+    assert moved == [True, False]
+    assert store.advance_many([(first["id"], OWNER), (second["id"], OWNER)], "generating") == [False, True]
+    assert store.advance_each([]) == []
+    assert store.get_many([first["id"], "job_gone"])[1] is None
+
+
+def test_wait_wakes_when_the_job_ends(store):
+    job = create(store)
+    assert store.wait(job["id"], timeout=0) is None
+    ender = threading.Timer(0.3, lambda: store.advance(job["id"], "succeeded", owner=OWNER))
+    ender.start()
+    started = time.monotonic()
+    ended = store.wait(job["id"], timeout=20)
+    assert ended["status"] == "succeeded" and time.monotonic() - started < 10
+    assert store.wait(job["id"], timeout=5)["status"] == "succeeded"  # already ended: at once
+    other = create(store)
+    assert store.wait(other["id"], timeout=0.2) is None
+
+
+def test_list_pages_newest_first_filters_and_drops_expired(store):
+    store.limits = Limits(100, 100, 600)
+    ids = [create(store)["id"] for _ in range(7)]
+    store.advance(ids[1], "succeeded", owner=OWNER)
+    store.redis.delete(store.key(ids[3]))  # expired
+    seen, cursor = [], None
+    while True:
+        page, cursor = store.list(owner=OWNER, status=None, limit=2, cursor=cursor)
+        seen += [job["id"] for job in page]
+        if cursor is None:
+            break
+    assert seen == [ids[n] for n in (6, 5, 4, 2, 1, 0)]
+    assert store.redis.zscore(f"rq:jobs:{OWNER}", ids[3]) is None
+    done, cursor = store.list(owner=OWNER, status="succeeded", limit=5, cursor=None)
+    assert [job["id"] for job in done] == [ids[1]] and cursor is None
+    assert store.list(owner=OTHER, status=None, limit=5, cursor=None) == ([], None)
+
+
+@pytest.mark.parametrize("timeout", [0.0004, 0.0015, 0.01])
+def test_a_wait_shorter_than_a_millisecond_ends_and_does_not_block_for_ever(store, timeout):
+    # Redis reads a BLPOP timeout under 1 ms as 0: block for ever. The sync routes wait whatever
+    # is left of their deadline, which can be that short.
+    job = store.create(owner=OWNER, kind="generate", request={"token_ids": [1]}, request_id=None)
+    answers: list = []
+    waiter = threading.Thread(target=lambda: answers.append(store.wait(job["id"], timeout=timeout)), daemon=True)
+    waiter.start()
+    waiter.join(5)
+    assert answers == [None]

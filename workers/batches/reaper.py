@@ -1,0 +1,103 @@
+"""A batch's own work that no message carries any more, found and sent again (how:
+``workers/infra/lost_messages.py``).
+
+A batch's lines become jobs through its chunk messages (``enqueue_chunk``), its directly scored
+lines through ``score_lines`` messages, and it ends on time through a self-rearming expiry check.
+The crashes that lose a job's message (``workers/jobs/reaper.py``) lose these too, and then a
+chunk's lines never run, or a batch past its window never ends.
+
+The batch store indexes every batch not ended (``BatchStore.open_batches``). Each sweep looks at
+the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_AFTER``):
+
+- one ``in_progress``: a chunk not yet submitted, or owed a scoring run, that no message in the
+  batches queue, the shared generate queue or kombu's unacknowledged messages carries, in two
+  sweeps running, gets its message again;
+- one past its completion window: the expiry check is sent again. No search first: a check that
+  finds the batch ended does nothing, so a duplicate costs one no-op per stall period.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from workers.batches.messages import send_chunk, send_score_lines
+from workers.batches.store import TERMINAL
+from workers.infra.lost_messages import Suspects, start_sweeping, sweep_every, task_calls_in_messages
+from workers.names import (
+    BATCHES_QUEUE,
+    ENQUEUE_CHUNK_TASK,
+    EXPIRE_BATCH_TASK,
+    SCORE_LINES_TASK,
+    SHARED_GENERATE_QUEUE,
+)
+
+log = logging.getLogger(__name__)
+
+SUSPECTS_KEY = "rq:batches:suspects"  # "<task> <batch id> <chunk>" the last sweep found no message for
+MAX_CANDIDATES = 200  # batches per sweep; the oldest looked-at first
+
+
+class BatchReaper:
+    """``rt``: a worker's runtime (``batches``, ``redis``, ``celery``)."""
+
+    def __init__(self, rt, *, stall_s: float):
+        self.rt = rt
+        self.stall_s = stall_s
+        self.suspects = Suspects(rt.redis, SUSPECTS_KEY, ttl=int(stall_s + 600))
+
+    def sweep(self) -> list[tuple[str, str, int]]:
+        """One sweep; the (task, batch id, chunk) sent again (chunk -1 for an expiry check)."""
+        store, now = self.rt.batches, time.time()
+        candidates = store.open_batches(before=now - self.stall_s, limit=MAX_CANDIDATES)
+        if not candidates:
+            self.suspects.clear()
+            return []
+        batches = dict(zip(candidates, store.get_many(candidates), strict=True))
+        store.forget_open([batch_id for batch_id, batch in batches.items()
+                           if batch is None or batch["status"] in TERMINAL])
+        live = {batch_id: batch for batch_id, batch in batches.items()
+                if batch is not None and batch["status"] not in TERMINAL}
+        sent: list[tuple[str, str, int]] = []
+        for batch_id, batch in live.items():
+            if batch["expires_at"] <= now:
+                self.rt.celery.send_task(EXPIRE_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE)
+                sent.append((EXPIRE_BATCH_TASK, batch_id, -1))
+        owed = {batch_id: self._owed(batch) for batch_id, batch in live.items()
+                if batch["status"] == "in_progress" and batch["expires_at"] > now}
+        missing: list[str] = []
+        if any(owed.values()):
+            carried = task_calls_in_messages(self.rt.redis, (ENQUEUE_CHUNK_TASK, SCORE_LINES_TASK),
+                                             queues=(BATCHES_QUEUE, SHARED_GENERATE_QUEUE))
+            missing = [_suspect(*call) for calls in owed.values() for call in calls if call not in carried]
+        lost = self.suspects.confirm(missing)
+        for task, batch_id, index in map(_call, lost):
+            (send_chunk if task == ENQUEUE_CHUNK_TASK else send_score_lines)(self.rt.celery, batch_id, index)
+            sent.append((task, batch_id, index))
+        # A batch with a suspect keeps its place: the next sweep must look at it again.
+        suspected = {_call(item)[1] for item in missing} - {batch_id for _, batch_id, _ in map(_call, lost)}
+        store.looked_at([batch_id for batch_id in live if batch_id not in suspected])
+        if lost:
+            log.warning("batch work no message carried was sent again: %s", ", ".join(lost))
+        return sent
+
+    def _owed(self, batch: dict) -> list[tuple[str, str, int]]:
+        submitted, scoring = self.rt.batches.chunk_progress(batch["id"])
+        calls = [(ENQUEUE_CHUNK_TASK, batch["id"], index) for index in range(batch["chunks"]) if index not in submitted]
+        return calls + [(SCORE_LINES_TASK, batch["id"], index) for index in sorted(scoring)]
+
+
+def _suspect(task: str, batch_id: str, index: int) -> str:
+    return f"{task} {batch_id} {index}"
+
+
+def _call(suspect: str) -> tuple[str, str, int]:
+    task, batch_id, index = suspect.split(" ")
+    return task, batch_id, int(index)
+
+
+def start_batch_reaper(rt, *, stall_s: float) -> threading.Event:
+    """Sweep in a daemon thread, at most once per interval across all workers, until the event is set."""
+    reaper = BatchReaper(rt, stall_s=stall_s)
+    return start_sweeping(rt.redis, "batches", reaper.sweep, every_s=sweep_every(stall_s))

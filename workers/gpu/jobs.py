@@ -1,0 +1,141 @@
+"""The GPU worker's jobs and the engine, both ways: open a batch's jobs (prompt handles, status to
+``generating``), a stored request's sampling parameters, score a group of jobs, and the fields a
+job ends with. Used by the GPU session (``workers/gpu/session.py``); the Celery task itself lives
+in ``workers/tasks/gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from engine.errors import HandleUnavailableError, RolloutError
+from workers.infra.metrics import count, observe_stage
+from workers.infra.redis_client import REDIS_DOWN
+from workers.jobs.prompt_codec import open_prompt, release_prompt
+from workers.jobs.request import JobRequest
+from workers.jobs.results import engine_result
+from workers.jobs.store import TERMINAL
+from workers.jobs.submission import enqueue_preprocess
+from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
+from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
+
+log = logging.getLogger(__name__)
+
+
+def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]], list[str]]:
+    """The jobs of ``job_ids`` that are ready to run, moved to ``generating``, with their opened
+    prompts; and the ids settled without running (gone, already ended, sent back to preprocessing,
+    cancelled meanwhile), whose messages are done."""
+    jobs = rt.jobs.get_many(job_ids)
+    prompts = rt.jobs.prompts(job_ids)
+    ready, ended, settled = [], [], []
+    for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
+        if job is None:
+            settled.append(job_id)
+            continue
+        if job["status"] in TERMINAL:
+            ended.append(job)
+            settled.append(job_id)
+            continue
+        if raw is None:
+            enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            settled.append(job_id)
+            continue
+        try:
+            prompt = open_prompt(json.loads(raw), device=device)
+        except HandleUnavailableError:
+            # The producer died or its pool reclaimed the memory: preprocess again (cheap with the
+            # multimodal cache) rather than fail the job.
+            log.info("job %s: feature handles unavailable; preprocessing again", job_id)
+            count(rt.redis, "handle_unavailable")
+            enqueue_preprocess(rt.celery, job_id, retry_handles=True)
+            settled.append(job_id)
+            continue
+        ready.append((job, prompt))
+    resume_followups(rt, ended)
+    moved = rt.jobs.advance_many([(job["id"], job["owner"]) for job, _ in ready], "generating")
+    running = []
+    for (job, prompt), advanced in zip(ready, moved, strict=True):
+        # Neither moved nor already generating (a redelivery): it was cancelled meanwhile.
+        if advanced or job["status"] == "generating":
+            running.append((job, prompt))
+        else:
+            release_prompt(rt.redis, prompt)
+            settled.append(job["id"])
+    return running, settled
+
+
+def run_score_jobs(rt, engine, group: list[tuple[dict, Any]]) -> None:
+    deadline = time.monotonic() + rt.settings.task_soft_time_limit
+    _run_part(rt, engine, "score", group, deadline)
+
+
+def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
+    """Run ``group`` as one scoring batch and end its jobs. Raises only for a group of one."""
+    from engine.scoring import ScoreRequest
+
+    started = time.perf_counter()
+    try:
+        outputs = engine.score([
+            ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                         completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids)
+            for job, prompt in group
+        ])
+    except REDIS_DOWN:
+        raise  # an outage, not a request's fault: the batch is requeued
+    except Exception:
+        if len(group) == 1:
+            raise
+        # One bad request must not fail its batch mates, whatever it raised (a typed error, or an
+        # IndexError, a shape mismatch, out of memory...): split the batch in halves and run each.
+        # A lone bad row then costs about 2·log2(n) runs, where one run per row would cost n.
+        half = len(group) // 2
+        for part in (group[:half], group[half:]):
+            _run_part(rt, engine, kind, part, deadline)
+        return
+    elapsed = time.perf_counter() - started
+    observe_stage(rt.redis, kind, elapsed)
+    end_jobs(rt, [ending(rt, engine, job, prompt, output, elapsed, batch_size=len(group))
+                  for (job, prompt), output in zip(group, outputs, strict=True)])
+
+
+def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
+    """``_run_group`` on part of a failed batch; a lone request that fails alone fails its job."""
+    if len(part) > 1:
+        _run_group(rt, engine, kind, part, deadline)
+        return
+    job_id = part[0][0]["id"]
+    try:
+        _run_group(rt, engine, kind, part, deadline)
+    except REDIS_DOWN:
+        raise
+    except RolloutError as error:
+        fail_job(rt, job_id, error)
+    except Exception:
+        fail_unexpected(rt, job_id, "generating")
+
+
+def requeue_generate(rt, job_id: str, prompt) -> None:
+    """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
+    on the new weights; its feature handles stay held on this node."""
+    queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
+    rt.celery.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+
+
+def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,
+           stopped_by_weights: bool = False):
+    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``). A row
+    stopped by a weight update in mode abort succeeds with ``finish_reason: "abort"`` (the job was
+    not cancelled: it ended early with its tokens so far)."""
+    timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
+               "batch_size": batch_size}
+    result = engine_result(output, kind=job["kind"], prompt_token_ids=prompt.token_ids,
+                           placeholder_ranges=prompt.placeholder_ranges, weight_version=engine.weight_version,
+                           transport=prompt.transport, timings=timings,
+                           # Handles never cross nodes: where the prompt was preprocessed and where it ran.
+                           nodes={"preprocess": prompt.node_id, "generate": rt.settings.node_id})
+    aborted = any(choice["finish_reason"] == "abort" for choice in result.get("choices", ()))
+    return job, "cancelled" if aborted and not stopped_by_weights else "succeeded", {"result": result}

@@ -1,0 +1,317 @@
+"""One run of the GPU worker's continuous batch: jobs join between decode steps, leave as they end.
+
+The pool thread runs a session (``workers.tasks.gpu.generate``): it opens the jobs of the messages
+it was handed, submits them to the engine's scheduler, and steps it. Between steps it polls
+cancels (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that finished (one round
+trip for all of a step's results), acknowledges their messages, and takes as many buffered
+messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
+(``workers/tasks/gpu_batching.py``). The session returns when nothing runs and nothing is buffered.
+
+Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
+stop then and it fails with ``job_time_limit_exceeded`` while the others go on. A request that
+fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
+
+Streaming: the scheduler's per-step hook collects every row's new token; after the step the
+session writes them to the jobs' event streams in one pipeline (``workers/jobs/events.py``), before
+the jobs that ended in that step are moved (so a stream's tokens always precede its ``ended``
+status). Each job's run here is numbered (an attempt); a redo of a job whose worker died writes a
+``restart`` event first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from engine.errors import InternalError, JobTimeoutError, RolloutError
+from engine.generation_types import GenerationRequest
+from workers.gpu.jobs import ending, open_jobs, requeue_generate, run_score_jobs
+from workers.infra.metrics import count, observe_stage
+from workers.jobs.prompt_codec import release_prompt
+from workers.jobs.request import JobRequest
+from workers.jobs.stream_text import StreamText
+from workers.lifecycle import end_jobs, fail_job
+
+log = logging.getLogger(__name__)
+
+ABORT_POLL_SECONDS = 0.05
+REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
+STATS_REPORT_SECONDS = 1.0
+# How long a session waits for a paused or failed worker to serve again before its messages go back.
+WEIGHTS_HOLD_SECONDS = 2.0
+
+# What a session returns when Redis went away under it: its messages go back to the queue
+# (workers.tasks.gpu_batching puts them back).
+REQUEUE = "requeue"
+
+
+@dataclass
+class _ChoiceStream:
+    sent: int = 0  # tokens published so far
+    text: StreamText | None = None  # None: the row does not detokenize
+
+
+@dataclass
+class _Live:
+    job: dict[str, Any]
+    prompt: Any
+    message_ids: list[str]
+    attempt: int = 1
+    streams: dict[int, _ChoiceStream] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
+
+
+class GenerateSession:
+    def __init__(self, rt, engine, batches):
+        self._step_tokens: list = []  # RowTokens of the step in progress (the scheduler's hook adds them)
+        self.rt = rt
+        self.engine = engine
+        self.batches = batches
+        self.scheduler = engine.scheduler(on_step=self._on_step)
+        self.live: dict[int, _Live] = {}
+        self._by_job: dict[str, _Live] = {}
+        # Tokens not yet written, by (job id, attempt) then choice (see _publish).
+        self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        self._flush_every = rt.settings.stream_flush_ms / 1000
+        self._next_flush = 0.0
+        self._next_poll = 0.0
+        self._next_report = time.monotonic() + STATS_REPORT_SECONDS
+        self._reported = self._counters()
+
+    def run(self, requests) -> str | None:
+        """Run until nothing runs and nothing is buffered; returns ``REQUEUE`` when this worker may
+        not serve (paused, or the fleet's target failed to load here): the messages not yet
+        admitted then go back to the queue."""
+        sync = self.rt.weight_sync
+        pending = list(requests)
+        try:
+            while True:
+                # One stretch on one set of weights: a pending target is loaded here, between
+                # stretches, never while a row decodes.
+                with sync.batch(WEIGHTS_HOLD_SECONDS) as may_serve:
+                    if not may_serve:
+                        return REQUEUE
+                    self._admit(pending)
+                    pending = []
+                    self._decode_until_idle_or_update(sync)
+                    if not sync.update_pending:
+                        pending = self.batches.take(self.batches.flush_every)
+                        if not pending:
+                            return None
+        finally:
+            try:
+                self._flush_tokens()
+            except redis.RedisError:
+                log.warning("Redis unavailable: the last tokens of this session were not streamed")
+            self._report(every=0)
+
+    def _decode_until_idle_or_update(self, sync) -> None:
+        """Step while rows run. Rows join between steps unless a weight update (or pause) is
+        pending; one in mode abort or retract stops the rows in flight (see ``_interrupt``)."""
+        while self.scheduler.has_work:
+            mode = sync.interruption()  # no Redis call: the weight watcher keeps it fresh
+            if mode is not None:
+                self._interrupt(mode)
+            self._poll_cancels()
+            finished = self.scheduler.step()
+            self._publish(finished)
+            if finished:
+                self._end(finished)
+            if self.scheduler.free_rows and not sync.update_pending:
+                more = self.batches.take(self.scheduler.free_rows)
+                if more:
+                    self._admit(more)
+            self._report(every=STATS_REPORT_SECONDS)
+
+    def _interrupt(self, mode: str) -> None:
+        """Stop every row in flight for a weight update: ``abort`` ends them with their tokens so
+        far; ``retract`` sends their jobs back to run again from the prompt on the new weights."""
+        for handle, live in self.live.items():
+            if live.stopped_by is None:
+                live.stopped_by = mode
+                self.scheduler.abort(handle)
+
+    # --- joining -------------------------------------------------------------------------------
+
+    def _admit(self, requests) -> None:
+        rt = self.rt
+        messages: dict[str, list[str]] = {}
+        for request in requests:
+            messages.setdefault(request.args[0], []).append(request.id)
+        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device)
+        self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
+        scores = [(job, prompt) for job, prompt in ready if job["kind"] == "score"]
+        if scores:
+            try:
+                run_score_jobs(rt, self.engine, scores)
+            finally:
+                for _job, prompt in scores:
+                    release_prompt(rt.redis, prompt)
+                self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
+        deadline = time.monotonic() + rt.settings.task_soft_time_limit
+        generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
+        attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
+        for (job, prompt), attempt in zip(generating, attempts, strict=True):
+            try:
+                request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
+                                            sampling=JobRequest.from_dict(job["request"]).sampling,
+                                            enqueued_at=job["created_at"], cache_scope=job["owner"])
+                features = self.scheduler.check(request)
+            except Exception as error:  # whatever one request raises, it fails alone
+                fail_job(rt, job["id"], _job_error(job, error))
+                release_prompt(rt.redis, prompt)
+                self.batches.acknowledge(messages[job["id"]])
+                continue
+            handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
+            live = _Live(job, prompt, messages[job["id"]], attempt=attempt)
+            tokenizer = self.engine.loaded.tokenizer
+            for choice in range(request.sampling.n):
+                text = StreamText(tokenizer, request.sampling) if request.sampling.detokenize and tokenizer else None
+                live.streams[choice] = _ChoiceStream(text=text)
+            self.live[handle] = live
+            self._by_job[job["id"]] = live
+
+    # --- between steps -------------------------------------------------------------------------
+
+    def _on_step(self, rows) -> None:
+        self._step_tokens.extend(rows)
+
+    def _publish(self, finished) -> None:
+        """This step's tokens, one entry per job, all jobs in one round trip. A choice's text is
+        sent as it commits; its last delta comes from the result (cut at a stop string) when its
+        job ends. Steps faster than ``ROLLOUT_STREAM_FLUSH_MS`` are coalesced (one entry carries
+        several tokens per choice): a first token, and every step in which a job ends (its tokens
+        must precede its terminal status), flush at once."""
+        tokens, self._step_tokens = self._step_tokens, []
+        entries = self._unflushed
+
+        def entry(job_id: str, live: _Live, index: int) -> dict[str, Any]:
+            choices = entries.setdefault((job_id, live.attempt), {})
+            if index not in choices:
+                stream = live.streams[index]
+                choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
+                if stream.text is not None:
+                    choices[index]["text"] = ""
+            return choices[index]
+
+        for row in tokens:
+            live = self._by_job.get(row.tag)
+            if live is None:
+                continue
+            stream = live.streams[row.choice]
+            out = entry(row.tag, live, row.choice)
+            out["token_ids"].append(row.token_id)
+            stream.sent += 1
+            if row.logprob is not None:
+                out.setdefault("logprobs", []).append(row.logprob)
+            if stream.text is not None and row.finish_reason is None:
+                out["text"] += stream.text.push(row.token_id)
+            out["finish_reason"] = row.finish_reason
+        for item in finished:
+            live = self._by_job.get(item.tag)
+            if live is None or item.result is None or live.stopped_by == "retract":
+                continue
+            for choice in item.result.choices:
+                stream = live.streams.get(choice.index)
+                if stream is None or stream.text is None or stream.text.finished:
+                    continue
+                tail = stream.text.finish(choice.text)
+                if tail:
+                    out = entry(item.tag, live, choice.index)
+                    out["text"] += tail
+                    out["finish_reason"] = choice.finish_reason
+        if not entries:
+            return
+        now = time.monotonic()
+        first = any(out["offset"] == 0 for choices in entries.values() for out in choices.values())
+        if finished or first or now >= self._next_flush:
+            self._flush_tokens()
+            self._next_flush = now + self._flush_every
+
+    def _flush_tokens(self) -> None:
+        entries, self._unflushed = self._unflushed, {}
+        if entries:
+            self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
+                                           for (job_id, attempt), choices in entries.items()])
+
+    def _poll_cancels(self) -> None:
+        now = time.monotonic()
+        if now < self._next_poll or not self.live:
+            return
+        self._next_poll = now + ABORT_POLL_SECONDS
+        by_job = {live.job["id"]: handle for handle, live in self.live.items()}
+        try:
+            cancelled = self.rt.jobs.cancel_requested(list(by_job))
+        except redis.RedisError:
+            # Redis is away: decode on, and look again in a second (each failed call waits on
+            # reconnect attempts; one per poll would slow every step down).
+            self._next_poll = now + REDIS_DOWN_POLL_PAUSE_SECONDS
+            return
+        for job_id in cancelled:
+            if job_id in by_job:
+                self.scheduler.abort(by_job[job_id])
+
+    def _end(self, finished) -> None:
+        rt = self.rt
+        endings, done, retracted = [], [], []
+        for item in finished:
+            live = self.live.pop(item.handle)
+            self._by_job.pop(item.tag, None)
+            job = live.job
+            if live.stopped_by == "retract" and item.error is None:
+                retracted.append(live)  # runs again on the new weights: its prompt stays held
+                continue
+            done.append(live)
+            elapsed = time.perf_counter() - live.started
+            observe_stage(rt.redis, "generate", elapsed)
+            if item.error is not None:
+                fail_job(rt, job["id"], _job_error(job, item.error))
+            elif item.timed_out:
+                limit = rt.settings.task_soft_time_limit
+                fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
+            else:
+                endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
+                                      batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
+        if endings:
+            end_jobs(rt, endings)
+        for live in done:
+            release_prompt(rt.redis, live.prompt)
+        for live in retracted:
+            requeue_generate(rt, live.job["id"], live.prompt)
+        self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])
+        interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
+        if interrupted:
+            rt.weight_sync.note_interrupted(interrupted)
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def _counters(self) -> dict[str, int]:
+        stats = self.engine.stats.snapshot()
+        encoder = self.engine.encoder_cache.stats
+        return {**{f"engine_{name}": value for name, value in stats.items()},
+                "engine_encoder_calls": encoder.calls, "engine_encoder_hits": encoder.hits}
+
+    def _report(self, *, every: float) -> None:
+        now = time.monotonic()
+        if now < self._next_report and every:
+            return
+        self._next_report = now + every
+        current = self._counters()
+        for name, value in current.items():
+            if value != self._reported.get(name, 0):
+                count(self.rt.redis, name, value - self._reported.get(name, 0))
+        self._reported = current
+
+
+def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:
+    """The error a job ends with: typed errors as they are; anything else is logged here and
+    reaches the client as ``internal_error``, never with its text."""
+    if isinstance(error, RolloutError):
+        return error
+    log.error("job %s: unexpected error while generating", job["id"], exc_info=error)
+    return InternalError("internal error while generating")

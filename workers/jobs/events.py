@@ -1,0 +1,151 @@
+"""A job's events: one bounded Redis Stream per job, ``rq:job:<id>:events``, with the job's TTL.
+
+Why a Stream and not pub/sub: a reader that connects late (or reconnects with ``Last-Event-ID``)
+replays from any point; pub/sub drops what was sent while nobody listened. Every streamed view
+(``GET /v1/jobs/{id}/events``, each dialect's ``stream: true``) reads this one stream, so what a
+stream delivers is what the job produced.
+
+Entries (field ``t`` is the type, ``d`` its JSON):
+
+- ``status`` ``{"status": ...}``: written by the job store's own transition script
+  (``workers/jobs/store.py``) in the same atomic call that moves the job, so a stream never says a
+  job ended before its record does, and no path that ends a job can forget to say so.
+- ``restart`` ``{"attempt": N}``: attempt N (N > 1) of the job's generation began (its GPU worker
+  was killed and the message was redelivered, or a weight update retracted it). Tokens of every
+  earlier attempt are void: the new attempt generates from the prompt again.
+- ``tokens`` ``{"attempt": N, "choices": [{"index", "offset", "token_ids", "logprobs"?,
+  "text"?, "finish_reason"}]}``: one entry per job per flush (all of its rows; a flush per decode
+  step, or per ``ROLLOUT_STREAM_FLUSH_MS`` when steps are faster), ``offset`` the index of the
+  choice's first token in the entry. ``text`` is the committed text delta
+  where the row detokenizes (held back near a possible stop string; see ``workers.jobs.stream_text``).
+
+Redo after a kill -9 (the guarantee: delivered tokens equal the final result's, in order, none
+twice): tokens carry their attempt and offset. The native events route passes ``restart`` on and
+its readers drop the void attempt's tokens (the Python client does). A dialect stream cannot take
+tokens back, so it continues only where it can prove equality: the new attempt's tokens at offsets
+already delivered must equal them (they are skipped) and only later ones are sent; a mismatch
+ends the stream with a ``stream_diverged`` error (``workers.jobs.follow.TokenLedger``).
+
+Cost: the GPU session writes one pipeline per flush for all of its rows (one round trip,
+``XADD ... MAXLEN ~``), listener or not: a late reader must be able to replay. ``bench/streaming.py``
+measures what it costs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from workers.infra.redis_records import plausible_id
+
+# Roughly (MAXLEN ~) the entries kept per job: one per flush, so a job longer than this
+# loses its first tokens from the stream (a reader then sees a gap and says so; the result keeps all).
+DEFAULT_MAXLEN = 20_000
+
+# KEYS: events, attempt counter. ARGV: ttl, maxlen. Returns the attempt number.
+_BEGIN_ATTEMPT = """
+local attempt = redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+if attempt > 1 then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', tonumber(ARGV[2]), '*', 't', 'restart', 'd',
+             '{"attempt":' .. attempt .. '}')
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+end
+return attempt
+"""
+
+# What job_store's Lua scripts append, spelled here once (they format it with the status word).
+STATUS_EVENT_LUA = (
+    "redis.call('XADD', {key}, 'MAXLEN', '~', tonumber({maxlen}), '*', 't', 'status', 'd', "
+    "'{{\"status\":\"' .. {status} .. '\"}}')"
+)
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    id: str  # the stream entry id: what SSE sends as ``id:`` and takes back as Last-Event-ID
+    type: str  # status | restart | tokens
+    data: dict[str, Any]
+
+
+def events_key(job_id: str) -> str:
+    return f"rq:job:{job_id}:events"
+
+
+def attempt_key(job_id: str) -> str:
+    return f"rq:job:{job_id}:attempt"
+
+
+def plausible_event_id(value: str | None) -> bool:
+    """Whether ``value`` is a stream entry id Redis takes (``ms-seq``, each part a 64-bit unsigned
+    integer): a longer number is a Redis error on read, not an id of this stream."""
+    if not value or len(value) > 41:
+        return False
+    ms, _, seq = value.partition("-")
+    if not (ms.isascii() and ms.isdigit() and (seq == "" or (seq.isascii() and seq.isdigit()))):
+        return False
+    return int(ms) < 2**64 and (seq == "" or int(seq) < 2**64)
+
+
+class JobEvents:
+    """Reads and writes of the per-job event streams."""
+
+    def __init__(self, client: redis.Redis, *, ttl: int, maxlen: int = DEFAULT_MAXLEN):
+        self.redis = client
+        self.ttl = ttl
+        self.maxlen = maxlen
+        self._begin = client.register_script(_BEGIN_ATTEMPT)
+
+    # --- writing (the GPU session) -------------------------------------------------------------
+
+    def begin_attempts(self, job_ids: list[str]) -> list[int]:
+        """Number each job's new generation attempt (1, 2, ...) in one round trip; a redo
+        (attempt > 1) writes its ``restart`` event in the same call."""
+        if not job_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            self._begin(keys=[events_key(job_id), attempt_key(job_id)], args=[self.ttl, self.maxlen], client=pipe)
+        return [int(attempt) for attempt in pipe.execute()]
+
+    def publish_tokens(self, deltas: list[tuple[str, int, list[dict[str, Any]]]]) -> None:
+        """One decode step's ``(job id, attempt, choices)`` for every job with new tokens: one
+        pipeline, one round trip. The key's TTL was set when the job was created."""
+        if not deltas:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, attempt, choices in deltas:
+            data = json.dumps({"attempt": attempt, "choices": choices}, separators=(",", ":"))
+            pipe.xadd(events_key(job_id), {"t": "tokens", "d": data}, maxlen=self.maxlen, approximate=True)
+        pipe.execute()
+
+    # --- reading (the API) ---------------------------------------------------------------------
+
+    def read(self, positions: dict[str, str], *, block_ms: int | None) -> list[tuple[str, JobEvent]]:
+        """``(job id, event)`` after each job's position (``"0"``: from the start), waiting up to
+        ``block_ms`` for the first one (None: do not wait). One XREAD for all the jobs."""
+        streams = {events_key(job_id): after for job_id, after in positions.items() if plausible_id(job_id)}
+        if not streams:
+            return []
+        reply = self.redis.xread(streams, block=block_ms, count=512)
+        out = []
+        for key, entries in reply or []:
+            job_id = (key.decode() if isinstance(key, bytes) else key).split(":")[2]
+            for entry_id, fields in entries:
+                out.append((job_id, _event(entry_id, fields)))
+        return out
+
+    def all(self, job_id: str) -> list[JobEvent]:
+        """Every event still in the job's stream, oldest first (tests, the CLI's replay)."""
+        return [_event(entry_id, fields) for entry_id, fields in self.redis.xrange(events_key(job_id))]
+
+
+def _event(entry_id: bytes | str, fields: dict) -> JobEvent:
+    def text(value):
+        return value.decode() if isinstance(value, bytes) else value
+
+    decoded = {text(k): text(v) for k, v in fields.items()}
+    return JobEvent(text(entry_id), decoded.get("t", ""), json.loads(decoded.get("d") or "{}"))

@@ -1,0 +1,63 @@
+"""The result a job ends with, for generation and scoring alike: one builder (``engine_result``),
+used by the GPU session's jobs (``workers/gpu/jobs.py``) and by batch lines scored without a job
+(``workers/tasks/score_lines.py``), and one typed reading of it (``JobResult``), which every
+protocol adapter maps from.
+
+The stored result is a dict because it is the public ``result`` of ``GET /v1/jobs/{id}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine.choice import Choice
+
+
+def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder_ranges: list[dict],
+                  weight_version: str, transport: str, timings: dict[str, float],
+                  nodes: dict[str, str] | None = None) -> dict[str, Any]:
+    """The stored ``result`` of an engine ``output``: a ``ScoreResult`` for ``kind`` score, else a
+    ``GenerationResult``. ``nodes``: where the prompt was preprocessed and where it ran."""
+    result: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "placeholder_ranges": placeholder_ranges,
+                              "weight_version": weight_version, "timings": timings, "transport": transport}
+    if nodes is not None:
+        result["nodes"] = nodes
+    if kind == "score":
+        result.update(completion_logprobs=output.logprobs, usage=output.usage)
+        return result
+    result.update(choices=[asdict(choice) for choice in output.choices], usage=output.usage,
+                  cached_tokens=output.cached_tokens)
+    if output.prompt_logprobs is not None:
+        result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
+    return result
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A job's stored result as adapters read it. A job that ended before it ran (cancelled while
+    queued, failed) stored none: it reads as ``n`` empty aborted choices and zero usage."""
+
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None
+    cached_tokens: int
+    # Per prompt token, given the tokens before it (None for the first), when asked.
+    prompt_logprobs: list[float | None] | None
+    prompt_top_logprobs: list[list[list] | None] | None
+
+    @classmethod
+    def of(cls, job: dict[str, Any], *, n: int = 1) -> JobResult:
+        stored = job.get("result") or {}
+        usage = stored.get("usage") or {}
+        choices = [Choice.from_record(c) for c in stored.get("choices") or []]
+        return cls(prompt_token_ids=stored.get("prompt_token_ids") or [],
+                   choices=choices or [Choice.aborted(i) for i in range(n)],
+                   prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
+                   weight_version=stored.get("weight_version"), cached_tokens=stored.get("cached_tokens") or 0,
+                   prompt_logprobs=stored.get("prompt_logprobs"), prompt_top_logprobs=stored.get("prompt_top_logprobs"))
+
+    def choice(self, index: int) -> Choice | None:
+        return next((c for c in self.choices if c.index == index), None)

@@ -1,0 +1,261 @@
+"""Job records in Redis.
+
+A job is a hash ``rq:job:<id>``. Its status only moves forward
+(queued → preprocessing → generating → succeeded | failed | cancelled); the move is one Lua
+script, so two workers racing on a redelivered message cannot move a job backwards or end it
+twice. Only the call that actually ends a job gets ``True`` back, and only that call may fire the
+job's webhook.
+
+Per-owner indexes: ``rq:jobs:<owner>`` (sorted by creation, for listing) and an active-job counter
+per owner and in total (for backpressure), kept exact by the same scripts. ``rq:unfinished`` holds
+every unfinished job scored by its last move, for the sweep that finds jobs no message carries
+(``workers/jobs/reaper.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from engine.errors import NotFoundError, RateLimitedError, RolloutError
+from workers.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
+from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key
+
+STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+_RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
+_JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
+TOTAL_ACTIVE_KEY = "rq:active:_total"
+_SHORTEST_WAIT_S = 0.002  # a BLPOP timeout Redis does not round down to 0 (for ever)
+UNFINISHED_KEY = "rq:unfinished"
+
+# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
+# unfinished index.
+# ARGV: new status, its rank, now, ttl, events maxlen, then field/value pairs to set with the move.
+# Returns 1 when the job moved; the move's status event goes to the job's stream in the same call.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return -1 end
+local ranks = {queued=0, preprocessing=1, generating=2, succeeded=3, failed=3, cancelled=3}
+local from = ranks[current]
+local to = tonumber(ARGV[2])
+if from >= 3 or to <= from then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
+if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+if to == 3 then
+  redis.call('ZREM', KEYS[8], redis.call('HGET', KEYS[1], 'id'))
+  redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
+  redis.call('DECR', KEYS[2])
+  redis.call('DECR', KEYS[3])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  -- Wakes a synchronous waiter (POST /generate) without polling.
+  redis.call('RPUSH', KEYS[4], ARGV[1])
+  redis.call('EXPIRE', KEYS[4], 300)
+  redis.call('DEL', KEYS[5], KEYS[6])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
+end
+return 1
+"""
+
+# KEYS: job, owner index, owner active counter, total active counter, prompt, events, unfinished index.
+# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, events maxlen, then
+# the job's field/value pairs. The job's event stream starts with its ``queued`` event.
+_CREATE = """
+if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
+if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
+redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('ZADD', KEYS[7], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('INCR', KEYS[3])
+redis.call('INCR', KEYS[4])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
+return 1
+"""
+
+
+class QueueFullError(RateLimitedError):
+    code = "queue_full"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_active_per_owner: int
+    max_active_total: int
+    result_ttl: int
+    events_maxlen: int = DEFAULT_MAXLEN
+
+
+class JobStore:
+    def __init__(self, client: redis.Redis, limits: Limits):
+        self.redis = client
+        self.limits = limits
+        self._create = client.register_script(_CREATE)
+        self._transition = client.register_script(_TRANSITION)
+
+    @staticmethod
+    def key(job_id: str) -> str:
+        return f"rq:job:{job_id}"
+
+    @staticmethod
+    def prompt_key(job_id: str) -> str:
+        """Where the finalized prompt waits for the GPU worker (``save_prompt``, ``prompts``)."""
+        return f"rq:job:{job_id}:prompt"
+
+    @staticmethod
+    def cancel_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:cancel"
+
+    @staticmethod
+    def done_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:done"
+
+    @staticmethod
+    def _active_key(owner: str) -> str:
+        return f"rq:active:{owner}"
+
+    def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
+               webhook: dict | None = None, metadata: dict | None = None,
+               extra: dict[str, str] | None = None, prompt: str | None = None) -> dict[str, Any]:
+        """Store a new queued job and return its record. ``prompt``, a finalized prompt as JSON, is
+        stored with it (under ``prompt_key``) when the job needs no preprocessing."""
+        now = time.time()
+        job_id = new_id("job")
+        fields: dict[str, Any] = {
+            "id": job_id, "owner": owner, "kind": kind, "status": "queued", "created_at": now,
+            "request_id": request_id or "", "request": request, "webhook": webhook,
+            "metadata": metadata, **(extra or {}),
+        }
+        encoded = {name: _encode(name, value) for name, value in fields.items()}
+        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, prompt or "",
+                           self.limits.result_ttl, self.limits.events_maxlen]
+        for pair in encoded.items():
+            args += pair
+        keys = [self.key(job_id), f"rq:jobs:{owner}", self._active_key(owner), TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
+                events_key(job_id), UNFINISHED_KEY]
+        outcome = self._create(keys=keys, args=args)
+        if outcome == -1:
+            raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
+        if outcome == -2:
+            raise QueueFullError("the service has too many unfinished jobs", headers={"Retry-After": "5"})
+        return self._decode(encoded)  # what the hash now holds, without reading it back
+
+    def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
+        """The job, or NotFoundError — also when it belongs to another owner."""
+        raw = self.redis.hgetall(self.key(job_id)) if plausible_id(job_id) else {}
+        if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
+            raise NotFoundError(f"no job {job_id!r}")
+        return self._decode(raw)
+
+    def get_many(self, job_ids: list[str]) -> list[dict[str, Any] | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.key(job_id))
+        return [self._decode(raw) if raw else None for raw in pipe.execute()]
+
+    def advance(self, job_id: str, status: str, *, owner: str | None = None, **fields: Any) -> bool:
+        """Move the job forward to ``status``; False if it is already there, past it, or ended.
+        Pass ``owner`` when known: it saves a round trip."""
+        if owner is None:
+            owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
+        keys, args = self._transition_call(job_id, owner, status, fields)
+        return self._transition(keys=keys, args=args) == 1
+
+    def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
+        """``advance`` for many ``(job id, owner)`` pairs in one round trip."""
+        return self.advance_each([(job_id, owner, status, {}) for job_id, owner in jobs])
+
+    def advance_each(self, moves: list[tuple[str, str, str, dict[str, Any]]]) -> list[bool]:
+        """``advance`` for many ``(job id, owner, status, fields)`` in one round trip."""
+        if not moves:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id, owner, status, fields in moves:
+            keys, args = self._transition_call(job_id, owner, status, fields)
+            self._transition(keys=keys, args=args, client=pipe)
+        return [moved == 1 for moved in pipe.execute()]
+
+    def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
+        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen]
+        for name, value in fields.items():
+            args += [name, _encode(name, value)]
+        keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
+                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY]
+        return keys, args
+
+    def fail(self, job_id: str, error: RolloutError) -> bool:
+        # The code alone says the type (and its HTTP status): RolloutError.from_record.
+        return self.advance(job_id, "failed", error=error.to_dict())
+
+    def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
+        """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""
+        job = self.get(job_id)
+        if job["status"] in TERMINAL or timeout <= 0:
+            return job if job["status"] in TERMINAL else None
+        deadline = time.monotonic() + timeout
+        # Short waits keep each call well inside the client's socket timeout. Redis reads a BLPOP
+        # timeout in whole milliseconds, and one under 1 ms as 0, which blocks for ever: stop first.
+        while (remaining := deadline - time.monotonic()) >= _SHORTEST_WAIT_S:
+            if self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0)) is not None:
+                return self.get(job_id)
+        job = self.get(job_id)
+        return job if job["status"] in TERMINAL else None
+
+    def save_prompt(self, job_id: str, prompt: str) -> None:
+        """Leave the job's finalized prompt (JSON, see ``workers.jobs.prompt_codec``) for the GPU worker.
+        It is deleted when the job ends."""
+        self.redis.set(self.prompt_key(job_id), prompt, ex=self.limits.result_ttl)
+
+    def prompts(self, job_ids: list[str]) -> list[bytes | None]:
+        """The jobs' finalized prompts as stored (JSON); None where a job has none (yet, or any more)."""
+        return self.redis.mget([self.prompt_key(job_id) for job_id in job_ids]) if job_ids else []
+
+    def request_abort(self, job_id: str) -> None:
+        """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""
+        self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
+
+    def cancel_requested(self, job_ids: list[str]) -> set[str]:
+        flags = self.redis.mget([self.cancel_key(job_id) for job_id in job_ids]) if job_ids else []
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+
+    def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
+        """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
+        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+                                 keep=lambda job: status is None or job["status"] == status)
+
+    def stalled(self, *, before: float, limit: int) -> list[str]:
+        """Unfinished jobs that last moved (were created or changed status) before ``before``, oldest first."""
+        return [job_id.decode() for job_id in self.redis.zrangebyscore(UNFINISHED_KEY, "-inf", before, 0, limit)]
+
+    def reset_stall(self, job_ids: list[str]) -> None:
+        """Restart these unfinished jobs' stall clock: a message was found carrying them, or was
+        just sent again (so the next sweep looks at the jobs behind them)."""
+        if job_ids:
+            self.redis.zadd(UNFINISHED_KEY, dict.fromkeys(job_ids, time.time()), xx=True)
+
+    def forget_unfinished(self, job_ids: list[str]) -> None:
+        """Drop ids from the unfinished index (their records are gone, or ended before the index existed)."""
+        if job_ids:
+            self.redis.zrem(UNFINISHED_KEY, *job_ids)
+
+    def active_counts(self) -> int:
+        return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
+
+    def active_count(self, owner: str) -> int:
+        """How many of ``owner``'s jobs are unfinished (the counter the create script caps)."""
+        return int(self.redis.get(self._active_key(owner)) or 0)
+
+    @staticmethod
+    def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
+        return decode_record(raw, json_fields=_JSON_FIELDS)
+
+
+def _encode(name: str, value: Any) -> str:
+    return encode_field(name, value, _JSON_FIELDS)
