@@ -46,16 +46,8 @@ def check_prompt(loaded: LoadedModel, prompt_token_ids: Sequence[int], new_token
     more exceeds the context."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    check_vocabulary(loaded, prompt_token_ids, "prompt_token_ids")
+    check_token_ids(prompt_token_ids, loaded.vocab_size, "prompt_token_ids")
     check_context(len(prompt_token_ids), new_tokens, loaded.max_context_length)
-
-
-def check_vocabulary(loaded: LoadedModel, token_ids: Sequence[int], field: str) -> None:
-    """:class:`~engine.errors.TokenIdOutOfRangeError` for an id the model has no embedding for,
-    before any tensor is built. The API checks too, but jobs reach the engine by other ways (the
-    store, batch lines, direct callers), and one bad id must fail its own request only: in the
-    embedding it would be an untyped IndexError, on CUDA an assert that breaks the process."""
-    check_token_ids(token_ids, loaded.vocab_size, field)
 
 
 def check_placeholders(

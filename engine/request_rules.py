@@ -67,6 +67,19 @@ def check_context(prompt_tokens: int, new_tokens: int, limit: int | None, *, pro
                              errors={"prompt_tokens": prompt_tokens, "max_tokens": new_tokens, "max_context": limit})
 
 
+def sampling_knob_problems(params: Mapping[str, Any]) -> dict[str, str]:
+    """``{field: problem}`` for the sampling knobs that contradict each other (each knob's own
+    range is its field's check): ``min_tokens`` past ``max_tokens``, stop strings without
+    ``detokenize``. One rule for the API's schema, its defaults and the engine's SamplingParams."""
+    problems = {}
+    min_tokens, max_tokens = params.get("min_tokens", 0), params.get("max_tokens")
+    if isinstance(min_tokens, int) and isinstance(max_tokens, int) and min_tokens > max_tokens:
+        problems["min_tokens"] = f"must not exceed max_tokens ({max_tokens})"
+    if params.get("stop") and params.get("detokenize") is False:
+        problems["stop"] = "stop strings are matched on the detokenized text: they need detokenize"
+    return problems
+
+
 def check_metadata(metadata: Any, max_bytes: int) -> None:
     """A request's or a batch's ``metadata``: at most ``max_bytes`` as JSON."""
     if metadata is not None and len(json.dumps(metadata)) > max_bytes:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.errors import InvalidRequestError
+from engine.request_rules import sampling_knob_problems
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs: k alternatives per step cost k floats per token
@@ -90,12 +91,9 @@ class SamplingParams:
                 or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)):
             problems["stop"] = (f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                                 f"{MAX_STOP_STRING_CHARS} characters")
-        elif self.stop and self.detokenize is False:
-            problems["stop"] = "stop strings are matched on the detokenized text: they need detokenize"
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             problems["min_tokens"] = "must be an integer >= 0"
-        elif _is_int(self.max_tokens) and self.min_tokens > self.max_tokens:
-            problems["min_tokens"] = "must not exceed max_tokens"
+        problems = {**sampling_knob_problems(vars(self)), **problems}  # a field's own range first
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
             problems["repetition_penalty"] = "must be in (0, 2] (1 turns it off)"
         for name in ("frequency_penalty", "presence_penalty"):

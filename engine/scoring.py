@@ -28,12 +28,11 @@ from engine.batch_inputs import (
     Row,
     check_placeholders,
     check_prompt,
-    check_vocabulary,
     collate,
     prompt_positions,
     request_features,
 )
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, check_token_ids
 from engine.items import MultimodalItem
 from engine.loading import LoadedModel
 
@@ -64,7 +63,7 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
         if len(request.completion_token_ids) == 0:
             raise InvalidRequestError("completion_token_ids must not be empty")
         check_prompt(loaded, request.prompt_token_ids, len(request.completion_token_ids))
-        check_vocabulary(loaded, request.completion_token_ids, "completion_token_ids")
+        check_token_ids(request.completion_token_ids, loaded.vocab_size, "completion_token_ids")
         features = request_features(request.items, request.mm_kwargs)
         check_placeholders(loaded, request.prompt_token_ids, features, request.completion_token_ids)
         rows.append(Row(

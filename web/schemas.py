@@ -11,7 +11,7 @@ from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
 
-from engine.request_rules import prompt_input_problem
+from engine.request_rules import prompt_input_problem, sampling_knob_problems
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 JOB_KINDS = ("generate", "score")
@@ -131,10 +131,8 @@ class SamplingParamsSchema(Schema):
 
     @validates_schema
     def consistent_knobs(self, data: dict, **_) -> None:
-        if "max_tokens" in data and data["min_tokens"] > data["max_tokens"]:
-            raise ValidationError("must not exceed max_tokens", "min_tokens")
-        if data["stop"] and not data["detokenize"]:
-            raise ValidationError("stop strings are matched on the text: they need detokenize", "stop")
+        if problems := sampling_knob_problems(data):
+            raise ValidationError({field: [problem] for field, problem in problems.items()})
 
 
 class WebhookSchema(Schema):

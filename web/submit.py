@@ -6,7 +6,13 @@ from typing import Any
 
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, check_token_ids
-from engine.request_rules import check_context, check_media_count, check_metadata, new_tokens_of
+from engine.request_rules import (
+    check_context,
+    check_media_count,
+    check_metadata,
+    new_tokens_of,
+    sampling_knob_problems,
+)
 from web.auth import current_owner
 from web.services import services
 from workers.gpu.limits import scheduler_limits
@@ -23,9 +29,9 @@ def check_limits(request: dict[str, Any]) -> dict[str, Any]:
     params = request["sampling_params"]
     check_vocabulary(request, svc.model_facts.vocab_size)
     params.setdefault("max_tokens", settings.default_max_tokens)
-    if params.get("min_tokens", 0) > params["max_tokens"]:
-        raise InvalidRequestError("min_tokens exceeds max_tokens",
-                                  errors={"sampling_params": {"min_tokens": [f"at most max_tokens ({params['max_tokens']})"]}})
+    if problems := sampling_knob_problems(params):  # again, now that max_tokens has its default
+        raise InvalidRequestError("invalid sampling parameters", errors={
+            "sampling_params": {field: [problem] for field, problem in problems.items()}})
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).
     check_context(prompt_len, new_tokens_of(request.get("kind", "generate"), params["max_tokens"],
