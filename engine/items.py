@@ -32,10 +32,6 @@ class MultimodalItem:
     pad_value: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def num_placeholders(self) -> int:
-        return self.offset[1] - self.offset[0]
-
     def tensors(self) -> dict[str, torch.Tensor]:
         """The features as tensors; fails on wrapped ones (open them with the transport first)."""
         out = {}

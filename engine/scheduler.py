@@ -135,10 +135,6 @@ class _Job:
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
 
-    @property
-    def final_len(self) -> int:
-        return self.prompt_len + self.request.sampling.max_tokens
-
 
 @dataclass
 class _Chunking:

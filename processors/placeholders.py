@@ -21,17 +21,6 @@ IMAGE_SENTINEL = "<image>"
 SENTINELS = {"image": IMAGE_SENTINEL, "video": "<video>", "audio": "<audio>"}
 
 
-def sentinel_pattern(native: str) -> re.Pattern[str]:
-    """The pattern :func:`normalize_text` uses: the native form or the sentinel, longest first."""
-    forms = sorted({native, IMAGE_SENTINEL}, key=len, reverse=True)
-    return re.compile("|".join(re.escape(form) for form in forms))
-
-
-def normalize_text(prompt: str, pattern: re.Pattern[str], native: str) -> tuple[str, int]:
-    """``prompt`` with every image marker in ``native`` form, and how many markers it has."""
-    return pattern.subn(lambda _: native, prompt)
-
-
 def media_pattern(forms: Mapping[str, str]) -> re.Pattern[str]:
     """One pattern for every marker in ``forms`` (marker -> native form), longest first."""
     return re.compile("|".join(re.escape(form) for form in sorted(forms, key=len, reverse=True)))

@@ -63,17 +63,6 @@ class RequestCountsSchema(Schema):
     failed = fields.Integer()
 
 
-class LineErrorSchema(Schema):
-    custom_id = fields.String(allow_none=True)
-    line = fields.Integer()
-    error = fields.Dict(metadata={"description": "{code, message, errors?}"})
-
-
-class BatchErrorsSchema(Schema):
-    invalid_lines = fields.Integer(metadata={"description": "Lines refused when the file was checked"})
-    data = fields.List(fields.Nested(LineErrorSchema), metadata={"description": "The first of them"})
-
-
 _TIME = "Unix time: seconds as a float in our view, whole seconds in OpenAI's"
 
 

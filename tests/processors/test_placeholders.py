@@ -8,7 +8,7 @@ from engine.demo_model import ARCHS
 from engine.errors import PlaceholderMismatchError
 from processors.errors import PlaceholderCountError
 from processors.pipeline import preprocess
-from processors.placeholders import expand_tokens, normalize_text, sentinel_pattern
+from processors.placeholders import IMAGE_SENTINEL, expand_tokens, media_pattern, normalize_media
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
 P, START, END = 9, 7, 8  # image pad, vision start, vision end (made-up ids)
@@ -21,16 +21,21 @@ def expand(ids, replacements, placeholder_ids=(P,), collapsed=P):
 # --- text ---------------------------------------------------------------------------------------
 
 
+def _image_forms(native: str) -> dict[str, str]:
+    return {IMAGE_SENTINEL: native, native: native}
+
+
 def test_sentinel_and_native_forms_normalise_in_one_counted_pass():
-    pattern = sentinel_pattern(QWEN)
-    text, count = normalize_text(f"a <image> b {QWEN} c<image>", pattern, QWEN)
+    forms = _image_forms(QWEN)
+    text, count = normalize_media(f"a <image> b {QWEN} c<image>", media_pattern(forms), forms)
     assert (text, count) == (f"a {QWEN} b {QWEN} c{QWEN}", 3)
     # Regression: the native form is never rewritten again, so normalising twice changes nothing.
-    assert normalize_text(text, pattern, QWEN) == (text, 3)
+    assert normalize_media(text, media_pattern(forms), forms) == (text, 3)
 
 
 def test_sentinel_is_the_native_form_for_llava():
-    assert normalize_text("<image>\n<image> hi", sentinel_pattern("<image>"), "<image>") == ("<image>\n<image> hi", 2)
+    forms = _image_forms("<image>")
+    assert normalize_media("<image>\n<image> hi", media_pattern(forms), forms) == ("<image>\n<image> hi", 2)
 
 
 def test_sentinel_prompt_matches_native_prompt(processors, fetcher, transport, limits, image_url):

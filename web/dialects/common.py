@@ -155,11 +155,6 @@ def served_model_name() -> str:
     return settings.served_model_name or model_id(settings)
 
 
-def weight_version_hint() -> str | None:
-    """The configured weight version (results carry the version that actually served them)."""
-    return services().settings.weight_version
-
-
 def _rename(messages: Any, names: dict[str, str]) -> dict[str, Any]:
     """marshmallow's nested messages as dotted paths, native names replaced by the dialect's."""
     out = {}
