@@ -26,6 +26,13 @@ One :meth:`Scheduler.step`:
    in chunks of that size, one chunk per step, so decoding rows keep their pace. Each row of a
    prompt takes its first token from the prompt's last logits and joins the running batch.
 
+The parts, each testable without a model: the running batch (:mod:`engine.running_batch`: rows,
+their jobs, cache, mask, positions, deltas and next tokens as one object), admission under the KV
+budget (:func:`engine.capacity.fits_kv_budget`), prefill planning (:mod:`engine.prefill_plan`:
+prompt groups, the prompt cache, chunking), sampling (:mod:`engine.row_sampling`) and result
+building (:mod:`engine.request_result`). This module runs the forwards and moves jobs through
+their states (pending -> admitted -> running -> done).
+
 Positions: a row's next text position is the number of real tokens it has; M-RoPE models add the
 row's rope delta (from transformers' own ``get_rope_index``), so rows of any length and media share
 a batch and each sees the positions it would see alone.
@@ -49,12 +56,10 @@ from engine.batch_inputs import (
     check_placeholders,
     check_prompt,
     collate,
-    placeholder_ranges,
     prompt_positions,
     request_features,
 )
-from engine.capacity import SchedulerLimits, check_capacity
-from engine.choice import Choice
+from engine.capacity import SchedulerLimits, check_capacity, fits_kv_budget
 from engine.decoding import RowDecoder
 from engine.encoder_cache import (
     EncoderCache,
@@ -66,13 +71,15 @@ from engine.encoder_cache import (
     unit_key,
 )
 from engine.errors import InvalidRequestError
-from engine.generation_types import GenerationResult
-from engine.kv_batch import append_rows, keep_rows, split_rows
+from engine.kv_batch import split_rows
 from engine.loading import LoadedModel
+from engine.prefill_plan import chunk_end, plan_prefill
 from engine.prompt_cache import PrefilledPrompt, PromptCache
+from engine.request_result import build_result
+from engine.row_sampling import RowTokens, sample_rows
+from engine.running_batch import RunningBatch
 from engine.sampling import choice_seed
 from engine.sampling_params import SamplingParams
-from engine.scoring import teacher_forced
 
 
 @dataclass
@@ -86,17 +93,6 @@ class EngineStats:
 
     def snapshot(self) -> dict[str, int]:
         return dict(vars(self))
-
-
-@dataclass
-class RowTokens:
-    """One row's token of one step, for the per-step hook (streaming)."""
-
-    tag: Any
-    choice: int
-    token_id: int
-    logprob: float | None
-    finish_reason: str | None  # set on the row's last token
 
 
 @dataclass
@@ -174,14 +170,7 @@ class Scheduler:
         self._pending: list[_Job] = []
         self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
         self._chunking: _Chunking | None = None
-        # The running batch: parallel per-row state.
-        self._rows: list[RowDecoder] = []
-        self._row_jobs: list[_Job] = []
-        self._cache = None
-        self._mask: torch.Tensor | None = None
-        self._positions: torch.Tensor | None = None  # (rows,) next text position
-        self._deltas: torch.Tensor | None = None  # (rows,) M-RoPE deltas; None without M-RoPE
-        self._last: torch.Tensor | None = None  # (rows,) token to feed next
+        self._batch = RunningBatch()
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -230,15 +219,12 @@ class Scheduler:
 
     @property
     def running_rows(self) -> int:
-        return len(self._rows)
+        return len(self._batch)
 
     @property
     def free_rows(self) -> int:
         """Rows a new request could take now (the GPU worker reserves no more messages than this)."""
-        taken = len(self._rows) + sum(len(j.rows) for j in self._admitted) + sum(len(j.rows) for j in self._pending)
-        if self._chunking is not None:
-            taken += len(self._chunking.job.rows)
-        return max(0, self.limits.max_rows - taken)
+        return max(0, self.free_rows_for_admission - sum(len(j.rows) for j in self._pending))
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -246,11 +232,11 @@ class Scheduler:
         """One scheduling iteration (see the module docstring); the requests that ended in it."""
         events: list[RowTokens] = []
         self._stop_aborted_and_expired()
-        if self._rows:
+        if self._batch:
             self._decode(events)
         self._admit()
         self._prefill_and_join(events)
-        self._drop_finished_rows()
+        self._batch.drop_finished()
         finished = self._collect()
         if self.on_step is not None and events:
             self.on_step(events)
@@ -265,73 +251,28 @@ class Scheduler:
             job.timed_out = job.timed_out or (expired and not job.abort_requested)
             for row in job.rows:
                 row.abort()
-        self._drop_finished_rows()
+        self._batch.drop_finished()
 
     def _decode(self, events: list[RowTokens]) -> None:
-        loaded = self.loaded
-        rows = len(self._rows)
-        mask = torch.cat([self._mask, self._mask.new_ones((rows, 1))], dim=1)
-        positions = self._positions[:, None]
-        if self._deltas is not None:
-            vision = (positions + self._deltas[:, None])[None].expand(3, rows, 1)
-            position_ids = torch.cat([positions[None], vision], dim=0)
-        else:
-            position_ids = positions
+        loaded, batch = self.loaded, self._batch
+        inputs = batch.decode_inputs()
         try:
             with loaded.lock, torch.inference_mode():
-                out = loaded.model(input_ids=self._last[:, None], attention_mask=mask, position_ids=position_ids,
-                                   cache=self._cache, use_cache=True, logits_to_keep=1)
+                out = loaded.model(**inputs, use_cache=True, logits_to_keep=1)
         except Exception as error:  # a batch forward: every running request ends with it
-            for job in dict.fromkeys(self._row_jobs):
+            for job in dict.fromkeys(batch.jobs):
                 self._fail(job, error)
-            self._drop_finished_rows()
+            batch.drop_finished()
             return
-        self._cache = _cache_of(out)
-        self._mask = mask
-        self._positions = self._positions + 1
         self.stats.decode_steps += 1
-        self.stats.decode_rows += rows
-        tokens = self._sample(self._rows, self._row_jobs, out.logits[:, -1].float(), events, batch_rows=rows)
-        self._last = tokens.to(self._last.device)
+        self.stats.decode_rows += len(batch)
+        tokens = self._sample(batch.rows, batch.jobs, out.logits[:, -1].float(), events, batch_rows=len(batch))
+        batch.advance(_cache_of(out), inputs["attention_mask"], tokens)
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
                 events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
-        """Each row's token from its raw logits (rows, vocab), recorded on its decoder. Logprobs are
-        the raw distribution's; the token is never a media placeholder id (see _unsampled)."""
-        for job in jobs:
-            job.peak_rows = max(job.peak_rows, batch_rows)
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._unsampled(logits)
-        tokens = torch.argmax(logits, dim=-1)  # one batched argmax serves the plain greedy rows
-        for i, (row, job) in enumerate(zip(rows, jobs, strict=True)):
-            if row.done:
-                continue
-            try:
-                if not row.plain_greedy:
-                    tokens[i] = row.pick(logits[i])
-                k = row.params.top_logprobs
-                top = torch.topk(raw_logprobs[i], k) if k else None
-                chosen = raw_logprobs[i, tokens[i]]
-                row.add_logprobs(chosen, top.values if top is not None else None,
-                                 top.indices if top is not None else None)
-                token = int(tokens[i])
-                row.record(token, aborted=False)
-            except Exception as error:  # this row's request ends alone
-                self._fail(job, error)
-                continue
-            if job.first_token_at is None:
-                job.first_token_at = time.perf_counter()
-            events.append(RowTokens(job.tag, row.choice_index, token,
-                                    float(chosen) if row.params.logprobs else None, row.finish_reason))
-        return tokens
-
-    def _unsampled(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with the model's media placeholder ids at -inf: a sampled placeholder, fed back
-        (the next turn of a rollout, a scoring call), would be taken for a media slot, so it is
-        never drawn (real checkpoints give them ~0 probability; tiny random ones do not)."""
-        if self._placeholder_ids is None:
-            return logits
-        return logits.index_fill(-1, self._placeholder_ids.to(logits.device), -torch.inf)
+        return sample_rows(rows, jobs, logits, placeholder_ids=self._placeholder_ids, events=events,
+                           batch_rows=batch_rows, fail=self._fail)
 
     def _admit(self) -> None:
         while self._pending:
@@ -346,19 +287,15 @@ class Scheduler:
 
     @property
     def free_rows_for_admission(self) -> int:
-        taken = len(self._rows) + sum(len(j.rows) for j in self._admitted)
-        if self._chunking is not None:
-            taken += len(self._chunking.job.rows)
-        return self.limits.max_rows - taken
+        return self.limits.max_rows - len(self._batch) - sum(len(j.rows) for j in self._admitted_or_chunking())
+
+    def _admitted_or_chunking(self) -> list[_Job]:
+        return self._admitted + ([self._chunking.job] if self._chunking is not None else [])
 
     def _fits(self, job: _Job) -> bool:
-        """The left-padded cache stays within the KV budget at its worst point if ``job`` joins:
-        rows still alive after t more steps times the longest of them then, for every t."""
-        future = [(len(row.token_ids) + self._row_jobs[i].prompt_len, row.params.max_tokens - len(row.token_ids))
-                  for i, row in enumerate(self._rows)]
-        waiting = list(self._admitted) + ([self._chunking.job] if self._chunking is not None else []) + [job]
-        future += [(j.prompt_len, j.request.sampling.max_tokens) for j in waiting for _ in j.rows]
-        return peak_cache_tokens(future) <= self.limits.kv_cache_tokens
+        """The left-padded cache stays within the KV budget at its worst point if ``job`` joins."""
+        joining = [(j.prompt_len, j.request.sampling.max_tokens, len(j.rows)) for j in [*self._admitted_or_chunking(), job]]
+        return fits_kv_budget(self._batch.futures(), joining, self.limits.kv_cache_tokens)
 
     def _prefill_and_join(self, events: list[RowTokens]) -> None:
         joined: list[tuple[_Job, PrefilledPrompt]] = []
@@ -378,63 +315,28 @@ class Scheduler:
         if not rows:
             return
         logits = torch.stack([p.logits for p in prompts])
-        tokens = self._sample(rows, row_jobs, logits, events, batch_rows=len(self._rows) + len(rows))
+        tokens = self._sample(rows, row_jobs, logits, events, batch_rows=len(self._batch) + len(rows))
         for job, _ in joined:
             if job.state != "done":
                 job.state = "running"
         keep = [i for i, row in enumerate(rows) if not row.done]
-        if not keep:
-            return
-        device = self.loaded.device
-        self._cache, self._mask = append_rows(self._cache, self._mask, [prompts[i].kv for i in keep],
-                                              config=self.loaded.model.config)
-        new_positions = torch.tensor([prompts[i].length for i in keep], dtype=torch.long, device=device)
-        new_last = tokens[keep].to(device)
-        uses_deltas = any(prompts[i].rope_delta is not None for i in keep) or self._deltas is not None
-        if uses_deltas:
-            new_deltas = torch.tensor([prompts[i].rope_delta or 0 for i in keep], dtype=torch.long, device=device)
-        if self._positions is None:
-            self._positions, self._last = new_positions, new_last
-            self._deltas = new_deltas if uses_deltas else None
-        else:
-            self._positions = torch.cat([self._positions, new_positions])
-            self._last = torch.cat([self._last, new_last])
-            if uses_deltas:
-                old = self._deltas if self._deltas is not None else torch.zeros_like(self._positions[:-len(keep)])
-                self._deltas = torch.cat([old, new_deltas])
-        self._rows += [rows[i] for i in keep]
-        self._row_jobs += [row_jobs[i] for i in keep]
+        if keep:
+            self._batch.join([rows[i] for i in keep], [row_jobs[i] for i in keep], [prompts[i] for i in keep],
+                             tokens[keep], config=self.loaded.model.config, device=self.loaded.device)
 
     def _prefill_admitted(self) -> list[tuple[_Job, PrefilledPrompt]]:
         """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
-        joined, to_compute = [], {}
-        budget = self.limits.prefill_chunk_tokens if self._rows else None
-        used_width, used_rows = 0, 0
-        for job in list(self._admitted):
-            if job.state == "done":
-                self._admitted.remove(job)
-                continue
-            cached = self.prompt_cache.get(job.key)
-            if cached is not None:
-                self._admitted.remove(job)
-                self._count_shared(job)
-                joined.append((job, cached))
-                continue
-            if job.key in to_compute:
-                to_compute[job.key].append(job)
-                self._admitted.remove(job)
-                continue
-            width = max(used_width, job.prompt_len)
-            if budget is not None and (used_rows + 1) * width > budget:
-                if not to_compute and self._chunking is None:
-                    self._admitted.remove(job)
-                    self._start_chunking(job)
-                break
-            used_width, used_rows = width, used_rows + 1
-            to_compute[job.key] = [job]
-            self._admitted.remove(job)
-        if to_compute:
-            joined += self._compute_prompts(to_compute)
+        plan = plan_prefill(self._admitted, self.prompt_cache.get,
+                            budget=self.limits.prefill_chunk_tokens if self._batch else None)
+        taken = set(map(id, plan.taken))
+        self._admitted = [job for job in self._admitted if id(job) not in taken]
+        for job, _ in plan.cached:
+            self._count_shared(job)
+        joined = list(plan.cached)
+        if plan.chunked is not None:
+            self._start_chunking(plan.chunked)
+        if plan.groups:
+            joined += self._compute_prompts(plan.groups)
         if self._chunking is not None and not joined:
             joined += self._prefill_chunk()
         return joined
@@ -495,14 +397,9 @@ class Scheduler:
             return []
         length = job.prompt_len
         start = state.done
-        end = min(length, start + self.limits.prefill_chunk_tokens)
         units = job.units
-        if units and not self._uses_encoder_outputs:
-            # The model takes its pixels in one forward: every placeholder goes in one chunk.
-            end = max(end, max(unit.span[1] for unit in units))
-        for unit in units:  # a chunk never splits a media unit's placeholders
-            if unit.span[0] < end < unit.span[1]:
-                end = unit.span[1]
+        end = chunk_end(start, length, self.limits.prefill_chunk_tokens, [unit.span for unit in units],
+                        media_in_one_forward=not self._uses_encoder_outputs)
         chunk_units = [unit for unit in units if start <= unit.span[0] < end]
         batch = {name: value[:, start:end] if name in ("input_ids", "mm_token_type_ids") else value
                  for name, value in state.batch.items()}
@@ -548,25 +445,6 @@ class Scheduler:
         for row in job.rows:
             row.abort()
 
-    def _drop_finished_rows(self) -> None:
-        if not self._rows:
-            return
-        keep = [i for i, row in enumerate(self._rows) if not row.done]
-        if len(keep) == len(self._rows):
-            return
-        if not keep:
-            self._rows, self._row_jobs = [], []
-            self._cache = self._mask = self._positions = self._deltas = self._last = None
-            return
-        self._cache, self._mask = keep_rows(self._cache, self._mask, keep)
-        index = torch.as_tensor(keep, dtype=torch.long, device=self._positions.device)
-        self._positions = self._positions.index_select(0, index)
-        self._last = self._last.index_select(0, index)
-        if self._deltas is not None:
-            self._deltas = self._deltas.index_select(0, index)
-        self._rows = [self._rows[i] for i in keep]
-        self._row_jobs = [self._row_jobs[i] for i in keep]
-
     def _collect(self) -> list[Finished]:
         finished = []
         for handle, job in list(self._jobs.items()):
@@ -584,72 +462,13 @@ class Scheduler:
                 finished.append(Finished(handle, job.tag, error=job.error))
                 continue
             try:
-                result = self._result(job)
+                result = build_result(self.loaded, job)
             except Exception as error:
                 finished.append(Finished(handle, job.tag, error=error))
                 continue
             finished.append(Finished(handle, job.tag, result=result, timed_out=job.timed_out,
                                      batch_rows=job.peak_rows))
         return finished
-
-    def _result(self, job: _Job):
-
-        loaded, request = self.loaded, job.request
-        now = time.perf_counter()
-        timings: dict[str, float] = {}
-        if job.admitted_at is not None:
-            first = job.first_token_at or now
-            timings = {"prefill_s": first - job.admitted_at, "decode_s": now - first}
-        if request.enqueued_at is not None:
-            timings["queue_s"] = max(0.0, (job.admitted_wall or time.time()) - request.enqueued_at)
-        scored = {}
-        ran = job.admitted_at is not None
-        if request.sampling.prompt_logprobs is not None and ran:
-            started = time.perf_counter()
-            scored = prompt_logprobs(loaded, request, job.features)
-            timings["prompt_logprobs_s"] = time.perf_counter() - started
-        choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
-                          finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
-                          top_logprobs=row.top_logprobs())
-                   for row in job.rows]
-        return GenerationResult(
-            prompt_token_ids=list(request.prompt_token_ids),
-            choices=choices,
-            usage={"prompt_tokens": job.prompt_len, "completion_tokens": sum(len(c.token_ids) for c in choices)},
-            timings=timings,
-            weight_version=loaded.weight_version,
-            placeholder_ranges=placeholder_ranges(loaded, request.prompt_token_ids, request.items),
-            cached_tokens=job.cached_tokens,
-            **scored,
-        )
-
-
-def peak_cache_tokens(rows: Sequence[tuple[int, int]]) -> int:
-    """Largest rows x width a left-padded cache reaches for rows ``(length now, steps left)``.
-
-    After t steps the rows with more than t steps left remain, and the cache is as wide as the
-    longest of them (``keep_rows`` trims the rest); the peak is at some row's last step.
-    """
-    peak = 0
-    for _, steps in rows:
-        alive = [(length, left) for length, left in rows if left >= steps]
-        peak = max(peak, len(alive) * max(length + steps for length, _ in alive))
-    return peak
-
-
-def prompt_logprobs(loaded: LoadedModel, request, features) -> dict[str, Any]:
-    """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring."""
-    length, k = len(request.prompt_token_ids), request.sampling.prompt_logprobs
-    # The first prompt token has no logprob; a one-token prompt scores nothing (keep a row anyway).
-    [(logprobs, top)] = teacher_forced(loaded, [Row(request.prompt_token_ids, features)], [max(length - 1, 1)],
-                                       top_k=k)
-    logprobs = logprobs[-(length - 1):] if length > 1 else []
-    entry: dict[str, Any] = {"prompt_logprobs": [None, *logprobs]}
-    if k:
-        top = top[-(length - 1):] if length > 1 else []
-        entry["prompt_top_logprobs"] = [None, *[step[:k] for step in top]]
-    return entry
-
 
 def _media_units(loaded: LoadedModel, request, features) -> list[MediaUnit]:
     """The request's media as encoder units: one per finalized item (by content hash), or all of

@@ -16,7 +16,7 @@ from engine.errors import CapacityError
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerLimits, peak_cache_tokens
+from engine.scheduler import SchedulerLimits
 from tests.engine.media_prompts import image_tokens
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, top_logprobs=5)
@@ -360,18 +360,6 @@ def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_ref
     _, rows_per_step = run(engine.scheduler(), [(GenerationRequest(prompt, sampled(seed=s)), {"tag": s})
                                                 for s in range(7)])
     assert max(rows_per_step) == 3  # the KV budget, not the 4 rows, holds it
-
-
-def test_peak_cache_tokens_matches_a_step_by_step_simulation():
-    rng = random.Random(0)
-    for _ in range(200):
-        rows = [(rng.randint(1, 50), rng.randint(0, 30)) for _ in range(rng.randint(1, 8))]
-        simulated = 0
-        for t in range(max(left for _, left in rows) + 1):
-            alive = [length + t for length, left in rows if left >= t]
-            if alive:
-                simulated = max(simulated, len(alive) * max(alive))
-        assert peak_cache_tokens(rows) == simulated
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_other_rows_keep_decoding(models):

@@ -12,9 +12,9 @@ import pytest
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.batches.creation import ParsedBatch, create_batch
+from workers.batches.keys import OPEN_KEY
 from workers.batches.messages import send_chunk
 from workers.batches.reaper import BatchReaper
-from workers.batches.keys import OPEN_KEY
 from workers.batches.sweeps import expire
 from workers.celery_app import create_celery
 from workers.names import (

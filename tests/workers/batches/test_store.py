@@ -13,8 +13,8 @@ from engine.errors import ContextLengthError
 from tests.conftest import db_url
 from tests.workers.bad_rows import stored_request
 from workers.batches.creation import ParsedBatch, create_batch
-from workers.batches.progress import record_job_lines
 from workers.batches.keys import lines_key, output_key
+from workers.batches.progress import record_job_lines
 from workers.batches.sweeps import cancel_lines, expire
 from workers.celery_app import create_celery
 from workers.jobs.store import QueueFullError

@@ -1,0 +1,53 @@
+"""Which admitted prompts one step prefills (engine/prefill_plan.py): cached prompts join at once,
+a shared prompt is computed once, a forward holds at most the budget while rows decode, and a
+prompt too long for it alone is chunked without splitting a media item."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from engine.prefill_plan import chunk_end, plan_prefill
+
+
+def job(key: str, length: int, state: str = "admitted"):
+    return SimpleNamespace(key=key, prompt_len=length, state=state)
+
+
+def test_cached_prompts_join_now_and_a_shared_prompt_is_one_group():
+    a1, a2, b, cached = job("a", 10), job("a", 10), job("b", 20), job("c", 30)
+    plan = plan_prefill([a1, cached, a2, b], {"c": "C"}.get, budget=None)
+    assert plan.cached == [(cached, "C")]
+    assert plan.groups == {"a": [a1, a2], "b": [b]}
+    assert plan.taken == [a1, cached, a2, b] and plan.chunked is None
+
+
+def test_while_rows_decode_a_forward_holds_at_most_the_budget():
+    first, second, third = job("a", 100), job("b", 200), job("c", 50)
+    plan = plan_prefill([first, second, third], lambda key: None, budget=400)
+    # 2 rows x 200 wide = 400 fit; a third row makes 3 x 200: it waits for the next step.
+    assert plan.groups == {"a": [first], "b": [second]} and plan.taken == [first, second]
+    assert plan_prefill([first, second, third], lambda key: None, budget=None).groups.keys() == {"a", "b", "c"}
+
+
+def test_a_prompt_too_long_for_the_budget_alone_is_chunked_one_behind_others_waits():
+    long = job("long", 1000)
+    plan = plan_prefill([long, job("b", 10)], lambda key: None, budget=512)
+    assert plan.chunked is long and plan.groups == {} and plan.taken == [long]
+    short = job("a", 10)
+    plan = plan_prefill([short, long], lambda key: None, budget=512)
+    assert plan.chunked is None and plan.groups == {"a": [short]} and plan.taken == [short]
+
+
+def test_ended_jobs_are_taken_off_without_prefill():
+    done = job("a", 10, state="done")
+    plan = plan_prefill([done], lambda key: None, budget=None)
+    assert plan.taken == [done] and plan.groups == {} and plan.cached == []
+
+
+def test_a_chunk_never_ends_inside_a_media_item():
+    assert chunk_end(0, 1000, 256, [], media_in_one_forward=False) == 256
+    assert chunk_end(768, 1000, 256, [], media_in_one_forward=False) == 1000
+    assert chunk_end(0, 1000, 256, [(200, 300)], media_in_one_forward=False) == 300
+    assert chunk_end(300, 1000, 256, [(200, 300)], media_in_one_forward=False) == 556
+    # A model that takes its pixels in one forward gets every placeholder in the first chunk.
+    assert chunk_end(0, 1000, 256, [(100, 150), (600, 700)], media_in_one_forward=True) == 700
