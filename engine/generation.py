@@ -58,12 +58,12 @@ class Engine:
                          prompt_cache=self.prompt_cache, stats=self.stats, on_step=on_step)
 
     def update_weights(self, directory, *, weight_version: str, root=None,
-                       expected_digest: str | None = None) -> WeightSwap:
-        """Swap in the weights of ``directory`` (confined under ``root`` when given, and equal to
-        ``expected_digest`` when given; see :func:`engine.weights.load_weights`), then tell every
-        cache that depends on the weights; a bad directory raises and changes nothing."""
+                       digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:
+        """Swap in the weights of ``directory`` (confined under ``root`` when given, and of the
+        digest ``digest_for`` binds when given; see :func:`engine.weights.load_weights`), then tell
+        every cache that depends on the weights; a bad directory raises and changes nothing."""
         swap = load_weights(self.loaded, directory, weight_version=weight_version, root=root,
-                            expected_digest=expected_digest)
+                            digest_for=digest_for)
         for listener in list(self._weights_listeners):
             listener(swap)
         return swap

@@ -15,8 +15,8 @@ The checks, in order (each cheap before the next costs more):
 3. every tensor reads, converts to the dtype its parameter has (the dtype the model was loaded in)
    and is finite.
 
-4. with ``expected_digest`` (what the weight version was first loaded as): the tensors' content
-   digest (:func:`weights_digest`) equals it. A trainer that overwrites ``latest/`` in place would
+4. with ``digest_for``: the tensors' content digest (:func:`weights_digest`) equals the one the
+   weight version is bound to (``digest_for(found)``: the first loader binds what it found). A trainer that overwrites ``latest/`` in place would
    otherwise have a restarted worker serve other weights under the same version label.
 
 Only then are the tensors copied. The copy itself cannot fail half-way on a shape or dtype (both
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: str,
-                 root: str | Path | None = None, expected_digest: str | None = None) -> WeightSwap:
+                 root: str | Path | None = None,
+                 digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:
     """Swap the weights of ``directory`` into ``loaded.model`` and set ``loaded.weight_version``.
     With ``root`` (the weights root), the directory and its files are read only as they lie under it
     (:class:`~engine.checkpoint_dir.CheckpointDir`: no symlink, regular files only).
@@ -85,6 +87,7 @@ def load_weights(loaded: LoadedModel, directory: str | Path, *, weight_version: 
         plan = _plan(headers, targets)
         new = _read_tensors(checkpoint, headers, plan)
     digest = weights_digest(new)
+    expected_digest = digest_for(digest) if digest_for is not None else None
     if expected_digest is not None and digest != expected_digest:
         raise WeightsInvalidError(
             f"{directory} no longer holds the weights version {weight_version!r} was first loaded as "

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import redis
 
-from engine.checkpoint_dir import WeightsInvalidError
 from engine.errors import RolloutError
 from workers.weights.paths import resolve_weights_dir
 from workers.weights.store import Pause, WeightStore, WeightTarget, WorkerWeights
@@ -198,16 +197,11 @@ class WeightSync:
         started = time.perf_counter()
         try:
             directory = resolve_weights_dir(target.model_path, self.weights_root)
-            swap = self.engine.update_weights(directory, weight_version=target.version, root=self.weights_root,
-                                              expected_digest=target.digest or None)
-            bound = target.digest or self._bind_digest(target, swap.digest)
-            if bound is not None and bound != swap.digest:
-                # Another worker loaded this target first and read other content (the directory
-                # changed between the two loads): these weights are not the version's.
-                raise WeightsInvalidError(
-                    f"{target.model_path} changed while the fleet loaded version {target.version!r}",
-                    problem="content_changed", expected_digest=bound, digest=swap.digest)
-            target = replace(target, digest=bound or swap.digest)
+            # The first worker to load a target binds what it read; every later load must read the same.
+            swap = self.engine.update_weights(
+                directory, weight_version=target.version, root=self.weights_root,
+                digest_for=lambda found: target.digest or self._bind_digest(target, found))
+            target = replace(target, digest=swap.digest)
         except RolloutError as error:
             self._fail(target, {"code": error.code, "message": error.message, **(
                 {"errors": error.errors} if error.errors is not None else {})})

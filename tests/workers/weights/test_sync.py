@@ -142,7 +142,8 @@ def test_rows_in_flight_are_told_to_stop_for_abort_and_retract(store, engine, ro
             assert sync.interruption() == expected
             time.sleep(0.2)
             assert engine.weight_version != "step-1"  # never swapped inside a batch
-        _wait(lambda: engine.weight_version == "step-1")  # idle: the watcher loads it
+        # Idle: the watcher loads it, and then nothing is told to stop any more.
+        _wait(lambda: engine.weight_version == "step-1" and sync.state == "serving")
         assert sync.interruption() is None
     finally:
         sync.stop()
