@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "latest.md"
 # In the order of bench/README.md's table: the service module carries the end-to-end, latency and bulk-scoring figures.
-MODULES = ("service", "preprocess_cache", "media_cache", "transport", "generation_batching", "rollout",
-           "streaming", "batch_submit", "weights")
+MODULES = ("service", "preprocess_cache", "media_cache", "transport", "generation_batching", "uniform_batches",
+           "rollout", "streaming", "batch_submit", "weights")
 MODULE_TIMEOUT_S = 600
 
 

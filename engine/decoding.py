@@ -5,8 +5,9 @@ counts, text, logprobs, finish): nothing assumes the rows of a batch start or en
 the scheduler (:mod:`engine.scheduler`) drives these objects while rows join and leave between
 decode steps.
 
-Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf), the
-penalties (:mod:`engine.penalties`), then temperature and truncation (:func:`sample_row`).
+Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf) and the
+penalties (:mod:`engine.penalties`), both :meth:`RowDecoder.adjust`, then temperature and
+truncation, batched over the step's rows (:func:`engine.sampling.sample_rows`).
 Logprobs, the sampled token's and the top-k alternatives, are of the raw logits before all of it.
 """
 
@@ -20,7 +21,6 @@ import torch
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
-from engine.sampling import sample_row
 from engine.sampling_params import SamplingParams
 
 
@@ -47,7 +47,7 @@ class RowDecoder:
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None
         self._stop_text: str | None = None  # the text cut at the matched stop string
-        self._logprobs: list[torch.Tensor] = []  # 0-d, on the model's device until the end
+        self._logprobs: list[float] = []
         self._top_values: list[torch.Tensor] = []
         self._top_ids: list[torch.Tensor] = []
 
@@ -56,26 +56,28 @@ class RowDecoder:
         return self.finish_reason is not None
 
     @property
-    def plain_greedy(self) -> bool:
-        """This step's token is the argmax of the raw logits (no penalty, no min_tokens mask)."""
-        params = self.params
-        return params.greedy and self._penalties is None and len(self.token_ids) >= params.min_tokens
+    def adjusts(self) -> bool:
+        """This step's logits need :meth:`adjust` (a penalty, or the min_tokens mask)."""
+        return self._penalties is not None or (len(self.token_ids) < self.params.min_tokens
+                                                and bool(self._min_tokens_ids))
 
-    def pick(self, raw: torch.Tensor) -> torch.Tensor:
-        """This step's token (0-d long tensor) from the row's raw fp32 logits (vocab,)."""
+    def adjust(self, raw: torch.Tensor) -> torch.Tensor:
+        """The row's fp32 logits (vocab,) with the min_tokens mask and its penalties applied."""
         logits = raw
         if len(self.token_ids) < self.params.min_tokens and self._min_tokens_ids:
             ids = [t for t in self._min_tokens_ids if t < raw.shape[-1]]
             logits = logits.index_fill(0, torch.as_tensor(ids, device=raw.device), -math.inf)
         if self._penalties is not None:
             logits = self._penalties.apply(logits)
-        token = sample_row(logits, self.params, self.generator)
+        return logits
+
+    def note_sampled(self, token: torch.Tensor) -> None:
+        """The token drawn this step (0-d long tensor, still on the device): the penalties count it."""
         if self._penalties is not None:
             self._penalties.add(token)
-        return token
 
-    def add_logprobs(self, logprob: torch.Tensor, top_values: torch.Tensor | None,
-                     top_ids: torch.Tensor | None) -> None:
+    def add_logprobs(self, logprob: float, top_values: torch.Tensor | None, top_ids: torch.Tensor | None) -> None:
+        """The sampled token's logprob, and the top-k (on the device until the end)."""
         self._logprobs.append(logprob)
         if top_values is not None:
             self._top_values.append(top_values)
@@ -126,7 +128,7 @@ class RowDecoder:
     def logprobs(self) -> list[float] | None:
         if not self.params.logprobs:
             return None
-        return torch.stack(self._logprobs).tolist() if self._logprobs else []
+        return list(self._logprobs)
 
     def top_logprobs(self) -> list[list[list]] | None:
         """Per token, ``[[token_id, logprob], ...]`` of the k most likely tokens, most likely first."""

@@ -4,9 +4,10 @@
 (a call's requests decode together, rows leaving as they finish); the GPU worker keeps one
 scheduler running and submits jobs into it between steps (``workers/gpu/session.py``).
 
-Why a per-row sampler: ``generate(do_sample=True)`` draws every row from one RNG with one set of
-parameters, so a request's tokens would depend on its batch neighbours. Each row picks its token
-with its own parameters and seeded ``torch.Generator`` (:mod:`engine.decoding`); the same seed and
+Why not transformers' sampler: ``generate(do_sample=True)`` draws every row from one RNG with one
+set of parameters, so a request's tokens would depend on its batch neighbours. One batched call
+per step samples every row with its own parameters (:mod:`engine.batch_sampler`,
+:mod:`engine.sampling`), and a seeded row draws from its own ``torch.Generator``; the same seed and
 inputs then give the same tokens alone or in any batch, as long as the model's logits for the row
 agree (fp32 CPU: equal to ~1e-7 under padding, see tests; on GPU, kernels chosen by batch shape
 can differ in the last bits, which may flip a near-tie).

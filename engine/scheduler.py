@@ -29,7 +29,7 @@ One :meth:`Scheduler.step`:
 The parts, each testable without a model: the running batch (:mod:`engine.running_batch`: rows,
 their jobs, cache, mask, positions, deltas and next tokens as one object), admission under the KV
 budget (:func:`engine.capacity.fits_kv_budget`), prefill planning (:mod:`engine.prefill_plan`:
-prompt groups, the prompt cache, chunking), sampling (:mod:`engine.row_sampling`) and result
+prompt groups, the prompt cache, chunking), sampling (:mod:`engine.batch_sampler`) and result
 building (:mod:`engine.request_result`). This module runs the forwards and moves jobs through
 their states (pending -> admitted -> running -> done).
 
@@ -43,7 +43,6 @@ rest of the batch goes on. A failing decode forward ends every running request w
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from engine.batch_inputs import (
     prompt_positions,
     request_features,
 )
+from engine.batch_sampler import RowTokens, sample_step
 from engine.capacity import SchedulerLimits, check_capacity, fits_kv_budget
 from engine.decoding import RowDecoder
 from engine.encoder_cache import (
@@ -76,7 +76,6 @@ from engine.loading import LoadedModel
 from engine.prefill_plan import chunk_end, plan_prefill
 from engine.prompt_cache import PrefilledPrompt, PromptCache
 from engine.request_result import build_result
-from engine.row_sampling import RowTokens, sample_rows
 from engine.running_batch import RunningBatch
 from engine.sampling import choice_seed
 from engine.sampling_params import SamplingParams
@@ -271,7 +270,7 @@ class Scheduler:
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
                 events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
-        return sample_rows(rows, jobs, logits, placeholder_ids=self._placeholder_ids, events=events,
+        return sample_step(rows, jobs, logits, placeholder_ids=self._placeholder_ids, events=events,
                            batch_rows=batch_rows, fail=self._fail)
 
     def _admit(self) -> None:
@@ -496,9 +495,10 @@ def _cache_of(out):
 
 
 def _generator(loaded: LoadedModel, params: SamplingParams, choice: int) -> torch.Generator | None:
-    if params.greedy:
+    """A seeded row's own generator; None for greedy rows and for unseeded ones (they share one
+    draw per step: engine/sampling.py)."""
+    if params.greedy or params.seed is None:
         return None
-    seed = params.seed if params.seed is not None else secrets.randbits(63)
     generator = torch.Generator(device=loaded.device)
-    generator.manual_seed(choice_seed(seed, choice))
+    generator.manual_seed(choice_seed(params.seed, choice))
     return generator
