@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -27,6 +28,15 @@ class SettingsError(InvalidRequestError):
 
 def _default_state_dir() -> Path:
     return Path.home() / ".rollout-queue"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and taskset narrow),
+    not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,9 @@ class Settings:
     fidelity_tolerance: float | None = None
     # Fairness between keys (workers/infra/fair_share.py): a CPU worker runs this many jobs at once, and
     # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
-    cpu_concurrency: int = 4
+    # One per usable core: more processes than cores preprocess no faster and take the cores the
+    # GPU worker's decode loop runs on (the rollout benchmark lost a quarter of its speed to it).
+    cpu_concurrency: int = field(default_factory=usable_cores)
     cpu_per_key: int = 2
     render_per_key: int = 4
     # Who may read GET /metrics (web/metrics.py): its counters move per job, so not every caller.

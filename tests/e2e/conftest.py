@@ -107,6 +107,7 @@ def make_stack_env(*, redis_url: str, model_dir, state_dir, loopback: LoopbackHo
         "ROLLOUT_TORCH_THREADS": "1",
         "ROLLOUT_SHM_POOL_BYTES": str(256 * 1024 * 1024),
         "ROLLOUT_LOG_LEVEL": "WARNING",
+        "ROLLOUT_CPU_CONCURRENCY": "4",  # what the tests' fair shares are sized for, on any machine
         **overrides,
     }
 
