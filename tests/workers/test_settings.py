@@ -66,3 +66,14 @@ def test_multimodal_cache_follows_its_two_settings(monkeypatch, redis_client):
     assert (cache.max_bytes, cache.local_max_bytes) == (1048576, 0)
     monkeypatch.setenv("ROLLOUT_MM_CACHE_BYTES", "0")
     assert multimodal_cache(load_settings(), redis_client) is None
+
+
+def test_preprocessing_processes_default_to_the_cores_this_process_may_use(monkeypatch):
+    import os
+
+    monkeypatch.delenv("ROLLOUT_CPU_CONCURRENCY", raising=False)
+    assert load_settings().cpu_concurrency == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # taskset / a container's cpuset
+    assert load_settings().cpu_concurrency == 3
+    monkeypatch.setenv("ROLLOUT_CPU_CONCURRENCY", "7")
+    assert load_settings().cpu_concurrency == 7
