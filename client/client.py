@@ -19,6 +19,7 @@ JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
 BATCH_DONE = frozenset({"completed", "failed", "cancelled", "expired"})
 USER_AGENT = "rollout-queue-client/0.1"
 DOWNLOAD_CHUNK = 64 * 1024
+LONG_POLL_S = 20.0  # one wait request: under the service's default ROLLOUT_SYNC_TIMEOUT_MAX (300)
 
 BatchInput = str | os.PathLike | bytes | Iterable[Mapping[str, Any] | str]
 
@@ -64,13 +65,23 @@ class RolloutClient:
         return self._request("DELETE", f"/v1/jobs/{job_id}", idempotent=True).json()
 
     def wait(self, job_id: str, timeout: float | None = None, poll_interval: float = 0.5) -> dict[str, Any]:
-        """Poll until the job ends (whatever its end); raises WaitTimeoutError after ``timeout`` s."""
+        """Wait until the job ends (whatever its end); raises WaitTimeoutError after ``timeout`` s.
+
+        Long polls (``GET /v1/jobs/{id}?wait=S``, at most :data:`LONG_POLL_S` a request): the
+        service answers the moment the job ends, in one request where polling took one per
+        ``poll_interval``; that interval now only paces the retry of a wait the service cut short."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            job = self.get(job_id)
+            started = time.monotonic()
+            wait = LONG_POLL_S if deadline is None else round(min(LONG_POLL_S, max(deadline - started, 0.0)), 3)
+            job = self._request("GET", f"/v1/jobs/{job_id}", params={"wait": wait} if wait else None,
+                                timeout=(self.timeout, self.timeout + wait), idempotent=True).json()
             if job["status"] in JOB_DONE:
                 return job
-            _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"job {job_id} still {job['status']} when the wait ran out")
+            if time.monotonic() - started < wait / 2:  # answered early without an end: do not spin
+                _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
 
     def stream(self, job: str | Mapping[str, Any], *, last_event_id: str | None = None) -> JobStream:
         """Follow a job's events (a job id, or a request to submit first): iterate the returned

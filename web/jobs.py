@@ -5,9 +5,10 @@ from __future__ import annotations
 from flask import request as http_request
 from flask.views import MethodView
 
+from engine.errors import InvalidRequestError
 from web.auth import current_owner
 from web.blueprint import Blueprint
-from web.schemas import JobListQuerySchema, JobListSchema, JobRequestSchema, JobSchema
+from web.schemas import JobListQuerySchema, JobListSchema, JobPollQuerySchema, JobRequestSchema, JobSchema
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
 from web.submit import submit
@@ -47,13 +48,24 @@ class Jobs(MethodView):
 
 @blp.route("/<string:job_id>")
 class Job(MethodView):
+    @blp.arguments(JobPollQuerySchema, location="query", unknown="raise")
     @blp.response(200, JobSchema)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(404, schema=None, description="No such job for this key")
+    @blp.alt_response(422, schema=None, description="Invalid query (a wait past ROLLOUT_SYNC_TIMEOUT_MAX)")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
-    def get(self, job_id):
-        """Poll a job."""
-        return public_job(services().jobs.get(job_id, owner=current_owner()))
+    def get(self, query, job_id):
+        """Poll a job; with ``?wait=S``, answer when it ends or after S seconds (long polling: one
+        request instead of one per poll interval)."""
+        svc = services()
+        job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
+        wait = query.get("wait", 0.0)
+        if wait > svc.settings.sync_timeout_max:
+            raise InvalidRequestError(f"wait is at most {svc.settings.sync_timeout_max} s (ROLLOUT_SYNC_TIMEOUT_MAX)",
+                                      errors={"wait": [f"at most {svc.settings.sync_timeout_max}"]})
+        if wait:
+            job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
+        return public_job(job)
 
     @blp.response(200, JobSchema)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")

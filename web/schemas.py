@@ -242,6 +242,12 @@ class JobListQuerySchema(ListQuerySchema):
     status = fields.String(validate=validate.OneOf(JOB_STATUSES))
 
 
+class JobPollQuerySchema(Schema):
+    wait = fields.Float(validate=validate.Range(min=0, min_inclusive=True), metadata={
+        "description": "Seconds to wait for the job to end before answering (long polling; at most "
+                       "ROLLOUT_SYNC_TIMEOUT_MAX). Absent or 0: answer at once."})
+
+
 class JobListSchema(Schema):
     data = fields.List(fields.Nested(JobSchema))
     next_cursor = fields.String(allow_none=True)

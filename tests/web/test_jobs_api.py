@@ -218,3 +218,54 @@ def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, r
     # Never past the model's own context.
     huge = Runtime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=10**7), redis_url)
     assert huge.engine.loaded.max_context_length == huge.model_facts.context_length < 10**7
+
+
+def test_a_long_poll_answers_when_the_job_ends_and_wakes_every_waiter(make_app):
+    import threading
+    import time
+
+    app = make_app()
+    job = submit(app.test_client()).get_json()
+    answers: dict[int, tuple[float, str]] = {}
+
+    def poll(index: int) -> None:
+        started = time.monotonic()
+        body = app.test_client().get(f"/v1/jobs/{job['id']}?wait=20", headers=auth()).get_json()
+        answers[index] = (time.monotonic() - started, body["status"])
+
+    waiters = [threading.Thread(target=poll, args=(i,)) for i in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.5)
+    services = app.extensions["rollout"]
+    assert services.jobs.advance(job["id"], "succeeded", result={"choices": []})  # a worker ends it
+    for waiter in waiters:
+        waiter.join(timeout=30)
+    assert sorted(status for _, status in answers.values()) == ["succeeded"] * 3
+    assert all(0.4 < seconds < 10 for seconds, _ in answers.values()), answers
+
+
+def test_a_long_poll_of_a_running_job_answers_after_its_wait(client):
+    import time
+
+    job = submit(client).get_json()
+    started = time.monotonic()
+    polled = client.get(f"/v1/jobs/{job['id']}?wait=0.3", headers=auth())
+    assert polled.status_code == 200 and polled.get_json()["status"] == "queued"
+    assert 0.25 < time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("query", ["wait=-1", "wait=soon", "wait=100000", "cache_buster=1"])
+def test_a_bad_poll_query_is_a_422(client, query):
+    job = submit(client).get_json()
+    response = client.get(f"/v1/jobs/{job['id']}?{query}", headers=auth())
+    assert response.status_code == 422 and response.get_json()["code"], response.get_json()
+
+
+def test_a_long_poll_of_another_keys_job_is_404_at_once(client):
+    import time
+
+    job = submit(client).get_json()
+    started = time.monotonic()
+    assert client.get(f"/v1/jobs/{job['id']}?wait=5", headers=auth(KEY_B)).status_code == 404
+    assert time.monotonic() - started < 2

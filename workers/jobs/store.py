@@ -30,6 +30,7 @@ _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
 _SHORTEST_WAIT_S = 0.002  # a BLPOP timeout Redis does not round down to 0 (for ever)
+DONE_TTL_S = 300  # how long a job's wake-up for its waiters stays
 UNFINISHED_KEY = "rq:unfinished"
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
@@ -54,9 +55,9 @@ if to == 3 then
   redis.call('DECR', KEYS[2])
   redis.call('DECR', KEYS[3])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-  -- Wakes a synchronous waiter (POST /generate) without polling.
+  -- Wakes a waiter (POST /generate, GET /v1/jobs/{id}?wait=) without polling.
   redis.call('RPUSH', KEYS[4], ARGV[1])
-  redis.call('EXPIRE', KEYS[4], 300)
+  redis.call('EXPIRE', KEYS[4], """ + str(DONE_TTL_S) + """)
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
 end
@@ -203,7 +204,12 @@ class JobStore:
         # Short waits keep each call well inside the client's socket timeout. Redis reads a BLPOP
         # timeout in whole milliseconds, and one under 1 ms as 0, which blocks for ever: stop first.
         while (remaining := deadline - time.monotonic()) >= _SHORTEST_WAIT_S:
-            if self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0)) is not None:
+            if (popped := self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0))) is not None:
+                # Put the wake-up back for the job's other waiters: one push wakes one BLPOP.
+                pipe = self.redis.pipeline()
+                pipe.rpush(self.done_key(job_id), popped[1])
+                pipe.expire(self.done_key(job_id), DONE_TTL_S)
+                pipe.execute()
                 return self.get(job_id)
         job = self.get(job_id)
         return job if job["status"] in TERMINAL else None
