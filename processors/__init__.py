@@ -15,7 +15,6 @@ _PUBLIC = {
     "preprocess": "processors.pipeline",
     "PreprocessLimits": "processors.pipeline",
     "load_processor": "processors.registry",
-    "render": "processors.render",
     "template_messages": "processors.chat_messages",
     "MultimodalCache": "processors.cache",
     "FetchPolicy": "processors.fetch",

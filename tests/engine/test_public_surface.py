@@ -5,6 +5,7 @@ importing a package (or a torch-free name of it) loads no torch."""
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import subprocess
 import sys
 
@@ -16,6 +17,9 @@ PACKAGES = ("engine", "processors")
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_public_name_is_its_modules_own(package):
     module = importlib.import_module(package)
+    # A public name that is also a submodule's would be replaced by the module once it is imported.
+    submodules = {info.name for info in pkgutil.iter_modules(module.__path__)}
+    assert not set(module.__all__) & submodules
     assert module.__all__ == sorted(module.__all__) and module.__all__
     for name in module.__all__:
         value = getattr(module, name)
