@@ -61,6 +61,15 @@ class RolloutClient:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}", idempotent=True).json()
 
+    def lookup(self, job_ids: Iterable[str], wait: float = 0.0) -> dict[str, Any]:
+        """Many jobs in one request (``POST /v1/jobs/lookup``, at most 1,000 ids): ``{data,
+        missing}``; with ``wait``, the service answers once every one has ended or after ``wait`` s."""
+        body: dict[str, Any] = {"ids": list(job_ids)}
+        if wait:
+            body["wait"] = wait
+        return self._request("POST", "/v1/jobs/lookup", json=body, timeout=(self.timeout, self.timeout + wait),
+                             idempotent=True).json()
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/v1/jobs/{job_id}", idempotent=True).json()
 

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import time
+
 from flask import request as http_request
 from flask.views import MethodView
 
-from engine.errors import InvalidRequestError
 from web.auth import current_owner
 from web.blueprint import Blueprint
-from web.schemas import JobListQuerySchema, JobListSchema, JobPollQuerySchema, JobRequestSchema, JobSchema
+from web.schemas import (
+    JobListQuerySchema,
+    JobListSchema,
+    JobLookupResultSchema,
+    JobLookupSchema,
+    JobPollQuerySchema,
+    JobRequestSchema,
+    JobSchema,
+)
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
 from web.submit import submit
+from workers.jobs.store import TERMINAL
 from workers.jobs.view import public_job
 from workers.lifecycle import cancel_job
 
@@ -46,24 +56,49 @@ class Jobs(MethodView):
         return {"data": [public_job(job) for job in jobs], "next_cursor": cursor}
 
 
+@blp.route("/lookup")
+class JobLookup(MethodView):
+    @blp.arguments(JobLookupSchema)
+    @blp.response(200, JobLookupResultSchema)
+    @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(422, schema=None, description="Invalid body (no ids, more than 1,000)")
+    @blp.alt_response(503, schema=None, description="Job store unavailable")
+    def post(self, body):
+        """Many jobs in one request (a trainer following a step's rollouts); with ``wait``, answer
+        once every one of them has ended or after ``wait`` seconds."""
+        svc, owner = services(), current_owner()
+        ids = list(dict.fromkeys(body["ids"]))
+        deadline = time.monotonic() + _bounded_wait(body.get("wait", 0.0), svc.settings.sync_timeout_max)
+        jobs = svc.jobs.owned(ids, owner)
+        for job in jobs:  # each running one in turn: the wait ends with the last to end
+            if job is not None and job["status"] not in TERMINAL and (left := deadline - time.monotonic()) > 0:
+                svc.jobs.wait(job["id"], timeout=left)
+        if body.get("wait"):
+            jobs = svc.jobs.owned(ids, owner)
+        return {"data": [public_job(job) for job in jobs if job is not None],
+                "missing": [job_id for job_id, job in zip(ids, jobs, strict=True) if job is None]}
+
+
+def _bounded_wait(wait: float, most: float) -> float:
+    # Bounded, not refused: a client cannot know the service's maximum, and an early answer with
+    # the job still running is what a long poll may always give (the client asks again).
+    return min(wait, most)
+
+
 @blp.route("/<string:job_id>")
 class Job(MethodView):
     @blp.arguments(JobPollQuerySchema, location="query", unknown="raise")
     @blp.response(200, JobSchema)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(404, schema=None, description="No such job for this key")
-    @blp.alt_response(422, schema=None, description="Invalid query (a wait past ROLLOUT_SYNC_TIMEOUT_MAX)")
+    @blp.alt_response(422, schema=None, description="Invalid query")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def get(self, query, job_id):
-        """Poll a job; with ``?wait=S``, answer when it ends or after S seconds (long polling: one
-        request instead of one per poll interval)."""
+        """Poll a job; with ``?wait=S``, answer when it ends or after S seconds, at most
+        ROLLOUT_SYNC_TIMEOUT_MAX (long polling: one request instead of one per poll interval)."""
         svc = services()
         job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
-        wait = query.get("wait", 0.0)
-        if wait > svc.settings.sync_timeout_max:
-            raise InvalidRequestError(f"wait is at most {svc.settings.sync_timeout_max} s (ROLLOUT_SYNC_TIMEOUT_MAX)",
-                                      errors={"wait": [f"at most {svc.settings.sync_timeout_max}"]})
-        if wait:
+        if wait := _bounded_wait(query.get("wait", 0.0), svc.settings.sync_timeout_max):
             job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
         return public_job(job)
 

@@ -244,8 +244,25 @@ class JobListQuerySchema(ListQuerySchema):
 
 class JobPollQuerySchema(Schema):
     wait = fields.Float(validate=validate.Range(min=0, min_inclusive=True), metadata={
-        "description": "Seconds to wait for the job to end before answering (long polling; at most "
-                       "ROLLOUT_SYNC_TIMEOUT_MAX). Absent or 0: answer at once."})
+        "description": "Seconds to wait for the job to end before answering (long polling; waits "
+                       "past ROLLOUT_SYNC_TIMEOUT_MAX end there). Absent or 0: answer at once."})
+
+
+MAX_LOOKUP_IDS = 1000
+
+
+class JobLookupSchema(Schema):
+    ids = fields.List(fields.String(validate=validate.Length(1, 64)), required=True,
+                      validate=validate.Length(1, MAX_LOOKUP_IDS),
+                      metadata={"description": f"Up to {MAX_LOOKUP_IDS} job ids"})
+    wait = fields.Float(validate=validate.Range(min=0), metadata={
+        "description": "Seconds to wait for every job to end before answering (waits past "
+                       "ROLLOUT_SYNC_TIMEOUT_MAX end there). Absent or 0: answer at once."})
+
+
+class JobLookupResultSchema(Schema):
+    data = fields.List(fields.Nested(JobSchema), metadata={"description": "The caller's jobs among ids, in order"})
+    missing = fields.List(fields.String(), metadata={"description": "Ids that are no job of the caller's"})
 
 
 class JobListSchema(Schema):

@@ -44,6 +44,9 @@ def test_jobs_submit_wait_cancel(service):
         client.wait(long["id"], timeout=0.2, poll_interval=0.05)
     client.cancel(long["id"])
     assert client.wait(long["id"], timeout=60)["status"] == "cancelled"
+    looked_up = client.lookup([job["id"], long["id"], "job_missing"], wait=30)
+    assert [j["status"] for j in looked_up["data"]] == ["succeeded", "cancelled"]
+    assert looked_up["missing"] == ["job_missing"]
 
 
 def test_generate_keeps_waiting_after_a_202(service):

@@ -255,11 +255,24 @@ def test_a_long_poll_of_a_running_job_answers_after_its_wait(client):
     assert 0.25 < time.monotonic() - started < 5
 
 
-@pytest.mark.parametrize("query", ["wait=-1", "wait=soon", "wait=100000", "cache_buster=1"])
+@pytest.mark.parametrize("query", ["wait=-1", "wait=soon", "cache_buster=1"])
 def test_a_bad_poll_query_is_a_422(client, query):
     job = submit(client).get_json()
     response = client.get(f"/v1/jobs/{job['id']}?{query}", headers=auth())
     assert response.status_code == 422 and response.get_json()["code"], response.get_json()
+
+
+def test_a_wait_past_the_services_maximum_ends_at_the_maximum(make_app):
+    import time
+
+    client = make_app(sync_timeout_max=0.3).test_client()
+    job = submit(client).get_json()
+    started = time.monotonic()
+    polled = client.get(f"/v1/jobs/{job['id']}?wait=1000", headers=auth())
+    assert polled.status_code == 200 and polled.get_json()["status"] == "queued"
+    assert 0.25 < time.monotonic() - started < 5
+    looked_up = client.post("/v1/jobs/lookup", json={"ids": [job["id"]], "wait": 1000}, headers=auth())
+    assert looked_up.status_code == 200 and time.monotonic() - started < 10
 
 
 def test_a_long_poll_of_another_keys_job_is_404_at_once(client):
@@ -269,3 +282,44 @@ def test_a_long_poll_of_another_keys_job_is_404_at_once(client):
     started = time.monotonic()
     assert client.get(f"/v1/jobs/{job['id']}?wait=5", headers=auth(KEY_B)).status_code == 404
     assert time.monotonic() - started < 2
+
+
+def test_many_jobs_read_in_one_request_name_what_is_not_the_callers(client):
+    mine = [submit(client).get_json()["id"] for _ in range(3)]
+    theirs = submit(client, key=KEY_B).get_json()["id"]
+    ids = [mine[2], theirs, "job_doesnotexist", "not an id!", mine[0], mine[2]]
+    response = client.post("/v1/jobs/lookup", json={"ids": ids}, headers=auth())
+    assert response.status_code == 200
+    body = response.get_json()
+    assert [job["id"] for job in body["data"]] == [mine[2], mine[0]]  # in order, once each
+    assert body["missing"] == [theirs, "job_doesnotexist", "not an id!"]
+    assert all(job["status"] == "queued" for job in body["data"])
+
+
+@pytest.mark.parametrize("body", [{}, {"ids": []}, {"ids": ["job_x"] * 1001}, {"ids": ["job_x"], "wait": -1},
+                                  {"ids": "job_x"}])
+def test_a_bad_lookup_is_a_422(client, body):
+    response = client.post("/v1/jobs/lookup", json=body, headers=auth())
+    assert response.status_code == 422 and response.get_json()["code"], response.get_json()
+
+
+def test_a_lookup_with_wait_answers_once_every_job_has_ended(make_app):
+    import threading
+    import time
+
+    app = make_app()
+    client = app.test_client()
+    ids = [submit(client).get_json()["id"] for _ in range(2)]
+    jobs = app.extensions["rollout"].jobs
+
+    def end_later() -> None:
+        time.sleep(0.3)
+        jobs.advance(ids[1], "succeeded", result={"choices": []})
+        time.sleep(0.3)
+        jobs.advance(ids[0], "cancelled")
+
+    threading.Thread(target=end_later).start()
+    started = time.monotonic()
+    body = client.post("/v1/jobs/lookup", json={"ids": ids, "wait": 20}, headers=auth()).get_json()
+    assert [job["status"] for job in body["data"]] == ["cancelled", "succeeded"]
+    assert 0.5 < time.monotonic() - started < 10

@@ -155,6 +155,12 @@ class JobStore:
             raise NotFoundError(f"no job {job_id!r}")
         return self._decode(raw)
 
+    def owned(self, job_ids: list[str], owner: str) -> list[dict[str, Any] | None]:
+        """``get`` of many ids in one round trip: each job, or None where it is not ``owner``'s."""
+        jobs = self.get_many([job_id for job_id in job_ids if plausible_id(job_id)])
+        found = {job["id"]: job for job in jobs if job is not None and job.get("owner") == owner}
+        return [found.get(job_id) for job_id in job_ids]
+
     def get_many(self, job_ids: list[str]) -> list[dict[str, Any] | None]:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
