@@ -69,6 +69,11 @@ class Engine:
             listener(swap)
         return swap
 
+    def save_weights(self, directory) -> None:
+        """Write the weights this engine serves to ``directory`` (transformers' ``save_pretrained``:
+        a checkpoint :meth:`update_weights` reads back as the same tensors)."""
+        self.loaded.model.save_pretrained(directory)
+
     def on_weights_changed(self, listener: Callable[[WeightSwap], None]) -> None:
         """Call ``listener(swap)`` after every weight swap, before the next batch: where a cache keyed
         by the weights (prompt KV, vision-encoder outputs) drops its entries. Caches that do not

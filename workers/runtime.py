@@ -268,7 +268,7 @@ class Runtime:
 
         s = self.settings
         return WeightSync(self.weight_store, self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,
-                          weights_root=s.weights_root)
+                          weights_root=s.weights_root, kept_root=Path(s.state_dir) / "weights-kept")
 
     @property
     def model_ready(self) -> bool:

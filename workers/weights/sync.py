@@ -18,11 +18,21 @@ worker's record in the store (its TTL is what makes the worker "live").
 A worker that fails to load a target keeps its old weights, reports the error and takes no work
 until a newer target (or the previous one, put back) arrives: no half-loaded model ever serves,
 and no job runs on weights the fleet has moved away from.
+
+A version is bound to its content (``WeightTarget.digest``), so a directory overwritten in place
+(RL trainers often write ``latest/``) or pruned no longer serves it. Each node therefore keeps a
+copy of the weights it served (``<state dir>/weights-kept/<digest>``, written by the first worker
+of the node to load them, from the loaded model itself, so it holds exactly what was served): a
+worker that restarts loads the version from the copy when the directory no longer holds it, the
+copy checked against the digest like any load. The two newest copies are kept.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,16 +49,18 @@ from workers.weights.store import Pause, WeightStore, WeightTarget, WorkerWeight
 log = logging.getLogger(__name__)
 
 INTERRUPTING_MODES = ("abort", "retract")
+KEPT_COPIES = 2  # the weights served now and the ones before (an update may still be put back)
 
 
 class WeightSync:
     def __init__(self, store: WeightStore, engine, *, worker: str, node: str, weights_root: Path | None,
-                 poll_seconds: float = 0.2):
+                 kept_root: Path | None = None, poll_seconds: float = 0.2):
         self.store = store
-        self.engine = engine  # anything with update_weights(directory, weight_version=, root=) and weight_version
+        self.engine = engine  # an engine.generation.Engine (update_weights, save_weights, weight_version)
         self.worker = worker
         self.node = node
         self.weights_root = weights_root
+        self.kept_root = kept_root  # this node's copies of served weights, by digest; None: none kept
         self.poll_seconds = poll_seconds
         # Held by a running batch and by a load: a load waits for the batch and the batch for the load.
         self._lock = threading.RLock()
@@ -63,6 +75,7 @@ class WeightSync:
         self._interrupted = 0
         self._interrupted_for: str | None = None  # the target (or pause) the count belongs to
         self._stop = threading.Event()
+        self.keeping: threading.Thread | None = None  # the copy of the last weights loaded, being written
 
     # --- used by the batch loop -------------------------------------------------------------------
 
@@ -196,12 +209,23 @@ class WeightSync:
         self._report_quietly()
         started = time.perf_counter()
         try:
-            directory = resolve_weights_dir(target.model_path, self.weights_root)
-            # The first worker to load a target binds what it read; every later load must read the same.
-            swap = self.engine.update_weights(
-                directory, weight_version=target.version, root=self.weights_root,
-                digest_for=lambda found: target.digest or self._bind_digest(target, found))
+            try:
+                directory = resolve_weights_dir(target.model_path, self.weights_root)
+                # The first worker to load a target binds what it read; every later load must read the same.
+                swap = self.engine.update_weights(
+                    directory, weight_version=target.version, root=self.weights_root,
+                    digest_for=lambda found: target.digest or self._bind_digest(target, found))
+            except RolloutError as error:
+                if (kept := self._kept_copy(target)) is None:
+                    raise
+                log.warning("weights %s: %s; serving them from this node's copy", target.version, error.message)
+                swap = self.engine.update_weights(kept, weight_version=target.version, root=self.kept_root,
+                                                  digest_for=lambda found: target.digest)
             target = replace(target, digest=swap.digest)
+            # Off the load path: the copy is as large as the model. It reads the parameters while
+            # the worker serves; a later swap under it makes a copy whose digest check refuses it.
+            self.keeping = threading.Thread(target=self._keep_copy, args=(target,), name="weights-copy", daemon=True)
+            self.keeping.start()
         except RolloutError as error:
             self._fail(target, {"code": error.code, "message": error.message, **(
                 {"errors": error.errors} if error.errors is not None else {})})
@@ -250,6 +274,38 @@ class WeightSync:
                              paused=self._pause is not None, pause_id=self._pause.id if self._pause else None,
                              error=self._error if state == "failed" else None,
                              interrupted=self._interrupted)
+
+    def _kept_copy(self, target: WeightTarget) -> Path | None:
+        if self.kept_root is None or not target.digest:
+            return None
+        copy = self.kept_root / target.digest
+        return copy if copy.is_dir() else None
+
+    def _keep_copy(self, target: WeightTarget) -> None:
+        """This node's copy of the weights just loaded, unless it has one; the two newest stay."""
+        if self.kept_root is None or (self.kept_root / target.digest).is_dir():
+            return
+        partial = None
+        try:
+            self.kept_root.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.kept_root))
+            self.engine.save_weights(partial)
+            os.rename(partial, self.kept_root / target.digest)  # whole or not at all
+        except OSError as error:  # another worker of the node kept it first, or a full disk
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)
+            if not (self.kept_root / target.digest).is_dir():
+                log.warning("weights %s: no copy kept on this node (%s)", target.version, error)
+            return
+        except Exception:
+            log.exception("weights %s: no copy kept on this node", target.version)
+            if partial is not None:
+                shutil.rmtree(partial, ignore_errors=True)
+            return
+        copies = sorted((p for p in self.kept_root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in copies[KEPT_COPIES:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _bind_digest(self, target: WeightTarget, digest: str) -> str | None:
         try:

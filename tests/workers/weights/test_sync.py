@@ -123,6 +123,43 @@ def test_a_version_is_bound_to_the_content_first_loaded_and_a_directory_overwrit
     assert again.poll() and again.state == "serving"
 
 
+def test_a_restarted_worker_serves_a_version_from_its_nodes_copy_when_the_directory_moved_on(
+        store, engine, root, demo_model_dir, tmp_path):
+    kept = tmp_path / "weights-kept"
+    latest = root / "latest-kept"
+    shutil.copytree(root / "step-1", latest, dirs_exist_ok=True)
+    first = WeightSync(store, engine, worker="w1", node="n1", weights_root=root, kept_root=kept, poll_seconds=0.05)
+    store.set_target(version="v8", model_path=str(latest), mode="finish")
+    assert first.poll() and engine.weight_version == "v8"
+    first.keeping.join(timeout=60)
+    digest = store.target().digest
+    assert [p.name for p in kept.iterdir()] == [digest]
+    served = {k: v.clone() for k, v in engine.loaded.model.state_dict().items()}
+    for moved_on in ("overwritten", "pruned"):
+        if moved_on == "overwritten":
+            shutil.copytree(root / "step-2", latest, dirs_exist_ok=True)
+        else:
+            shutil.rmtree(latest)
+        restarted = Engine(load_model(str(demo_model_dir), device="cpu"))
+        late = WeightSync(store, restarted, worker="w2", node="n1", weights_root=root, kept_root=kept)
+        assert late.poll() and late.state == "serving" and restarted.weight_version == "v8", moved_on
+        assert all(restarted.loaded.model.state_dict()[k].equal(v) for k, v in served.items()), moved_on
+    # A copy that no longer holds the version's tensors is refused like any other directory.
+    shutil.copy(root / "step-2" / "model.safetensors", kept / digest / "model.safetensors")
+    tampered = WeightSync(store, Engine(load_model(str(demo_model_dir), device="cpu")), worker="w3", node="n1",
+                          weights_root=root, kept_root=kept)
+    assert not tampered.poll() and tampered.record().error["errors"]["problem"] == "content_changed"
+    # The two newest copies stay.
+    build_demo_model(root / "step-3", seed=4)
+    digests = []
+    for version, directory in (("v9", "step-2"), ("v10", "step-3")):
+        store.set_target(version=version, model_path=str(root / directory), mode="finish")
+        assert first.poll()
+        first.keeping.join(timeout=60)
+        digests.append(store.target().digest)
+    assert sorted(p.name for p in kept.iterdir()) == sorted(digests)
+
+
 def test_a_target_outside_the_root_is_refused_by_the_worker_too(store, engine, root, demo_model_dir):
     sync = _sync(store, engine, root)
     store.set_target(version="evil", model_path=str(demo_model_dir), mode="finish")
