@@ -291,16 +291,11 @@ class WeightSync:
             partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.kept_root))
             self.engine.save_weights(partial)
             os.rename(partial, self.kept_root / target.digest)  # whole or not at all
-        except OSError as error:  # another worker of the node kept it first, or a full disk
+        except Exception as error:  # another worker of the node kept it first, a full disk, ...
             if partial is not None:
                 shutil.rmtree(partial, ignore_errors=True)
-            if not (self.kept_root / target.digest).is_dir():
-                log.warning("weights %s: no copy kept on this node (%s)", target.version, error)
-            return
-        except Exception:
-            log.exception("weights %s: no copy kept on this node", target.version)
-            if partial is not None:
-                shutil.rmtree(partial, ignore_errors=True)
+            if not (self.kept_root / target.digest).is_dir():  # the copy is a fallback: the load stands
+                log.warning("weights %s: no copy kept on this node (%r)", target.version, error)
             return
         copies = sorted((p for p in self.kept_root.iterdir() if p.is_dir() and not p.name.startswith(".")),
                         key=lambda p: p.stat().st_mtime, reverse=True)
