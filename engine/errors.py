@@ -114,6 +114,9 @@ def check_token_ids(token_ids, vocab_size: int, field: str) -> None:
     """Raise :class:`TokenIdOutOfRangeError` for the first id of ``token_ids`` that is not an
     integer in ``0..vocab_size - 1``. Here, the lowest layer, so the API and the engine check
     alike."""
+    if isinstance(token_ids, list | tuple) and (not token_ids or (
+            set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab_size)):
+        return  # every valid request, in C loops; the loop below finds the first bad id of the others
     for index, token in enumerate(token_ids):
         if type(token) is not int or not 0 <= token < vocab_size:
             raise TokenIdOutOfRangeError(field=field, index=index, token_id=token, vocab_size=vocab_size)

@@ -54,7 +54,7 @@ class TokenIds(fields.List):
                          validate=validate.Length(min=1, max=1_000_000), **kwargs)
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if (type(value) is list and value and all(type(token) is int for token in value)
+        if (type(value) is list and value and set(map(type, value)) == {int}  # bools are no ids
                 and min(value) >= 0 and max(value) <= MAX_TOKEN_ID):
             return value
         return super()._deserialize(value, attr, data, **kwargs)

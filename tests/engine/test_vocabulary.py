@@ -55,3 +55,18 @@ def test_generate_and_score_refuse_a_prompt_id_outside_the_vocabulary(engine, lo
     last = max(set(range(loaded.vocab_size)) - set(loaded.media_token_ids.values()))
     assert last >= loaded.vocab_size - len(loaded.media_token_ids) - 1
     assert engine.score([ScoreRequest([*prompts.text("Hi"), last], [last])])
+
+
+@pytest.mark.parametrize(("ids", "index"), [
+    ([1, 2, 3], None), ((1, 2), None), ([], None), ([0, 9], None),
+    ([1, 10], 1), ([-1, 2], 0), ([1, True], 1), ([1, 2.0], 1), ([1, "2"], 1), ([3, None, 4], 1),
+])
+def test_the_first_id_outside_the_vocabulary_is_named(ids, index):
+    from engine.errors import TokenIdOutOfRangeError, check_token_ids
+
+    if index is None:
+        check_token_ids(ids, 10, "token_ids")
+        return
+    with pytest.raises(TokenIdOutOfRangeError) as refused:
+        check_token_ids(ids, 10, "token_ids")
+    assert (refused.value.field, refused.value.index) == ("token_ids", index)
