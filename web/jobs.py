@@ -70,10 +70,12 @@ class JobLookup(MethodView):
         ids = list(dict.fromkeys(body["ids"]))
         deadline = time.monotonic() + _bounded_wait(body.get("wait", 0.0), svc.settings.sync_timeout_max)
         jobs = svc.jobs.owned(ids, owner)
+        waited = False
         for job in jobs:  # each running one in turn: the wait ends with the last to end
             if job is not None and job["status"] not in TERMINAL and (left := deadline - time.monotonic()) > 0:
                 svc.jobs.wait(job["id"], timeout=left)
-        if body.get("wait"):
+                waited = True
+        if waited:  # read again only what may have moved
             jobs = svc.jobs.owned(ids, owner)
         return {"data": [public_job(job) for job in jobs if job is not None],
                 "missing": [job_id for job_id, job in zip(ids, jobs, strict=True) if job is None]}

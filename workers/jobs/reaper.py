@@ -43,7 +43,7 @@ _JOB_ID = re.compile(rb"job_[A-Za-z0-9_-]{22}")
 SUSPECTS_KEY = "rq:reaper:suspects"  # the stalled jobs the last sweep found no message for
 AFTER_DEATH_SUSPECTS_KEY = "rq:reaper:after-death:suspects"
 WORKERS_SEEN_KEY = "rq:reaper:after-death:seen"  # the CPU and GPU heartbeats live at the last look
-AFTER_DEATH_KEY = "rq:reaper:after-death:until"  # set while the sweeps after a death go on
+AFTER_DEATH_KEY = "rq:reaper:after-death:left"  # the sweeps still owed to the last death
 # Sweeps after a death: the second confirms what the first missed; two more for a message a
 # restore or a redelivery moved under the first reads.
 AFTER_DEATH_SWEEPS = 4
@@ -114,10 +114,7 @@ class AfterDeathReaper:
         left = int(self.redis.get(AFTER_DEATH_KEY) or 0)
         if left <= 0:
             return []
-        if left == 1:
-            self.redis.delete(AFTER_DEATH_KEY)
-        else:
-            self.redis.set(AFTER_DEATH_KEY, left - 1, ex=60)
+        self.redis.set(AFTER_DEATH_KEY, left - 1, ex=60)
         lost = self.reaper.sweep()
         if left == 1:
             self.reaper.suspects.clear()  # what the last sweep missed waits for the next death or the stall
