@@ -1,13 +1,16 @@
 """The GPU worker's running batch in numbers: the check that a request can ever fit it, and the
-admission rule that it fits now, under the KV budget at the worst point of every row's future.
+admission rule that it fits now, counted in KV blocks (:mod:`engine.paged_kv`) at the worst point
+of every row's future.
 
 Torch-free, so the API can refuse at submit what no GPU worker could ever run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.errors import CapacityError
 
@@ -15,42 +18,77 @@ from engine.errors import CapacityError
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_rows: int = 16  # rows decoding together (ROLLOUT_GPU_BATCH_SIZE)
-    kv_cache_tokens: int = 131_072  # rows x width of the running cache, at its worst point
+    kv_cache_tokens: int = 131_072  # the KV pool, in tokens (ROLLOUT_KV_CACHE_TOKENS)
+    kv_block_tokens: int = 16  # tokens per KV block (ROLLOUT_KV_BLOCK_TOKENS)
     prefill_chunk_tokens: int = 512  # prefill tokens per step while rows decode
     prompt_cache_tokens: int = 4096  # recent prompts' KV kept for late group members
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs by content hash
 
+    @property
+    def kv_blocks(self) -> int:
+        return max(1, self.kv_cache_tokens // self.kv_block_tokens)
+
+
+@dataclass(frozen=True)
+class RowFuture:
+    """One row as admission sees it: the tokens it holds, the steps it may still take, and the
+    full prompt blocks it shares with the other rows of its ``group`` (its request)."""
+
+    length: int
+    steps_left: int
+    group: Hashable
+    shared_blocks: int = 0
+
+
+def request_rows(prompt_tokens: int, max_tokens: int, n: int, group: Hashable, block_size: int) -> list[RowFuture]:
+    """The rows of a request not yet prefilled: ``n`` rows of the prompt sharing its full blocks."""
+    return [RowFuture(prompt_tokens, max_tokens, group, prompt_tokens // block_size) for _ in range(n)]
+
 
 def check_capacity(limits: SchedulerLimits, prompt_tokens: int, max_tokens: int, n: int) -> None:
-    """A request must fit an empty batch: ``n`` rows at most ``max_rows``, and ``n`` rows of
-    prompt + max_tokens within the KV budget."""
+    """A request must fit an empty batch: ``n`` rows at most ``max_rows``, and its rows' blocks at
+    their longest (the prompt's full blocks once, each row's own) within the KV pool."""
     if n > limits.max_rows:
         raise CapacityError(f"n={n} rows exceed the GPU batch of {limits.max_rows} rows",
                             errors={"n": n, "max_rows": limits.max_rows})
-    need = n * (prompt_tokens + max_tokens)
-    if need > limits.kv_cache_tokens:
+    need = peak_blocks(request_rows(prompt_tokens, max_tokens, n, None, limits.kv_block_tokens),
+                       limits.kv_block_tokens)
+    if need > limits.kv_blocks:
         raise CapacityError(
-            f"{n} x (prompt {prompt_tokens} + max_tokens {max_tokens}) = {need} tokens exceed the KV cache "
-            f"budget of {limits.kv_cache_tokens} tokens",
-            errors={"kv_cache_tokens_needed": need, "kv_cache_tokens": limits.kv_cache_tokens})
+            f"{n} x (prompt {prompt_tokens} + max_tokens {max_tokens}) needs {need * limits.kv_block_tokens} "
+            f"tokens of KV blocks; the KV pool holds {limits.kv_blocks * limits.kv_block_tokens}",
+            errors={"kv_cache_tokens_needed": need * limits.kv_block_tokens,
+                    "kv_cache_tokens": limits.kv_blocks * limits.kv_block_tokens})
 
 
-def peak_cache_tokens(rows: Sequence[tuple[int, int]]) -> int:
-    """Largest rows x width a left-padded cache reaches for rows ``(length now, steps left)``.
+def peak_blocks(rows: Sequence[RowFuture], block_size: int) -> int:
+    """The most KV blocks ``rows`` hold at once if every row runs to its last step.
 
-    After t steps the rows with more than t steps left remain, and the cache is as wide as the
-    longest of them (finished rows leave and the cache is trimmed); the peak is at some row's last
-    step.
+    A row of length L after t more steps holds ceil((L + t) / block size) blocks, its group's
+    shared prompt blocks counted once while any row of the group lives; a row leaves after its
+    last step. Between two rows' last steps the live set is fixed and every row only grows, so
+    the peak is at some row's last step: evaluated there for all rows at once (numpy, rows x
+    distinct ends).
     """
-    peak = 0
-    for _, steps in rows:
-        alive = [(length, left) for length, left in rows if left >= steps]
-        peak = max(peak, len(alive) * max(length + steps for length, _ in alive))
-    return peak
+    if not rows:
+        return 0
+    length = np.fromiter((r.length for r in rows), dtype=np.int64, count=len(rows))
+    left = np.fromiter((r.steps_left for r in rows), dtype=np.int64, count=len(rows))
+    shared = np.fromiter((r.shared_blocks for r in rows), dtype=np.int64, count=len(rows))
+    ends = np.unique(left)[:, None]  # (ends, 1)
+    alive = left[None, :] >= ends
+    own = -(-(length[None, :] + ends) // block_size) - shared[None, :]
+    total = (alive * own).sum(axis=1)
+    groups: dict[Hashable, tuple[int, int]] = {}
+    for row in rows:
+        last, blocks = groups.get(row.group, (-1, 0))
+        groups[row.group] = (max(last, row.steps_left), max(blocks, row.shared_blocks))
+    group_left = np.array([g[0] for g in groups.values()], dtype=np.int64)
+    group_shared = np.array([g[1] for g in groups.values()], dtype=np.int64)
+    total += ((group_left[None, :] >= ends) * group_shared[None, :]).sum(axis=1)
+    return int(total.max())
 
 
-def fits_kv_budget(running: Sequence[tuple[int, int]], joining: Sequence[tuple[int, int, int]], budget: int) -> bool:
-    """Whether the cache stays within ``budget`` at its worst point with the ``running`` rows
-    (length now, steps left) and every ``joining`` request (prompt tokens, max_tokens, rows)."""
-    futures = [*running, *((prompt, steps) for prompt, steps, rows in joining for _ in range(rows))]
-    return peak_cache_tokens(futures) <= budget
+def fits_kv_pool(rows: Sequence[RowFuture], blocks: int, block_size: int) -> bool:
+    """Whether ``rows`` (the running ones and every one admitted) stay within ``blocks`` at their peak."""
+    return peak_blocks(rows, block_size) <= blocks

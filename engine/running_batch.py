@@ -1,91 +1,125 @@
-"""The rows decoding together: their decoders, the jobs they belong to, and the left-padded KV
-cache, mask, next positions, M-RoPE deltas and next input tokens, kept aligned row for row.
+"""The rows decoding together: their decoders, the jobs they belong to, and each row's block
+table in the KV pool (:mod:`engine.paged_kv`), cache length, M-RoPE delta and next input token,
+kept aligned row for row.
 
 One object because these change together in three places (a decode step, rows joining after
 their prefill, finished rows leaving): every change here keeps them the same length and order.
+Rows join and leave by table edits: no K/V is copied, except a shared block a row is about to
+write into (copy-on-write).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine.capacity import RowFuture
 from engine.decoding import RowDecoder
-from engine.kv_batch import append_rows, keep_rows
+from engine.paged_kv import NULL_BLOCK, BlockPool, PagedStep, decode_mask
 from engine.prompt_cache import PrefilledPrompt
 
 
-@dataclass
 class RunningBatch:
-    rows: list[RowDecoder] = field(default_factory=list)
-    jobs: list[Any] = field(default_factory=list)  # the scheduler's job of each row
-    cache: Any = None
-    mask: torch.Tensor | None = None  # (rows, width) attention mask of the cache
-    positions: torch.Tensor | None = None  # (rows,) next text position
-    deltas: torch.Tensor | None = None  # (rows,) M-RoPE deltas; None without M-RoPE
-    last: torch.Tensor | None = None  # (rows,) token to feed next
+    def __init__(self, pool: BlockPool, *, attn_implementation: str | None = "sdpa",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.pool = pool
+        self.attn_implementation, self.dtype, self.device = attn_implementation, dtype, device
+        self.rows: list[RowDecoder] = []
+        self.jobs: list[Any] = []  # the scheduler's job of each row
+        self.tables: list[list[int]] = []  # each row's blocks, in token order
+        self.lengths: list[int] = []  # tokens each row holds in the cache (= its next text position)
+        self.deltas: list[int] | None = None  # M-RoPE deltas; None without M-RoPE
+        self.last: torch.Tensor | None = None  # (rows,) token to feed next
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def futures(self) -> list[tuple[int, int]]:
-        """``(length now, steps left)`` of every row: what admission weighs a newcomer against."""
-        return [(len(row.token_ids) + job.prompt_len, row.params.max_tokens - len(row.token_ids))
+    @property
+    def live_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def futures(self) -> list[RowFuture]:
+        """Every row's length now and steps left: what admission weighs a newcomer against. The
+        rows of one request share their prompt's full blocks."""
+        size = self.pool.block_size
+        return [RowFuture(len(row.token_ids) + job.prompt_len, row.params.max_tokens - len(row.token_ids), id(job),
+                          job.prompt_len // size)
                 for row, job in zip(self.rows, self.jobs, strict=True)]
 
     def decode_inputs(self) -> dict[str, Any]:
-        """The next decode forward's inputs: each row's last token at its own position."""
-        rows = len(self.rows)
-        positions = self.positions[:, None]
+        """The next decode forward's inputs: each row's last token at its own position, and the
+        paged cache that writes its K/V into the row's next slot."""
+        self._make_room()
+        size = self.pool.block_size
+        width = max(map(len, self.tables))
+        table = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in self.tables], dtype=torch.long)
+        writes = torch.tensor([t[n // size] * size + n % size for t, n in zip(self.tables, self.lengths, strict=True)],
+                              dtype=torch.long)
+        lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        positions = lengths[:, None]
         if self.deltas is not None:  # M-RoPE: text positions, then the three rotary axes shifted by the delta
-            vision = (positions + self.deltas[:, None])[None].expand(3, rows, 1)
+            deltas = torch.tensor(self.deltas, dtype=torch.long, device=self.device)
+            vision = (positions + deltas[:, None])[None].expand(3, len(self.rows), 1)
             positions = torch.cat([positions[None], vision], dim=0)
-        return {"input_ids": self.last[:, None], "position_ids": positions, "cache": self.cache,
-                "attention_mask": torch.cat([self.mask, self.mask.new_ones((rows, 1))], dim=1)}
+        cache = PagedStep(self.pool, table.to(self.device), writes.to(self.device))
+        mask = decode_mask(lengths, cache.width, attn_implementation=self.attn_implementation, dtype=self.dtype)
+        return {"input_ids": self.last[:, None], "position_ids": positions, "cache": cache, "attention_mask": mask}
 
-    def advance(self, cache: Any, mask: torch.Tensor, tokens: torch.Tensor) -> None:
-        """After a decode forward: its cache and mask, one position on, ``tokens`` to feed next."""
-        self.cache, self.mask = cache, mask
-        self.positions = self.positions + 1
+    def advance(self, tokens: torch.Tensor) -> None:
+        """After a decode forward: every row one token longer, ``tokens`` to feed next."""
+        self.lengths = [n + 1 for n in self.lengths]
         self.last = tokens.to(self.last.device)
 
     def join(self, rows: Sequence[RowDecoder], jobs: Sequence[Any], prompts: Sequence[PrefilledPrompt],
-             tokens: torch.Tensor, *, config: Any, device: torch.device | str) -> None:
-        """Rows whose prompts were just prefilled join, each with its first token ``tokens[i]``."""
-        self.cache, self.mask = append_rows(self.cache, self.mask, [p.kv for p in prompts], config=config)
-        positions = torch.tensor([p.length for p in prompts], dtype=torch.long, device=device)
-        last = tokens.to(device)
-        with_deltas = self.deltas is not None or any(p.rope_delta is not None for p in prompts)
-        deltas = torch.tensor([p.rope_delta or 0 for p in prompts], dtype=torch.long, device=device)
-        if self.positions is None:
-            self.positions, self.last = positions, last
-            self.deltas = deltas if with_deltas else None
-        else:
-            if with_deltas:
-                before = self.deltas if self.deltas is not None else torch.zeros_like(self.positions)
-                self.deltas = torch.cat([before, deltas])
-            self.positions = torch.cat([self.positions, positions])
-            self.last = torch.cat([self.last, last])
+             tokens: torch.Tensor) -> None:
+        """Rows whose prompts were just prefilled join, each with its first token ``tokens[i]``,
+        sharing its prompt's blocks."""
+        for prompt in prompts:
+            self.pool.share(prompt.kv.blocks)
+            self.tables.append(list(prompt.kv.blocks))
+            self.lengths.append(prompt.length)
+        if self.deltas is not None or any(p.rope_delta is not None for p in prompts):
+            before = self.deltas if self.deltas is not None else [0] * len(self.rows)
+            self.deltas = before + [p.rope_delta or 0 for p in prompts]
+        last = tokens.to(self.device)
+        self.last = last if self.last is None else torch.cat([self.last, last])
         self.rows += rows
         self.jobs += jobs
 
     def drop_finished(self) -> None:
-        """Finished rows leave: the cache keeps the rest, trimmed to the longest of them."""
+        """Finished rows leave; their blocks go back to the pool (those no one else holds)."""
         keep = [i for i, row in enumerate(self.rows) if not row.done]
         if len(keep) == len(self.rows):
             return
-        if not keep:
-            self.rows, self.jobs = [], []
-            self.cache = self.mask = self.positions = self.deltas = self.last = None
-            return
-        self.cache, self.mask = keep_rows(self.cache, self.mask, keep)
-        index = torch.as_tensor(keep, dtype=torch.long, device=self.positions.device)
-        self.positions = self.positions.index_select(0, index)
-        self.last = self.last.index_select(0, index)
-        if self.deltas is not None:
-            self.deltas = self.deltas.index_select(0, index)
+        for i, row in enumerate(self.rows):
+            if row.done:
+                self.pool.release(self.tables[i])
         self.rows = [self.rows[i] for i in keep]
         self.jobs = [self.jobs[i] for i in keep]
+        self.tables = [self.tables[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
+        if self.deltas is not None:
+            self.deltas = [self.deltas[i] for i in keep] if keep else None
+        self.last = self.last.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=self.last.device)) \
+            if keep else None
+
+    def _make_room(self) -> None:
+        """Every row's next slot in a block of its own: a new block at a block's end, a private copy
+        of a block it shares (its prompt's last one)."""
+        pool, size = self.pool, self.pool.block_size
+        for table, length in zip(self.tables, self.lengths, strict=True):
+            index = length // size
+            if index == len(table):
+                table.append(pool.allocate(1)[0])
+            elif pool.is_shared(table[index]):
+                # The prompt cache may be its other holder: when memory is short, letting the cache
+                # go first can leave the block to this row alone, with nothing to copy.
+                pool.make_free(1)
+                if not pool.is_shared(table[index]):
+                    continue
+                private = pool.allocate(1)[0]
+                pool.copy_block(table[index], private)
+                pool.release([table[index]])
+                table[index] = private

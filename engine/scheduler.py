@@ -7,28 +7,29 @@ a multimodal request. What this module uses of transformers: the model's forward
 mask building from a 2-D ``attention_mask``, its ``DynamicCache`` (rows dropped with
 ``batch_select_indices``), its position handling (``_prepare_position_ids_for_generation``, which
 gives Qwen-VL's M-RoPE positions and per-row ``rope_deltas``) and its ``mm_encoder_outputs`` seam
-(media encoded before the forward). Written here: admission, adding rows to a running cache
-(:mod:`engine.kv_batch`), per-row positions during decoding, chunked prefill, prompt sharing.
+(media encoded before the forward). Written here: admission, the paged KV cache of the running rows
+(:mod:`engine.paged_kv`), per-row positions during decoding, chunked prefill, prompt sharing.
 
 One :meth:`Scheduler.step`:
 
 1. aborts and expired deadlines end their rows (a pending request ends without running);
 2. one decode forward over the running rows; each row picks its token with its own
    :class:`~engine.decoding.RowDecoder` (parameters, seeded generator, penalties, stops) and
-   rows that finished leave the batch (``index_select`` of the cache, trimmed to the longest row);
+   rows that finished leave the batch, their KV blocks back in the pool at once;
 3. pending requests are admitted, first come first served, while the rows
-   (``max_rows``) and the KV budget (``kv_cache_tokens``: rows x width of the left-padded cache,
-   at the worst point of every admitted row's future) allow;
+   (``max_rows``) and the KV pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the
+   blocks of every admitted row at the worst point of their futures) allow;
 4. admitted prompts are prefilled: each distinct prompt (token ids + media keys) once, whatever
    the number of rows that share it (``n > 1``, or separate requests); a prompt still in the
    small prompt LRU is not computed at all. Short prompts go together in one padded forward, at
    most ``prefill_chunk_tokens`` tokens while rows are decoding; a longer one is prefilled alone
-   in chunks of that size, one chunk per step, so decoding rows keep their pace. Each row of a
-   prompt takes its first token from the prompt's last logits and joins the running batch.
+   in chunks of that size, one chunk per step, so decoding rows keep their pace. A prefilled
+   prompt's K/V is written into pool blocks; each row of the prompt takes its first token from
+   the prompt's last logits and joins the running batch sharing those blocks.
 
-The parts, each testable without a model: the running batch (:mod:`engine.running_batch`: rows,
-their jobs, cache, mask, positions, deltas and next tokens as one object), admission under the KV
-budget (:func:`engine.capacity.fits_kv_budget`), prefill planning (:mod:`engine.prefill_plan`:
+The parts, each testable without a model: the KV pool (:mod:`engine.paged_kv`), the running
+batch (:mod:`engine.running_batch`: rows, their jobs, block tables, lengths, deltas and next tokens
+as one object), admission in blocks (:func:`engine.capacity.fits_kv_pool`), prefill planning (:mod:`engine.prefill_plan`:
 prompt groups, the prompt cache, chunking), sampling (:mod:`engine.batch_sampler`) and result
 building (:mod:`engine.request_result`). This module runs the forwards and moves jobs through
 their states (pending -> admitted -> running -> done).
@@ -59,7 +60,7 @@ from engine.batch_inputs import (
     request_features,
 )
 from engine.batch_sampler import RowTokens, sample_step
-from engine.capacity import SchedulerLimits, check_capacity, fits_kv_budget
+from engine.capacity import SchedulerLimits, check_capacity, fits_kv_pool, request_rows
 from engine.decoding import RowDecoder
 from engine.encoder_cache import (
     EncoderCache,
@@ -71,8 +72,8 @@ from engine.encoder_cache import (
     unit_key,
 )
 from engine.errors import InvalidRequestError
-from engine.kv_batch import split_rows
 from engine.loading import LoadedModel
+from engine.paged_kv import BlockPool, write_prompts
 from engine.prefill_plan import chunk_end, plan_prefill
 from engine.prompt_cache import PrefilledPrompt, PromptCache
 from engine.request_result import build_result
@@ -89,6 +90,8 @@ class EngineStats:
     cached_tokens: int = 0  # prompt tokens served by a shared or cached prefill
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode steps of the rows in them
+    kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
+    kv_held_tokens: int = 0  # sum over decode steps of the KV pool's blocks in use, in tokens
 
     def snapshot(self) -> dict[str, int]:
         return dict(vars(self))
@@ -153,11 +156,15 @@ class Scheduler:
 
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *,
                  encoder_cache: EncoderCache | None = None, prompt_cache: PromptCache | None = None,
-                 stats: EngineStats | None = None, on_step: StepHook | None = None):
+                 pool: BlockPool | None = None, stats: EngineStats | None = None, on_step: StepHook | None = None):
         self.loaded = loaded
         self.limits = limits = limits or SchedulerLimits()
         self.encoder_cache = encoder_cache
         self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(limits.prompt_cache_tokens)
+        if pool is None:  # a scheduler of its own; an engine's schedulers share the engine's pool
+            pool = BlockPool(limits.kv_blocks, limits.kv_block_tokens)
+            pool.reclaim = self.prompt_cache.evict_oldest
+        self.pool = pool
         self.stats = stats if stats is not None else EngineStats()
         self.on_step = on_step
         self._uses_encoder_outputs = supports_encoder_outputs(loaded.model)
@@ -169,7 +176,9 @@ class Scheduler:
         self._pending: list[_Job] = []
         self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
         self._chunking: _Chunking | None = None
-        self._batch = RunningBatch()
+        self._batch = RunningBatch(pool, attn_implementation=_attn_implementation(loaded.model),
+                                   dtype=loaded.dtype, device=loaded.device)
+        self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -254,19 +263,21 @@ class Scheduler:
 
     def _decode(self, events: list[RowTokens]) -> None:
         loaded, batch = self.loaded, self._batch
-        inputs = batch.decode_inputs()
         try:
+            inputs = batch.decode_inputs()
             with loaded.lock, torch.inference_mode():
                 out = loaded.model(**inputs, use_cache=True, logits_to_keep=1)
         except Exception as error:  # a batch forward: every running request ends with it
-            for job in dict.fromkeys(batch.jobs):
+            for job in {id(job): job for job in batch.jobs}.values():
                 self._fail(job, error)
             batch.drop_finished()
             return
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(batch)
+        self.stats.kv_live_tokens += batch.live_tokens + len(batch)
+        self.stats.kv_held_tokens += self.pool.in_use * self.pool.block_size
         tokens = self._sample(batch.rows, batch.jobs, out.logits[:, -1].float(), events, batch_rows=len(batch))
-        batch.advance(_cache_of(out), inputs["attention_mask"], tokens)
+        batch.advance(tokens)
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
                 events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
@@ -292,11 +303,23 @@ class Scheduler:
         return self._admitted + ([self._chunking.job] if self._chunking is not None else [])
 
     def _fits(self, job: _Job) -> bool:
-        """The left-padded cache stays within the KV budget at its worst point if ``job`` joins."""
-        joining = [(j.prompt_len, j.request.sampling.max_tokens, len(j.rows)) for j in [*self._admitted_or_chunking(), job]]
-        return fits_kv_budget(self._batch.futures(), joining, self.limits.kv_cache_tokens)
+        """The running rows' and the admitted ones' blocks stay within the pool at their worst
+        point if ``job`` joins."""
+        size = self.pool.block_size
+        rows = self._batch.futures()
+        for j in [*self._admitted_or_chunking(), job]:
+            rows += request_rows(j.prompt_len, j.request.sampling.max_tokens, len(j.rows), j.handle, size)
+        return fits_kv_pool(rows, self.pool.capacity, size)
 
     def _prefill_and_join(self, events: list[RowTokens]) -> None:
+        try:
+            self._prefill_and_join_rows(events)
+        finally:  # the rows that joined hold the blocks they need; the step lets go of its own
+            for prompt in self._step_prompts:
+                prompt.kv.release()
+            self._step_prompts = []
+
+    def _prefill_and_join_rows(self, events: list[RowTokens]) -> None:
         joined: list[tuple[_Job, PrefilledPrompt]] = []
         if self._chunking is not None:
             joined += self._prefill_chunk()
@@ -321,7 +344,7 @@ class Scheduler:
         keep = [i for i, row in enumerate(rows) if not row.done]
         if keep:
             self._batch.join([rows[i] for i in keep], [row_jobs[i] for i in keep], [prompts[i] for i in keep],
-                             tokens[keep], config=self.loaded.model.config, device=self.loaded.device)
+                             tokens[keep])
 
     def _prefill_admitted(self) -> list[tuple[_Job, PrefilledPrompt]]:
         """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
@@ -377,10 +400,12 @@ class Scheduler:
         loaded = self.loaded
         with loaded.lock, torch.inference_mode():
             out = loaded.model(**kwargs, position_ids=positions, use_cache=True, logits_to_keep=1)
-        kvs = split_rows(_cache_of(out), batch["attention_mask"])
+        kvs = write_prompts(self.pool, _cache_of(out), batch["attention_mask"])
         logits = out.logits[:, -1].float()
-        return [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
-                for i, kv in enumerate(kvs)]
+        prompts = [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
+                   for i, kv in enumerate(kvs)]
+        self._step_prompts += prompts
+        return prompts
 
     def _start_chunking(self, job: _Job) -> None:
         batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features)])
@@ -421,8 +446,13 @@ class Scheduler:
         if end < length:
             return []
         self._chunking = None
-        kv = split_rows(state.cache, state.batch["attention_mask"])[0]
+        try:
+            kv = write_prompts(self.pool, state.cache, state.batch["attention_mask"])[0]
+        except Exception as error:
+            self._fail(job, error)
+            return []
         prompt = PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
+        self._step_prompts.append(prompt)
         self.prompt_cache.put(job.key, prompt)
         self.stats.prefill_tokens += length
         return [(job, prompt)]
@@ -487,6 +517,13 @@ def _on_device(unit: MediaUnit, loaded: LoadedModel) -> MediaUnit:
     moved = {name: value.to(device=loaded.device, dtype=loaded.dtype) if value.is_floating_point()
              else value.to(loaded.device) for name, value in unit.features.items()}
     return MediaUnit(unit.key, moved, unit.span)
+
+
+def _attn_implementation(model) -> str | None:
+    """The attention the decoder layers run (what the decode mask is built for)."""
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
 
 
 def _cache_of(out):

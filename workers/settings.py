@@ -107,10 +107,15 @@ class Settings:
     # (workers/jobs/reaper.py, workers/webhooks/reaper.py); one no message carries is sent again.
     stalled_job_after: int = 120
     task_events: bool = False
-    gpu_batch_size: int = 16
+    # Rows decoding together in a GPU worker. Unset: as many rows of typical_row_tokens as the KV
+    # pool holds (kv_cache_tokens // typical_row_tokens), so the batch is sized by memory.
+    gpu_batch_size: int | None = None
+    typical_row_tokens: int = 1024
     gpu_batch_wait_ms: int = 20
-    # The GPU worker's continuous batch (engine.scheduler): KV budget, prefill chunk, caches.
+    # The GPU worker's continuous batch (engine.scheduler): the KV pool (in tokens, in blocks of
+    # kv_block_tokens), prefill chunk, caches.
     kv_cache_tokens: int = 131_072
+    kv_block_tokens: int = 16
     prefill_chunk_tokens: int = 512
     prompt_cache_tokens: int = 4096
     encoder_cache_bytes: int = 256 * 1024 * 1024
@@ -173,6 +178,13 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     @property
+    def batch_rows(self) -> int:
+        """Rows decoding together: ROLLOUT_GPU_BATCH_SIZE, or as many typical rows as the KV pool holds."""
+        if self.gpu_batch_size is not None:
+            return self.gpu_batch_size
+        return max(1, min(4096, self.kv_cache_tokens // self.typical_row_tokens))
+
+    @property
     def generate_queue(self) -> str:
         return node_generate_queue(self.node_id)
 
@@ -213,6 +225,8 @@ _RANGES = {
     "visibility_timeout": (1, 10**7),
     "stalled_job_after": (1, 10**7),
     "gpu_batch_size": (1, 4096),
+    "typical_row_tokens": (1, 2**30),
+    "kv_block_tokens": (1, 4096),
     "gpu_batch_wait_ms": (0, 10_000),
     "kv_cache_tokens": (1, 2**40),
     "prefill_chunk_tokens": (1, 10**7),

@@ -43,7 +43,7 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
         # event loop reserves the next batch (workers/tasks/gpu_batching.py): celery-batches batches only
         # reserved messages, so the prefetch is two batches rather than 1.
         queues = (settings.generate_queue, SHARED_GENERATE_QUEUE)
-        return WorkerKind(queues, "threads", 1, 2 * settings.gpu_batch_size)
+        return WorkerKind(queues, "threads", 1, 2 * settings.batch_rows)
     if kind == "webhooks":
         # Deliveries wait on the network, not the CPU: threads, many of them, of which one key
         # holds at most ROLLOUT_WEBHOOK_PER_KEY (workers/infra/fair_share.py), so hanging receivers of
@@ -61,7 +61,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
     app.loader.import_default_modules()
     if kind == "gpu":
         generate = app.tasks[GENERATE_TASK]
-        generate.flush_every = settings.gpu_batch_size
+        generate.flush_every = settings.batch_rows
         generate.max_wait = settings.gpu_batch_wait_ms / 1000
         generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/tasks/gpu_batching.py)
 

@@ -1,29 +1,62 @@
-"""Admission under the KV budget (engine/capacity.py): the peak a left-padded cache reaches, and
-whether a request may join the running rows now."""
+"""Admission in KV blocks (engine/capacity.py): the most blocks rows hold at once, and the check
+that a request can ever fit the pool."""
 
 from __future__ import annotations
 
 import random
 
-from engine.capacity import fits_kv_budget, peak_cache_tokens
+import pytest
+
+from engine.capacity import (
+    RowFuture,
+    SchedulerLimits,
+    check_capacity,
+    fits_kv_pool,
+    peak_blocks,
+    request_rows,
+)
+from engine.errors import CapacityError
 
 
-def test_peak_cache_tokens_matches_a_step_by_step_simulation():
+def simulate(rows: list[RowFuture], size: int) -> int:
+    """Step by step: every live row's own blocks, plus each live group's shared blocks once."""
+    peak = 0
+    for t in range(max(r.steps_left for r in rows) + 1):
+        alive = [r for r in rows if r.steps_left >= t]
+        own = sum(-(-(r.length + t) // size) - r.shared_blocks for r in alive)
+        shared = {r.group: r.shared_blocks for r in alive}
+        peak = max(peak, own + sum(shared.values()))
+    return peak
+
+
+def test_peak_blocks_matches_a_step_by_step_simulation():
     rng = random.Random(0)
-    for _ in range(200):
-        rows = [(rng.randint(1, 50), rng.randint(0, 30)) for _ in range(rng.randint(1, 8))]
-        simulated = 0
-        for t in range(max(left for _, left in rows) + 1):
-            alive = [length + t for length, left in rows if left >= t]
-            if alive:
-                simulated = max(simulated, len(alive) * max(alive))
-        assert peak_cache_tokens(rows) == simulated
+    for _ in range(300):
+        size = rng.choice([1, 4, 16])
+        rows = []
+        for group in range(rng.randint(1, 5)):
+            prompt = rng.randint(1, 60)
+            rows += [RowFuture(prompt + rng.randint(0, 5), rng.randint(0, 40), group, prompt // size)
+                     for _ in range(rng.randint(1, 3))]
+        assert peak_blocks(rows, size) == simulate(rows, size)
 
 
-def test_a_request_joins_only_if_the_peak_with_all_its_rows_stays_within_the_budget():
-    running = [(10, 5)]  # one row 10 tokens long with 5 steps left
-    # Two rows of a 20-token prompt with 10 new tokens: 3 rows x 25 wide at step 5, then 2 x 30.
-    assert peak_cache_tokens([*running, (20, 10), (20, 10)]) == 75
-    assert fits_kv_budget(running, [(20, 10, 2)], budget=75)
-    assert not fits_kv_budget(running, [(20, 10, 2)], budget=74)
-    assert fits_kv_budget([], [], budget=0)
+def test_the_samples_of_a_prompt_count_its_full_blocks_once():
+    # A 40-token prompt (2 full blocks of 16, 8 tokens over), 4 samples of up to 20 tokens: the 2
+    # full blocks once, then each sample's own ceil(60 / 16) - 2 = 2 blocks.
+    rows = request_rows(40, 20, 4, "job", 16)
+    assert peak_blocks(rows, 16) == 2 + 4 * 2
+    assert fits_kv_pool(rows, 10, 16) and not fits_kv_pool(rows, 9, 16)
+    # Rows of other requests share nothing: the same rows as four requests hold 4 x 4 blocks.
+    assert peak_blocks([RowFuture(40, 20, i, 2) for i in range(4)], 16) == 16
+
+
+def test_a_request_that_can_never_fit_is_refused_with_what_it_needs():
+    limits = SchedulerLimits(max_rows=8, kv_cache_tokens=160, kv_block_tokens=16)  # 10 blocks
+    check_capacity(limits, 40, 24, 4)  # 64 tokens a row: 2 shared + 4 x 2 own = 10 blocks
+    with pytest.raises(CapacityError) as info:
+        check_capacity(limits, 40, 25, 4)  # 65 tokens a row: 2 + 4 x 3 = 14 blocks
+    assert info.value.code == "request_exceeds_capacity" and info.value.http_status == 422
+    assert info.value.errors == {"kv_cache_tokens_needed": 14 * 16, "kv_cache_tokens": 160}
+    with pytest.raises(CapacityError):
+        check_capacity(limits, 4, 4, 9)  # more rows than the batch has

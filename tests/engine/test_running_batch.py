@@ -1,76 +1,104 @@
-"""The running batch keeps its rows, their jobs and the left-padded cache aligned through joins,
-decode steps and departures (engine/running_batch.py): no model, a real DynamicCache of random
-tensors."""
+"""The running batch keeps its rows, their jobs and their block tables aligned through joins,
+decode steps and departures (engine/running_batch.py): no model, a real KV pool, prompts written
+from random tensors."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
-from transformers import Qwen2Config
 
 from engine.decoding import RowDecoder
-from engine.kv_batch import PromptKV
-from engine.prompt_cache import PrefilledPrompt
+from engine.paged_kv import BlockPool, PagedPrompt
+from engine.prompt_cache import PrefilledPrompt, PromptCache
 from engine.running_batch import RunningBatch
 from engine.sampling_params import SamplingParams
 
-CONFIG = Qwen2Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=8)
+SIZE = 4
 
 
-def prompt(length: int, rope_delta: int | None = None) -> PrefilledPrompt:
-    layers = [(torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4)) for _ in range(2)]
-    return PrefilledPrompt(PromptKV(layers), torch.zeros(16), rope_delta, length)
+def prompt(pool: BlockPool, length: int, rope_delta: int | None = None) -> PrefilledPrompt:
+    layers = [(torch.randn(2, length, 4), torch.randn(2, length, 4)) for _ in range(2)]
+    return PrefilledPrompt(PagedPrompt(pool, pool.write_prompt(layers), length), torch.zeros(16), rope_delta, length)
 
 
 def row(max_tokens: int = 8) -> RowDecoder:
     return RowDecoder(0, 0, SamplingParams(max_tokens=max_tokens, temperature=0), None)
 
 
-def join(batch: RunningBatch, prompts: list[PrefilledPrompt], tokens: list[int]) -> list[RowDecoder]:
+def join(batch: RunningBatch, prompts: list[PrefilledPrompt], tokens: list[int], job=None) -> list[RowDecoder]:
     rows = [row() for _ in prompts]
-    jobs = [SimpleNamespace(prompt_len=p.length) for p in prompts]
-    batch.join(rows, jobs, prompts, torch.tensor(tokens), config=CONFIG, device="cpu")
+    jobs = [job or SimpleNamespace(prompt_len=p.length) for p in prompts]
+    batch.join(rows, jobs, prompts, torch.tensor(tokens))
     return rows
 
 
-def test_rows_that_join_are_left_padded_and_start_at_their_own_positions():
-    batch = RunningBatch()
-    first = prompt(3)
-    join(batch, [first, prompt(5)], [11, 12])
-    assert len(batch) == 2 and batch.mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    assert batch.positions.tolist() == [3, 5] and batch.last.tolist() == [11, 12] and batch.deltas is None
-    keys = batch.cache.layers[0].keys
-    assert keys.shape == (2, 2, 5, 4) and torch.equal(keys[0, :, 2:], first.kv.layers[0][0][0])
+def test_rows_join_at_their_own_positions_holding_their_prompts_blocks():
+    pool = BlockPool(16, SIZE)
+    batch = RunningBatch(pool)
+    first, second = prompt(pool, 3), prompt(pool, 5)
+    join(batch, [first, second], [11, 12])
+    assert batch.tables == [first.kv.blocks, second.kv.blocks] and batch.lengths == [3, 5]
+    assert batch.last.tolist() == [11, 12] and batch.deltas is None
     # An M-RoPE row joins: rows without a delta get 0.
-    join(batch, [prompt(2, rope_delta=-7)], [13])
-    assert batch.deltas.tolist() == [0, 0, -7] and batch.positions.tolist() == [3, 5, 2]
-    assert batch.mask.shape == (3, 5) and batch.mask[2].tolist() == [0, 0, 0, 1, 1]
+    join(batch, [prompt(pool, 2, rope_delta=-7)], [13])
+    assert batch.deltas == [0, 0, -7] and batch.lengths == [3, 5, 2]
 
 
-def test_a_decode_step_feeds_each_rows_last_token_at_its_next_position():
-    batch = RunningBatch()
-    join(batch, [prompt(3), prompt(4, rope_delta=2)], [11, 12])
+def test_a_decode_step_feeds_each_rows_last_token_at_its_next_position_into_its_next_slot():
+    pool = BlockPool(16, SIZE)
+    batch = RunningBatch(pool)
+    a, b = prompt(pool, 3), prompt(pool, 4, rope_delta=2)
+    join(batch, [a, b], [11, 12])
+    a.kv.release()
+    b.kv.release()  # the rows are now their blocks' only holders
     inputs = batch.decode_inputs()
     assert inputs["input_ids"].tolist() == [[11], [12]]
-    assert inputs["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
     # M-RoPE: text positions, then the three rotary axes shifted by each row's delta.
     assert inputs["position_ids"].shape == (4, 2, 1)
     assert inputs["position_ids"][:, :, 0].tolist() == [[3, 4], [3, 6], [3, 6], [3, 6]]
-    batch.advance(batch.cache, inputs["attention_mask"], torch.tensor([21, 22]))
-    assert batch.positions.tolist() == [4, 5] and batch.last.tolist() == [21, 22]
+    # Row a writes into its own partial block; row b's block is full, so it took a new one.
+    assert len(batch.tables[0]) == 1 and len(batch.tables[1]) == 2
+    cache = inputs["cache"]
+    assert cache.write_slots.tolist() == [batch.tables[0][0] * SIZE + 3, batch.tables[1][1] * SIZE]
+    assert inputs["attention_mask"][:, 0, 0].tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
+    batch.advance(torch.tensor([21, 22]))
+    assert batch.lengths == [4, 5] and batch.last.tolist() == [21, 22]
 
 
-def test_finished_rows_leave_and_the_cache_shrinks_to_the_longest_live_row():
-    batch = RunningBatch()
-    short, long, middle = join(batch, [prompt(2), prompt(6), prompt(4)], [1, 2, 3])
+def test_samples_share_their_prompt_and_copy_only_the_partial_block_they_write():
+    pool = BlockPool(16, SIZE)
+    cache = PromptCache(max_tokens=100)
+    batch = RunningBatch(pool)
+    shared = prompt(pool, 6)  # one full block and a partial one
+    cache.put("p", shared)
+    job = SimpleNamespace(prompt_len=6)
+    join(batch, [shared] * 3, [1, 2, 3], job=job)
+    full, partial = shared.kv.blocks
+    shared.kv.release()
+    assert pool.in_use == 2  # three samples and the cache hold the prompt once
+    batch.decode_inputs()
+    assert [t[0] for t in batch.tables] == [full] * 3  # the full block stays shared
+    assert len({t[1] for t in batch.tables}) == 3 and partial not in {t[1] for t in batch.tables}
+    assert torch.equal(pool.keys[0][batch.tables[0][1]], pool.keys[0][partial])  # a copy, then its own writes
+    assert pool.in_use == 5  # the cache still holds the original partial block
+    assert [f.shared_blocks for f in batch.futures()] == [1, 1, 1] and len({f.group for f in batch.futures()}) == 1
+
+
+def test_finished_rows_give_their_blocks_back_at_once():
+    pool = BlockPool(16, SIZE)
+    batch = RunningBatch(pool)
+    prompts = [prompt(pool, 2), prompt(pool, 6), prompt(pool, 4)]
+    short, long, middle = join(batch, prompts, [1, 2, 3])
+    for p in prompts:
+        p.kv.release()
+    assert pool.in_use == 4
     long.abort()
     batch.drop_finished()
     assert batch.rows == [short, middle] and [job.prompt_len for job in batch.jobs] == [2, 4]
-    assert batch.mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]] and batch.cache.layers[1].keys.shape[2] == 4
-    assert batch.positions.tolist() == [2, 4] and batch.last.tolist() == [1, 3]
-    assert batch.futures() == [(2, 8), (4, 8)]
+    assert pool.in_use == 2 and batch.lengths == [2, 4] and batch.last.tolist() == [1, 3]
+    assert [(f.length, f.steps_left) for f in batch.futures()] == [(2, 8), (4, 8)]
     short.abort()
     middle.abort()
     batch.drop_finished()
-    assert len(batch) == 0 and batch.cache is None and batch.positions is None
+    assert len(batch) == 0 and pool.in_use == 0 and batch.last is None

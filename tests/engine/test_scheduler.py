@@ -351,7 +351,8 @@ def test_a_request_that_fails_in_prefill_ends_alone(models):
 def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):
     model = models("qwen2_vl")
     prompt = model.text("The weather today is")
-    engine = model.engine(max_rows=4, kv_cache_tokens=3 * (len(prompt) + 8))
+    assert len(prompt) + 8 <= 16  # each row's prompt and tokens fit one block of 16
+    engine = model.engine(max_rows=4, kv_cache_tokens=3 * 16, kv_block_tokens=16)
     with pytest.raises(CapacityError) as info:
         engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, n=5)))
     assert info.value.http_status == 422 and info.value.code == "request_exceeds_capacity"
@@ -359,7 +360,7 @@ def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_ref
         engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, max_tokens=4 * len(prompt) + 40)))
     _, rows_per_step = run(engine.scheduler(), [(GenerationRequest(prompt, sampled(seed=s)), {"tag": s})
                                                 for s in range(7)])
-    assert max(rows_per_step) == 3  # the KV budget, not the 4 rows, holds it
+    assert max(rows_per_step) == 3  # the KV pool's 3 blocks, not the 4 rows, hold it
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_other_rows_keep_decoding(models):

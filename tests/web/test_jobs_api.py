@@ -115,10 +115,11 @@ def test_context_length_is_checked_on_submit(make_app):
 
 
 def test_a_request_that_can_never_fit_the_gpu_batch_is_refused_on_submit(make_app):
-    client = make_app(kv_cache_tokens=100, gpu_batch_size=4).test_client()
+    # A pool of 10 blocks of 16 tokens; a row of 10 + 40 tokens takes 4 of them.
+    client = make_app(kv_cache_tokens=160, kv_block_tokens=16, gpu_batch_size=4).test_client()
     fits = submit(client, {"token_ids": [100] * 10, "sampling_params": {"max_tokens": 40, "n": 2}})
     assert fits.status_code == 202
-    for params in ({"max_tokens": 40, "n": 3}, {"max_tokens": 95}, {"max_tokens": 1, "n": 5}):
+    for params in ({"max_tokens": 40, "n": 3}, {"max_tokens": 155}, {"max_tokens": 1, "n": 5}):
         response = submit(client, {"token_ids": [100] * 10, "sampling_params": params})
         assert response.status_code == 422, params
         assert response.get_json()["code"] == "request_exceeds_capacity"

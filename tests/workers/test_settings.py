@@ -77,3 +77,18 @@ def test_preprocessing_processes_default_to_the_cores_this_process_may_use(monke
     assert load_settings().cpu_concurrency == 3
     monkeypatch.setenv("ROLLOUT_CPU_CONCURRENCY", "7")
     assert load_settings().cpu_concurrency == 7
+
+
+def test_the_gpu_batch_is_sized_by_the_kv_pool_unless_set(monkeypatch):
+    from workers.gpu.limits import scheduler_limits
+
+    for name in ("GPU_BATCH_SIZE", "KV_CACHE_TOKENS", "TYPICAL_ROW_TOKENS"):
+        monkeypatch.delenv(f"ROLLOUT_{name}", raising=False)
+    assert load_settings().batch_rows == 131_072 // 1024
+    monkeypatch.setenv("ROLLOUT_KV_CACHE_TOKENS", str(2**20))
+    monkeypatch.setenv("ROLLOUT_TYPICAL_ROW_TOKENS", "2048")
+    settings = load_settings()
+    assert settings.batch_rows == 512 and scheduler_limits(settings).max_rows == 512
+    assert settings.replace(kv_cache_tokens=100).batch_rows == 1  # never below one row
+    monkeypatch.setenv("ROLLOUT_GPU_BATCH_SIZE", "24")
+    assert load_settings().batch_rows == 24

@@ -110,7 +110,7 @@ class ServerInfo(MethodView):
         svc = services()
         return {"model_path": model_id(svc.settings), "served_model_name": served_model_name(),
                 "context_length": svc.max_model_len, "weight_version": _weight_version(),
-                "version": _version(), "max_running_requests": svc.settings.gpu_batch_size,
+                "version": _version(), "max_running_requests": svc.settings.batch_rows,
                 "sync_timeout_max": svc.settings.sync_timeout_max}
 
 

@@ -8,7 +8,8 @@ from workers.settings import Settings
 
 def scheduler_limits(settings: Settings):
     """The GPU worker's continuous-batch limits (also checked by the API at submit)."""
-    return SchedulerLimits(max_rows=settings.gpu_batch_size, kv_cache_tokens=settings.kv_cache_tokens,
+    return SchedulerLimits(max_rows=settings.batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
+                           kv_block_tokens=settings.kv_block_tokens,
                            prefill_chunk_tokens=settings.prefill_chunk_tokens,
                            prompt_cache_tokens=settings.prompt_cache_tokens,
                            encoder_cache_bytes=settings.encoder_cache_bytes)

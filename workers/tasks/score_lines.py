@@ -55,7 +55,7 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     ended = store.ended(batch_id, numbers)
     pending = [line for line in lines if mine.get(line["line"]) == DIRECT_LINE and line["line"] not in ended]
     engine = rt.wait_for_model()
-    size = rt.settings.gpu_batch_size
+    size = rt.settings.batch_rows
     for start in range(0, len(pending), size):
         record_lines(rt, batch_id, _score(engine, pending[start:start + size]))
     store.scoring_done(batch_id, index)

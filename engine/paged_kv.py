@@ -1,0 +1,210 @@
+"""Paged KV memory: the running batch's keys and values in fixed-size blocks of one pool, a block
+table per row.
+
+A row holds the blocks its own length needs; a finished row's blocks go back at once; rows join
+and leave by editing tables, nothing is copied; a decode step writes only each row's new K/V.
+Blocks are reference-counted, so the ``n`` samples of a prompt, and the recent-prompt cache, hold
+the prompt's blocks once; a row copies a shared block only when it writes into it (the prompt's
+last, partial block: copy-on-write).
+
+Why by hand, when transformers ships ``PagedAttentionCache`` for its continuous batching:
+
+- its allocator is driven by its own scheduler's ``RequestState`` and ``ContinuousBatchingConfig``,
+  which take token ids only (the reason :mod:`engine.scheduler` is ours: docs/architecture.md);
+- its sdpa and eager path packs every request's tokens into one row and attends each query to the
+  whole packed cache under a (1, 1, queries, keys) mask, so a decode step of R rows costs R times
+  the attention of a batched one; its block-table kernels need CUDA flash-attention;
+- its prefix sharing matches token ids, and a multimodal prompt's placeholder ids are the same
+  whatever its images: two prompts with different pictures would share blocks.
+
+What this module uses of transformers: the model's own attention, unchanged. Every decoder layer
+hands its new K/V to ``cache.update(...)`` and attends to what it returns; a 4-D mask passes the
+model's mask building as is (``masking_utils``). :class:`PagedStep` is that cache for one forward.
+
+Layout: per layer, keys and values of shape (blocks + 1, block size, kv heads, head dim). Block 0
+is never handed out: it pads the shorter rows' tables, and the mask hides it. Without a fused
+paged-attention kernel (none runs on CPU), a forward reads the rows' blocks with one gather per
+layer, as wide as the longest row; that tensor lives for one layer's attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from engine.errors import CapacityError
+
+NULL_BLOCK = 0
+
+
+class KVPoolExhausted(CapacityError):
+    """The KV pool has no free block (admission counts blocks, so this is a bug if it happens)."""
+
+    code = "kv_pool_exhausted"
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class BlockPool:
+    """``capacity`` blocks of ``block_size`` tokens of K/V for every layer, allocated once (at the
+    first write, from the shapes of the model's own K/V) and handed out by reference count."""
+
+    def __init__(self, capacity: int, block_size: int):
+        if capacity < 1 or block_size < 1:
+            raise ValueError("a KV pool needs at least one block of at least one token")
+        self.capacity, self.block_size = capacity, block_size
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._free = list(range(capacity, NULL_BLOCK, -1))  # a stack: the lowest ids go out first
+        self._refs = [0] * (capacity + 1)
+        self.reclaim: Callable[[], bool] | None = None  # frees an evictable holder's blocks; False if none
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def make_free(self, count: int) -> bool:
+        """Reclaim evictable blocks until ``count`` are free; False if that many cannot be."""
+        while len(self._free) < count:
+            if self.reclaim is None or not self.reclaim():
+                return False
+        return True
+
+    def allocate(self, count: int) -> list[int]:
+        if not self.make_free(count):
+            raise KVPoolExhausted(f"{count} KV blocks wanted, {len(self._free)} of {self.capacity} free",
+                                  errors={"kv_blocks_free": len(self._free), "kv_blocks": self.capacity})
+        blocks = [self._free.pop() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def share(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._refs[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free.append(block)
+
+    def is_shared(self, block: int) -> bool:
+        return self._refs[block] > 1
+
+    def write_prompt(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Blocks holding one prompt's K/V, given per layer as (heads, length, dim) tensors."""
+        length = layers[0][0].shape[1]
+        if not self.keys:
+            self._materialize(layers)
+        blocks = self.allocate(blocks_for(length, self.block_size))
+        slots = self.slots(blocks, 0, length, device=self.keys[0].device)
+        for index, (keys, values) in enumerate(layers):
+            self._flat(self.keys[index]).index_copy_(0, slots, keys.transpose(0, 1).to(self.keys[index].dtype))
+            self._flat(self.values[index]).index_copy_(0, slots, values.transpose(0, 1).to(self.values[index].dtype))
+        return blocks
+
+    def copy_block(self, source: int, target: int) -> None:
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[target] = layer[source]
+
+    def slots(self, blocks: Sequence[int], start: int, stop: int, *, device) -> torch.Tensor:
+        """Flat slot indices of token positions ``start..stop`` of a row holding ``blocks``."""
+        positions = torch.arange(start, stop)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(device)
+
+    def _materialize(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        shape = (self.capacity + 1, self.block_size)
+        for keys, values in layers:
+            # torch.zeros: untouched pages of a large pool are not resident until written (calloc).
+            self.keys.append(keys.new_zeros((*shape, keys.shape[0], keys.shape[2])))
+            self.values.append(values.new_zeros((*shape, values.shape[0], values.shape[2])))
+
+    @staticmethod
+    def _flat(layer: torch.Tensor) -> torch.Tensor:
+        return layer.view(-1, *layer.shape[2:])
+
+
+@dataclass
+class PagedPrompt:
+    """A prefilled prompt's K/V in the pool: its blocks (one reference held by this object until
+    :meth:`release`) and its length."""
+
+    pool: BlockPool
+    blocks: list[int]
+    length: int
+
+    def hold(self) -> PagedPrompt:
+        """Another reference to the same blocks (the prompt cache keeps one)."""
+        self.pool.share(self.blocks)
+        return PagedPrompt(self.pool, list(self.blocks), self.length)
+
+    def release(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks = []
+
+
+def write_prompts(pool: BlockPool, cache, attention_mask: torch.Tensor) -> list[PagedPrompt]:
+    """Each row of a left-padded prefill ``cache`` (transformers' ``DynamicCache``), without its
+    padding, written into blocks of ``pool``; all or none (blocks taken are given back on failure)."""
+    layers = list(cache.layers)
+    for layer in layers:
+        if isinstance(layer, DynamicSlidingWindowLayer) or not isinstance(layer, DynamicLayer):
+            raise NotImplementedError(f"cache layer {type(layer).__name__} cannot be paged")
+    width = attention_mask.shape[-1]
+    written: list[PagedPrompt] = []
+    try:
+        for row, length in enumerate(attention_mask.sum(-1).tolist()):
+            start = width - int(length)
+            blocks = pool.write_prompt([(layer.keys[row, :, start:], layer.values[row, :, start:]) for layer in layers])
+            written.append(PagedPrompt(pool, blocks, int(length)))
+    except BaseException:
+        for prompt in written:
+            prompt.release()
+        raise
+    return written
+
+
+class PagedStep:
+    """The ``cache`` of one decode forward over rows holding ``tables``: each layer's
+    :meth:`update` writes the rows' new K/V at ``write_slots`` and returns every row's K/V
+    gathered from its blocks, (rows, heads, width, dim), padding read from the null block."""
+
+    def __init__(self, pool: BlockPool, tables: torch.Tensor, write_slots: torch.Tensor):
+        self.pool, self.tables, self.write_slots = pool, tables, write_slots
+        self.width = tables.shape[1] * pool.block_size
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        out = []
+        for layer, states in ((self.pool.keys[layer_idx], key_states), (self.pool.values[layer_idx], value_states)):
+            flat = layer.view(-1, *layer.shape[2:])
+            flat.index_copy_(0, self.write_slots, states[:, :, -1].to(layer.dtype))
+            gathered = layer[self.tables]  # (rows, table width, block size, heads, dim)
+            out.append(gathered.flatten(1, 2).transpose(1, 2).to(states.dtype))
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+
+def decode_mask(lengths: torch.Tensor, width: int, *, attn_implementation: str | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The 4-D mask of a decode step whose rows hold ``lengths`` tokens before it: each row's query
+    sees its first ``length + 1`` slots (its cache and its new token). Boolean for sdpa (what its
+    own mask building gives), additive for the others (eager)."""
+    seen = torch.arange(width, device=lengths.device)[None, :] <= lengths[:, None]
+    mask = seen[:, None, None, :]
+    if attn_implementation == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

@@ -1,0 +1,79 @@
+"""The KV pool (engine/paged_kv.py): prompts written into blocks, a decode step's paged cache
+writing one slot per row and reading each row's whole K/V back, reference counts, and the mask.
+No model: a real DynamicCache of random tensors stands in for a prefill's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.paged_kv import NULL_BLOCK, BlockPool, KVPoolExhausted, PagedStep, decode_mask, write_prompts
+
+HEADS, DIM, LAYERS = 2, 4, 2
+
+
+def prefill(lengths: list[int]) -> tuple[DynamicCache, torch.Tensor, list[list[torch.Tensor]]]:
+    """A left-padded prefill cache of rows of ``lengths``, its mask, and each row's unpadded keys."""
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    cache = DynamicCache()
+    for layer in range(LAYERS):
+        cache.update(torch.randn(len(lengths), HEADS, width, DIM), torch.randn(len(lengths), HEADS, width, DIM), layer)
+    keys = [[cache.layers[layer].keys[row, :, width - n:] for layer in range(LAYERS)] for row, n in enumerate(lengths)]
+    return cache, mask, keys
+
+
+def test_prompts_are_written_without_padding_and_read_back_with_each_new_token():
+    pool = BlockPool(capacity=8, block_size=4)
+    cache, mask, keys = prefill([3, 6])
+    short, long = write_prompts(pool, cache, mask)
+    assert (short.length, len(short.blocks)) == (3, 1) and (long.length, len(long.blocks)) == (6, 2)
+    assert pool.in_use == 3
+    # One decode step: each row writes its new token into the slot after its prompt.
+    tables = torch.tensor([short.blocks + [NULL_BLOCK], long.blocks])
+    writes = torch.tensor([short.blocks[0] * 4 + 3, long.blocks[1] * 4 + 2])
+    step = PagedStep(pool, tables, writes)
+    new_keys, new_values = torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)
+    got_keys, _ = step.update(new_keys, new_values, 1)
+    assert got_keys.shape == (2, HEADS, 8, DIM) and step.get_seq_length() == 8
+    assert torch.equal(got_keys[0, :, :4], torch.cat([keys[0][1], new_keys[0]], dim=1))
+    assert torch.equal(got_keys[1, :, :7], torch.cat([keys[1][1], new_keys[1]], dim=1))
+    assert torch.equal(got_keys[0, :, 4:], torch.zeros(HEADS, 4, DIM))  # the null block pads the short row
+
+
+def test_blocks_are_counted_shared_and_given_back():
+    pool = BlockPool(capacity=3, block_size=4)
+    cache, mask, _ = prefill([5])
+    (prompt,) = write_prompts(pool, cache, mask)
+    kept = prompt.hold()  # the prompt cache's reference
+    assert pool.in_use == 2 and all(pool.is_shared(b) for b in prompt.blocks)
+    prompt.release()
+    assert pool.in_use == 2 and not pool.is_shared(kept.blocks[0])
+    [extra] = pool.allocate(1)
+    with pytest.raises(KVPoolExhausted) as info:
+        pool.allocate(1)
+    assert info.value.http_status == 422 and info.value.errors == {"kv_blocks_free": 0, "kv_blocks": 3}
+    # An evictable holder gives its blocks back when the pool runs short.
+    pool.reclaim = lambda: bool(kept.blocks) and (kept.release() or True)
+    assert len(pool.allocate(2)) == 2 and pool.in_use == 3
+    pool.release([extra])
+    assert pool.free == 1
+
+
+def test_a_failed_write_gives_back_what_it_took():
+    pool = BlockPool(capacity=2, block_size=4)
+    cache, mask, _ = prefill([4, 8])  # 1 + 2 blocks: the second does not fit
+    with pytest.raises(KVPoolExhausted):
+        write_prompts(pool, cache, mask)
+    assert pool.in_use == 0
+
+
+def test_the_decode_mask_shows_each_row_its_cache_and_its_new_token():
+    lengths = torch.tensor([1, 3])
+    boolean = decode_mask(lengths, 4, attn_implementation="sdpa", dtype=torch.float32)
+    assert boolean.shape == (2, 1, 1, 4) and boolean[:, 0, 0].tolist() == [[True, True, False, False]] + \
+        [[True, True, True, True]]
+    additive = decode_mask(lengths, 4, attn_implementation="eager", dtype=torch.float16)
+    assert additive.dtype == torch.float16 and additive[0, 0, 0].tolist()[:2] == [0, 0]
+    assert additive[0, 0, 0, 2] == torch.finfo(torch.float16).min
