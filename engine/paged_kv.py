@@ -21,10 +21,11 @@ What this module uses of transformers: the model's own attention, unchanged. Eve
 hands its new K/V to ``cache.update(...)`` and attends to what it returns; a 4-D mask passes the
 model's mask building as is (``masking_utils``). :class:`PagedStep` is that cache for one forward.
 
-Layout: per layer, keys and values of shape (blocks + 1, block size, kv heads, head dim). Block 0
-is never handed out: it pads the shorter rows' tables, and the mask hides it. Without a fused
-paged-attention kernel (none runs on CPU), a forward reads the rows' blocks with one gather per
-layer, as wide as the longest row; that tensor lives for one layer's attention.
+Layout: per layer, keys and values of shape (kv heads, blocks + 1, block size, head dim), so the
+gather of the rows' blocks is already (rows, heads, tokens, dim) as a view, the layout attention
+takes. Block 0 is never handed out: it pads the shorter rows' tables, and the mask hides it.
+Without a fused paged-attention kernel (none runs on CPU), a forward reads the rows' blocks with
+one gather per layer, as wide as the longest row; that tensor lives for one layer's attention.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class BlockPool:
         self._free = list(range(capacity, NULL_BLOCK, -1))  # a stack: the lowest ids go out first
         self._refs = [0] * (capacity + 1)
         self.reclaim: Callable[[], bool] | None = None  # frees an evictable holder's blocks; False if none
+        self._workspaces: list[torch.Tensor | None] = [None, None]  # a forward's gathered keys, values
 
     @property
     def in_use(self) -> int:
@@ -109,14 +111,14 @@ class BlockPool:
         blocks = self.allocate(blocks_for(length, self.block_size))
         slots = self.slots(blocks, 0, length, device=self.keys[0].device)
         for index, (keys, values) in enumerate(layers):
-            self._flat(self.keys[index]).index_copy_(0, slots, keys.transpose(0, 1).to(self.keys[index].dtype))
-            self._flat(self.values[index]).index_copy_(0, slots, values.transpose(0, 1).to(self.values[index].dtype))
+            flat_slots(self.keys[index]).index_copy_(1, slots, keys.to(self.keys[index].dtype))
+            flat_slots(self.values[index]).index_copy_(1, slots, values.to(self.values[index].dtype))
         return blocks
 
     def copy_block(self, source: int, target: int) -> None:
         for tensors in (self.keys, self.values):
             for layer in tensors:
-                layer[target] = layer[source]
+                layer[:, target] = layer[:, source]
 
     def slots(self, blocks: Sequence[int], start: int, stop: int, *, device) -> torch.Tensor:
         """Flat slot indices of token positions ``start..stop`` of a row holding ``blocks``."""
@@ -124,16 +126,28 @@ class BlockPool:
         table = torch.tensor(blocks, dtype=torch.long)
         return (table[positions // self.block_size] * self.block_size + positions % self.block_size).to(device)
 
+    def workspace(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``shape`` for gathered keys (0) or values (1), reused by every layer of every
+        forward: a layer's attention is done with it before the next layer gathers."""
+        need = 1
+        for size in shape:
+            need *= size
+        buffer = self._workspaces[which]
+        if buffer is None or buffer.numel() < need:
+            buffer = self._workspaces[which] = like.new_empty(max(need, 2 * (0 if buffer is None else buffer.numel())))
+        return buffer[:need].view(shape)
+
     def _materialize(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         shape = (self.capacity + 1, self.block_size)
         for keys, values in layers:
             # torch.zeros: untouched pages of a large pool are not resident until written (calloc).
-            self.keys.append(keys.new_zeros((*shape, keys.shape[0], keys.shape[2])))
-            self.values.append(values.new_zeros((*shape, values.shape[0], values.shape[2])))
+            self.keys.append(keys.new_zeros((keys.shape[0], *shape, keys.shape[2])))
+            self.values.append(values.new_zeros((values.shape[0], *shape, values.shape[2])))
 
-    @staticmethod
-    def _flat(layer: torch.Tensor) -> torch.Tensor:
-        return layer.view(-1, *layer.shape[2:])
+
+def flat_slots(layer: torch.Tensor) -> torch.Tensor:
+    """A layer's pool as (heads, slots, dim): slot = block x block size + offset."""
+    return layer.view(layer.shape[0], -1, layer.shape[3])
 
 
 @dataclass
@@ -178,33 +192,44 @@ def write_prompts(pool: BlockPool, cache, attention_mask: torch.Tensor) -> list[
 
 class PagedStep:
     """The ``cache`` of one decode forward over rows holding ``tables``: each layer's
-    :meth:`update` writes the rows' new K/V at ``write_slots`` and returns every row's K/V
-    gathered from its blocks, (rows, heads, width, dim), padding read from the null block."""
+    :meth:`update` writes the rows' new K/V at ``write_slots`` and returns every row's first
+    ``width`` tokens of K/V gathered from its blocks, (rows, heads, width, dim), a row's slots
+    past its own length read from its last block or the null block (the mask hides them)."""
 
-    def __init__(self, pool: BlockPool, tables: torch.Tensor, write_slots: torch.Tensor):
-        self.pool, self.tables, self.write_slots = pool, tables, write_slots
-        self.width = tables.shape[1] * pool.block_size
+    def __init__(self, pool: BlockPool, tables: torch.Tensor, write_slots: torch.Tensor, width: int):
+        self.pool, self.tables, self.write_slots, self.width = pool, tables, write_slots, width
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         out = []
-        for layer, states in ((self.pool.keys[layer_idx], key_states), (self.pool.values[layer_idx], value_states)):
-            flat = layer.view(-1, *layer.shape[2:])
-            flat.index_copy_(0, self.write_slots, states[:, :, -1].to(layer.dtype))
-            gathered = layer[self.tables]  # (rows, table width, block size, heads, dim)
-            out.append(gathered.flatten(1, 2).transpose(1, 2).to(states.dtype))
+        rows, table_width = self.tables.shape
+        blocks = self.tables.flatten()
+        for which, layer, states in ((0, self.pool.keys[layer_idx], key_states),
+                                     (1, self.pool.values[layer_idx], value_states)):
+            flat_slots(layer).index_copy_(1, self.write_slots, states[:, :, -1].transpose(0, 1).to(layer.dtype))
+            heads, _, size, dim = layer.shape
+            # index_select of whole blocks into a reused buffer: a copy at memory speed (advanced
+            # indexing is 3x slower here, and a fresh buffer per layer pays its page faults).
+            gathered = self.pool.workspace(which, (heads, rows * table_width, size * dim), layer)
+            torch.index_select(layer.view(heads, -1, size * dim), 1, blocks, out=gathered)
+            view = gathered.view(heads, rows, table_width * size, dim).permute(1, 0, 2, 3)  # (rows, heads, tokens, dim)
+            out.append(view[:, :, :self.width].to(states.dtype))
         return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
 
 
-def decode_mask(lengths: torch.Tensor, width: int, *, attn_implementation: str | None,
-                dtype: torch.dtype) -> torch.Tensor:
+def decode_mask(lengths: Sequence[int], *, attn_implementation: str | None, dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
     """The 4-D mask of a decode step whose rows hold ``lengths`` tokens before it: each row's query
-    sees its first ``length + 1`` slots (its cache and its new token). Boolean for sdpa (what its
-    own mask building gives), additive for the others (eager)."""
-    seen = torch.arange(width, device=lengths.device)[None, :] <= lengths[:, None]
+    sees its first ``length + 1`` slots (its cache and its new token), of ``max(lengths) + 1``.
+    Always given, even when all rows see every slot: a 4-D mask passes the model's mask building
+    as is, which then never asks this cache for sizes. Boolean for sdpa (what its own mask
+    building gives), additive for the others (eager)."""
+    width = max(lengths) + 1
+    sizes = torch.tensor(lengths, dtype=torch.long, device=device)
+    seen = torch.arange(width, device=device)[None, :] <= sizes[:, None]
     mask = seen[:, None, None, :]
     if attn_implementation == "sdpa":
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)

@@ -57,14 +57,14 @@ class RunningBatch:
         table = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in self.tables], dtype=torch.long)
         writes = torch.tensor([t[n // size] * size + n % size for t, n in zip(self.tables, self.lengths, strict=True)],
                               dtype=torch.long)
-        lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
-        positions = lengths[:, None]
+        positions = torch.tensor(self.lengths, dtype=torch.long, device=self.device)[:, None]
         if self.deltas is not None:  # M-RoPE: text positions, then the three rotary axes shifted by the delta
             deltas = torch.tensor(self.deltas, dtype=torch.long, device=self.device)
             vision = (positions + deltas[:, None])[None].expand(3, len(self.rows), 1)
             positions = torch.cat([positions[None], vision], dim=0)
-        cache = PagedStep(self.pool, table.to(self.device), writes.to(self.device))
-        mask = decode_mask(lengths, cache.width, attn_implementation=self.attn_implementation, dtype=self.dtype)
+        cache = PagedStep(self.pool, table.to(self.device), writes.to(self.device), max(self.lengths) + 1)
+        mask = decode_mask(self.lengths, attn_implementation=self.attn_implementation, dtype=self.dtype,
+                           device=self.device)
         return {"input_ids": self.last[:, None], "position_ids": positions, "cache": cache, "attention_mask": mask}
 
     def advance(self, tokens: torch.Tensor) -> None:

@@ -33,13 +33,15 @@ def test_prompts_are_written_without_padding_and_read_back_with_each_new_token()
     # One decode step: each row writes its new token into the slot after its prompt.
     tables = torch.tensor([short.blocks + [NULL_BLOCK], long.blocks])
     writes = torch.tensor([short.blocks[0] * 4 + 3, long.blocks[1] * 4 + 2])
-    step = PagedStep(pool, tables, writes)
-    new_keys, new_values = torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)
-    got_keys, _ = step.update(new_keys, new_values, 1)
-    assert got_keys.shape == (2, HEADS, 8, DIM) and step.get_seq_length() == 8
-    assert torch.equal(got_keys[0, :, :4], torch.cat([keys[0][1], new_keys[0]], dim=1))
-    assert torch.equal(got_keys[1, :, :7], torch.cat([keys[1][1], new_keys[1]], dim=1))
-    assert torch.equal(got_keys[0, :, 4:], torch.zeros(HEADS, 4, DIM))  # the null block pads the short row
+    step = PagedStep(pool, tables, writes, width=7)
+    for layer in range(LAYERS):
+        new_keys, new_values = torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)
+        got_keys, got_values = step.update(new_keys, new_values, layer)
+        assert got_keys.shape == got_values.shape == (2, HEADS, 7, DIM) and step.get_seq_length() == 7
+        assert torch.equal(got_keys[0, :, :4], torch.cat([keys[0][layer], new_keys[0]], dim=1))
+        assert torch.equal(got_keys[1], torch.cat([keys[1][layer], new_keys[1]], dim=1))
+        assert torch.equal(got_values[1, :, 6], new_values[1, :, 0])
+        assert torch.equal(got_keys[0, :, 4:], torch.zeros(HEADS, 3, DIM))  # the null block pads the short row
 
 
 def test_blocks_are_counted_shared_and_given_back():
@@ -70,10 +72,10 @@ def test_a_failed_write_gives_back_what_it_took():
 
 
 def test_the_decode_mask_shows_each_row_its_cache_and_its_new_token():
-    lengths = torch.tensor([1, 3])
-    boolean = decode_mask(lengths, 4, attn_implementation="sdpa", dtype=torch.float32)
-    assert boolean.shape == (2, 1, 1, 4) and boolean[:, 0, 0].tolist() == [[True, True, False, False]] + \
-        [[True, True, True, True]]
-    additive = decode_mask(lengths, 4, attn_implementation="eager", dtype=torch.float16)
+    boolean = decode_mask([1, 3], attn_implementation="sdpa", dtype=torch.float32, device="cpu")
+    assert boolean.shape == (2, 1, 1, 4)
+    assert boolean[:, 0, 0].tolist() == [[True, True, False, False], [True, True, True, True]]
+    additive = decode_mask([1, 3], attn_implementation="eager", dtype=torch.float16, device="cpu")
     assert additive.dtype == torch.float16 and additive[0, 0, 0].tolist()[:2] == [0, 0]
     assert additive[0, 0, 0, 2] == torch.finfo(torch.float16).min
+    assert decode_mask([5, 5], attn_implementation="sdpa", dtype=torch.float32, device="cpu").all()

@@ -61,7 +61,7 @@ def test_a_decode_step_feeds_each_rows_last_token_at_its_next_position_into_its_
     assert len(batch.tables[0]) == 1 and len(batch.tables[1]) == 2
     cache = inputs["cache"]
     assert cache.write_slots.tolist() == [batch.tables[0][0] * SIZE + 3, batch.tables[1][1] * SIZE]
-    assert inputs["attention_mask"][:, 0, 0].tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
+    assert cache.width == 5 and inputs["attention_mask"][:, 0, 0].tolist() == [[True] * 4 + [False], [True] * 5]
     batch.advance(torch.tensor([21, 22]))
     assert batch.lengths == [4, 5] and batch.last.tolist() == [21, 22]
 
@@ -80,7 +80,7 @@ def test_samples_share_their_prompt_and_copy_only_the_partial_block_they_write()
     batch.decode_inputs()
     assert [t[0] for t in batch.tables] == [full] * 3  # the full block stays shared
     assert len({t[1] for t in batch.tables}) == 3 and partial not in {t[1] for t in batch.tables}
-    assert torch.equal(pool.keys[0][batch.tables[0][1]], pool.keys[0][partial])  # a copy, then its own writes
+    assert torch.equal(pool.keys[0][:, batch.tables[0][1]], pool.keys[0][:, partial])  # a copy, then its own writes
     assert pool.in_use == 5  # the cache still holds the original partial block
     assert [f.shared_blocks for f in batch.futures()] == [1, 1, 1] and len({f.group for f in batch.futures()}) == 1
 
