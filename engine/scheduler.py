@@ -92,6 +92,7 @@ class EngineStats:
     decode_rows: int = 0  # sum over decode steps of the rows in them
     kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
     kv_held_tokens: int = 0  # sum over decode steps of the KV pool's blocks in use, in tokens
+    kv_read_tokens: int = 0  # sum over decode steps of rows x the longest row (what a left-padded cache holds)
 
     def snapshot(self) -> dict[str, int]:
         return dict(vars(self))
@@ -230,6 +231,11 @@ class Scheduler:
         return len(self._batch)
 
     @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted."""
+        return len(self._pending)
+
+    @property
     def free_rows(self) -> int:
         """Rows a new request could take now (the GPU worker reserves no more messages than this)."""
         return max(0, self.free_rows_for_admission - sum(len(j.rows) for j in self._pending))
@@ -276,6 +282,7 @@ class Scheduler:
         self.stats.decode_rows += len(batch)
         self.stats.kv_live_tokens += batch.live_tokens + len(batch)
         self.stats.kv_held_tokens += self.pool.in_use * self.pool.block_size
+        self.stats.kv_read_tokens += len(batch) * (max(batch.lengths) + 1)
         tokens = self._sample(batch.rows, batch.jobs, out.logits[:, -1].float(), events, batch_rows=len(batch))
         batch.advance(tokens)
 
