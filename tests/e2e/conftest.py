@@ -178,14 +178,11 @@ class Stack:
 
     def heartbeat(self, name: str) -> dict | None:
         """The live heartbeat of this very worker process (a dead one's may linger for its TTL)."""
-        import json
+        from workers.infra.heartbeats import live
 
-        process = self.workers[name]
-        for key in self.services.redis.scan_iter(match=f"rq:worker:{self.kinds[name]}:*-{process.pid}", count=100):
-            raw = self.services.redis.get(key)
-            if raw is not None:
-                return json.loads(raw)
-        return None
+        suffix = f"-{self.workers[name].pid}"
+        return next((status for key, status in live(self.services.redis, (self.kinds[name],)).items()
+                     if key.endswith(suffix)), None)
 
     def wait_ready(self, names=None, timeout: float = 120.0) -> None:
         """Wait until each named worker process (default: all) beats; a GPU worker once its model is ready."""

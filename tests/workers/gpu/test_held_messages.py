@@ -10,6 +10,7 @@ from kombu.transport.redis import Channel
 
 from tests.conftest import empty_db_url
 from workers.gpu.held_messages import MARGIN_S, orphaned_generate_messages
+from workers.infra.heartbeats import beat
 from workers.names import GENERATE_TASK, PREPROCESS_TASK
 
 
@@ -28,7 +29,7 @@ def _unacked(client, tag: str, task: str, reserved_at: float) -> None:
 
 
 def _beat(client, name: str, at: float, held: list[str]) -> None:
-    client.set(f"rq:worker:gpu:{name}", json.dumps({"at": at, "model_ready": True, "held": held}), ex=10)
+    beat(client, "gpu", name, {"at": at, "model_ready": True, "held": held})
 
 
 def test_only_generate_messages_no_live_worker_holds_and_reported_since_are_orphans(client):

@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
+from workers.infra.heartbeats import beat
 from workers.jobs.prompt_codec import text_prompt
 from workers.jobs.reaper import AFTER_DEATH_SWEEPS, AfterDeathReaper, JobReaper
 from workers.jobs.request import JobRequest
@@ -160,8 +161,8 @@ def test_a_long_carried_backlog_is_worked_through_in_turns(rt, reaper, monkeypat
 
 def test_a_dead_workers_lost_message_is_sent_again_within_two_sweeps_of_its_heartbeat_going(rt):
     after_death = AfterDeathReaper(rt)
-    rt.redis.set("rq:worker:gpu:node-1-41", "{}")
-    rt.redis.set("rq:worker:cpu:node-1-42", "{}")
+    beat(rt.redis, "gpu", "node-1-41", {})
+    beat(rt.redis, "cpu", "node-1-42", {})
     lost = new_job(rt)  # what the worker popped and never recorded; just now, nowhere near stalled
     assert after_death.sweep() == [] and after_death.sweep() == []  # every worker alive: not looked for
     rt.redis.delete("rq:worker:gpu:node-1-41")  # killed: its heartbeat lapses
@@ -172,7 +173,7 @@ def test_a_dead_workers_lost_message_is_sent_again_within_two_sweeps_of_its_hear
 
 def test_the_sweeps_after_a_death_stop_after_a_few(rt):
     after_death = AfterDeathReaper(rt)
-    rt.redis.set("rq:worker:cpu:node-1-42", "{}")
+    beat(rt.redis, "cpu", "node-1-42", {})
     after_death.sweep()
     rt.redis.delete("rq:worker:cpu:node-1-42")
     for _ in range(AFTER_DEATH_SWEEPS):
@@ -181,7 +182,7 @@ def test_the_sweeps_after_a_death_stop_after_a_few(rt):
     assert after_death.sweep() == [] and after_death.sweep() == []
     assert queued(rt, PREPROCESS_QUEUE) == []
     # The next death looks again.
-    rt.redis.set("rq:worker:gpu:node-2-7", "{}")
+    beat(rt.redis, "gpu", "node-2-7", {})
     after_death.sweep()
     rt.redis.delete("rq:worker:gpu:node-2-7")
     assert after_death.sweep() == [] and after_death.sweep() == [late]
