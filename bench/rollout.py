@@ -1,7 +1,7 @@
 """A GRPO-shaped rollout through the service vs a hand-rolled static ``generate`` loop in-process.
 
 Goals (bench/README.md): "GRPO-shaped rollout: service / hand-rolled in-process static generate batches"
-(goal >= 2.0), "prefill tokens computed / distinct prompt tokens" (<= 1.1) and "vision-encoder
+(goal >= 2.5), "prefill tokens computed / distinct prompt tokens" (<= 1.1) and "vision-encoder
 calls / distinct images" after a second epoch (= 1).
 
 The workload: P prompts, each with its own image, G samples of each submitted as separate jobs
@@ -9,8 +9,9 @@ The workload: P prompts, each with its own image, G samples of each submitted as
 length is exact, seeded sampling at temperature 1. The model: a random Qwen2-VL built here, larger
 than the demo model (so a decode step is compute, not Python) but small enough for 2 cores.
 
-- service: the real stack (``bench.service.Service``: Redis, CPU and GPU workers as subprocesses),
-  jobs submitted with their images as data URLs, waited for; useful tokens / wall time;
+- service: the real stack (``bench.service.Service``: Redis, CPU and GPU workers as subprocesses)
+  at its shipped defaults (the GPU batch sized by the KV pool, preprocessing processes by the
+  cores), jobs submitted with their images as data URLs, waited for; useful tokens / wall time;
 - in-process: what a user writes with transformers alone: the same requests, preprocessed
   beforehand (not timed), in submission order in static batches of 16 through
   ``model.generate(do_sample=True)``, each batch running to its longest row; useful tokens (each
@@ -173,7 +174,7 @@ def run() -> list[dict]:
         static_loop(loaded.model, warm, loaded.fill_token_id)  # warm up
         baseline = static_loop(loaded.model, work, loaded.fill_token_id)
         del loaded
-        service = Service(state, model_dir)
+        service = Service(state, model_dir, batch=None)  # the shipped defaults: the batch sized by the KV pool
         try:
             service.start_workers()
             service.wait_ready()
@@ -187,8 +188,8 @@ def run() -> list[dict]:
     encoder_calls = c1.get("engine_encoder_calls", 0) + c2.get("engine_encoder_calls", 0)
     rows = [
         _row(f"GRPO-shaped rollout ({PROMPTS} prompts x {SAMPLES} samples as jobs, long-tailed max_tokens): "
-             "service / in-process static generate batches of 16", first["tokens_per_s"] / baseline["tokens_per_s"],
-             ">= 2.0"),
+             "service at its defaults / in-process static generate batches of 16",
+             first["tokens_per_s"] / baseline["tokens_per_s"], ">= 2.5"),
         _row("· service, useful tokens/s", first["tokens_per_s"]),
         _row("· in-process static generate loop, useful tokens/s", baseline["tokens_per_s"]),
         _row("· in-process static loop: row-steps computed per useful token", baseline["row_steps_per_token"]),

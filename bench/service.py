@@ -78,20 +78,24 @@ def engine_request(i: int, max_tokens: int = NEW_TOKENS) -> GenerationRequest:
 class Service:
     """Redis, worker subprocesses and the API's test client, all on one state directory."""
 
-    def __init__(self, state: Path, model_dir: Path, *, admin_key: str | None = None, weights_root: Path | None = None):
+    def __init__(self, state: Path, model_dir: Path, *, admin_key: str | None = None, weights_root: Path | None = None,
+                 batch: int | None = BATCH):
+        """``batch``: the GPU worker's rows (``ROLLOUT_GPU_BATCH_SIZE``); None leaves the default (from the KV pool)."""
         self.state = state
         self.redis_server = EmbeddedRedis(state / "redis", persistent=False).start()
         self.env = {
             "ROLLOUT_REDIS_URL": self.redis_server.url, "ROLLOUT_MODEL": str(model_dir),
             "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_NODE_ID": "bench-node", "ROLLOUT_TORCH_THREADS": "1",
-            "ROLLOUT_GPU_BATCH_SIZE": str(BATCH), "ROLLOUT_LOG_LEVEL": "WARNING", "ROLLOUT_API_KEYS": KEY,
+            "ROLLOUT_LOG_LEVEL": "WARNING", "ROLLOUT_API_KEYS": KEY,
         }
+        if batch is not None:
+            self.env["ROLLOUT_GPU_BATCH_SIZE"] = str(batch)
         if admin_key is not None:
             self.env["ROLLOUT_ADMIN_KEYS"] = admin_key
         if weights_root is not None:
             self.env["ROLLOUT_WEIGHTS_ROOT"] = str(weights_root)
         settings = Settings(redis_url=self.redis_server.url, state_dir=state, model=str(model_dir), api_keys=(KEY,),
-                            node_id="bench-node", gpu_batch_size=BATCH, log_level="WARNING",
+                            node_id="bench-node", gpu_batch_size=batch, log_level="WARNING",
                             admin_keys=(admin_key,) if admin_key else (), weights_root=weights_root)
         try:
             self.app = create_app(settings, self.redis_server.url)

@@ -413,3 +413,29 @@ def test_a_row_in_a_churning_batch_on_cuda_matches_alone(tmp_path):
     results, _ = run(model.engine(max_rows=4).scheduler(), submissions, steps_between=1)
     assert results["target"].choices[0].token_ids == alone.choices[0].token_ids
     torch.testing.assert_close(results["target"].choices[0].logprobs, alone.choices[0].logprobs, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_a_decode_step_on_cuda_synchronizes_with_the_host_once(tmp_path):
+    """The batched sampler's claim (engine/batch_sampler.py): one device-to-host copy per decode step
+    for every row's token and logprob, counted by torch's own sync debug mode."""
+    import warnings
+
+    model = Model("qwen2_vl", build_demo_model(tmp_path / "m"))
+    model.loaded = load_model(str(tmp_path / "m"), device="cuda")
+    scheduler = model.engine(max_rows=8).scheduler()
+    for seed in range(8):
+        scheduler.submit(model.request("The weather today is", sampled(seed=seed, max_tokens=40)))
+    scheduler.step()  # admission and prefill: syncs of their own
+    scheduler.step()
+    syncs = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(8):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                scheduler.step()
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert scheduler.running_rows == 8 and max(syncs) <= 1, syncs
