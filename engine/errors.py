@@ -128,6 +128,13 @@ class CapacityError(InvalidRequestError):
     code = "request_exceeds_capacity"
 
 
+class KVPoolExhausted(CapacityError):
+    """The GPU worker's KV pool had no free block for a running row (engine/paged_kv.py; admission
+    counts blocks, so this means a bug, not a request too large)."""
+
+    code = "kv_pool_exhausted"
+
+
 class ModelLoadError(InvalidRequestError):
     """The model path or hub id does not name a loadable model (missing, empty or unsupported)."""
 

@@ -106,14 +106,17 @@ class Engine:
         handles = [scheduler.submit(request, tag=i, features=f)
                    for i, (request, f) in enumerate(zip(requests, features, strict=True))]
         results: list[GenerationResult | None] = [None] * len(requests)
-        while scheduler.has_work:
-            if should_abort is not None:
-                for index in should_abort():
-                    scheduler.abort(handles[index])
-            for finished in scheduler.step():
-                if finished.error is not None:
-                    raise finished.error
-                results[finished.tag] = finished.result
+        try:
+            while scheduler.has_work:
+                if should_abort is not None:
+                    for index in should_abort():
+                        scheduler.abort(handles[index])
+                for finished in scheduler.step():
+                    if finished.error is not None:
+                        raise finished.error
+                    results[finished.tag] = finished.result
+        finally:  # an error ends the call with other rows running: their blocks go back
+            scheduler.close()
         return results
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:

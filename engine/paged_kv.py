@@ -36,15 +36,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from engine.errors import CapacityError
+from engine.errors import KVPoolExhausted
 
 NULL_BLOCK = 0
-
-
-class KVPoolExhausted(CapacityError):
-    """The KV pool has no free block (admission counts blocks, so this is a bug if it happens)."""
-
-    code = "kv_pool_exhausted"
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

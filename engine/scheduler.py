@@ -240,6 +240,20 @@ class Scheduler:
         """Rows a new request could take now (the GPU worker reserves no more messages than this)."""
         return max(0, self.free_rows_for_admission - sum(len(j.rows) for j in self._pending))
 
+    def close(self) -> None:
+        """Give every KV block this scheduler holds back to the pool and drop its requests: a
+        scheduler left with rows running (its session ended by an outage or an error) must not
+        keep the engine's memory."""
+        for prompt in self._step_prompts:
+            prompt.kv.release()
+        self._step_prompts = []
+        for job in self._jobs.values():
+            for row in job.rows:
+                row.abort()
+        self._batch.drop_finished()
+        self._jobs.clear()
+        self._pending, self._admitted, self._chunking = [], [], None
+
     # --- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[Finished]:

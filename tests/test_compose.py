@@ -50,7 +50,7 @@ def interpolate(value: str, env: dict[str, str]) -> str:
 
 
 def test_one_node_has_every_part(compose):
-    services = compose["services"]
+    services = {name: s for name, s in compose["services"].items() if not s.get("profiles")}
     assert set(services) == {"redis", "api", "cpu-worker", "gpu-worker", "webhooks-worker", "batches-worker",
                              "flower"}
     redis_command = " ".join(services["redis"]["command"])
@@ -59,8 +59,22 @@ def test_one_node_has_every_part(compose):
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert "flower" in services["flower"]["command"]
     broker = next(arg.split("=", 1)[1] for arg in services["flower"]["command"] if arg.startswith("--broker="))
-    assert {s["environment"]["ROLLOUT_REDIS_URL"] for s in ours(compose).values()} == {broker}
+    assert {interpolate(s["environment"]["ROLLOUT_REDIS_URL"], {}) for s in ours(compose).values()} == {broker}
     assert set(ours(compose)) == set(services) - {"redis", "flower"}
+
+
+def test_the_sentinel_profile_watches_redis_with_a_replica_and_three_sentinels(compose):
+    profiled = {name: s for name, s in compose["services"].items() if "sentinel" in s.get("profiles", ())}
+    assert set(profiled) == {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"}
+    assert "--replicaof redis 6379" in " ".join(profiled["redis-replica"]["command"])
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        script = profiled[name]["command"][-1]
+        assert "sentinel monitor rollout redis 6379 2" in script and "--sentinel" in script
+    # What the README tells the workers to use with the profile parses as a Sentinel target.
+    from workers.redis_target import parse_sentinel_url
+
+    target = parse_sentinel_url("redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/rollout/0")
+    assert target.master == "rollout" and len(target.sentinels) == 3
 
 
 def test_every_command_exists_in_the_cli(compose):

@@ -24,7 +24,7 @@ PUBLIC_ENDPOINTS = {"health.Health", "api-docs.openapi_json", "metrics.metrics",
 
 def create_app(settings: Settings | None = None, redis_url: str | None = None) -> Flask:
     settings = settings or load_settings()
-    redis_url = redis_url or settings.redis_url
+    redis_url = redis_url or settings.redis_target
     if not redis_url:
         raise ValueError("the API needs ROLLOUT_REDIS_URL (rollout-queue up sets it for you)")
     app = Flask("rollout_queue")

@@ -74,9 +74,9 @@ def _run(args) -> int:
 def _require_redis(settings) -> str:
     from workers.settings import SettingsError
 
-    if not settings.redis_url:
-        raise SettingsError("ROLLOUT_REDIS_URL is required here (or use 'rollout-queue up')")
-    return settings.redis_url
+    if not settings.redis_target:
+        raise SettingsError("ROLLOUT_REDIS_URL or ROLLOUT_REDIS_SENTINELS is required here (or use 'rollout-queue up')")
+    return settings.redis_target
 
 
 if __name__ == "__main__":

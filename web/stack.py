@@ -22,7 +22,8 @@ import requests
 
 from engine.errors import ServiceUnavailableError
 from web.supervisor import Child, Supervisor, process_child
-from workers.infra.redis_server import EmbeddedRedis
+from workers.infra.redis_client import connect
+from workers.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
 from workers.models import DEMO_MODEL_NAME, resolve_model_path
 from workers.settings import Settings, SettingsError
 
@@ -36,7 +37,9 @@ class RedisUnreachableError(ServiceUnavailableError):
 
 def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[str, str]:
     """The environment ``up`` starts its children with: the Redis and the model it prepared."""
-    env = {**os.environ, "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
+    # The URL names a Sentinel target too (workers/infra/redis_target.py): it replaces the sentinels' settings.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_REDIS_SENTINEL")},
+           "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
     if not settings.model and not settings.served_model_name:
         # The children get the built demo model's path; clients still name it by the demo's name.
         env["ROLLOUT_SERVED_MODEL_NAME"] = DEMO_MODEL_NAME
@@ -48,9 +51,14 @@ def run_stack(settings: Settings) -> int:
     print(f"preparing model {settings.model or '(built-in demo model)'} ...", flush=True)
     model_path = resolve_model_path(settings)
     embedded = None
-    redis_url = settings.redis_url
+    redis_url = settings.redis_target
     if redis_url:
         _check_redis(redis_url)
+    elif settings.embedded_redis == "sentinel":
+        embedded = LocalFailoverGroup(Path(settings.state_dir) / "redis-sentinel", fsync=settings.redis_fsync).start()
+        redis_url = embedded.url
+        print(f"embedded Redis: primary on port {embedded.primary.port}, replica on {embedded.replicas[0].port}, "
+              f"sentinels on {', '.join(str(s.port) for s in embedded.sentinels)}", flush=True)
     else:
         embedded = EmbeddedRedis(Path(settings.state_dir) / "redis", fsync=settings.redis_fsync).start()
         redis_url = embedded.url
@@ -68,9 +76,11 @@ def run_stack(settings: Settings) -> int:
     signal.signal(signal.SIGINT, stop)
     children: list[Callable[[], subprocess.Popen | None]] = []
     supervised: list[Child] = []
-    if embedded is not None:
-        # Restarted on the same port and append-only file: the workers reconnect by themselves.
-        supervised.append(Child("redis", embedded.start, lambda: embedded.running, lambda: embedded.pid))
+    # Restarted on the same port and append-only file: the workers reconnect by themselves (a
+    # restarted old primary is turned into a replica of the new one by the sentinels).
+    members = embedded.members if isinstance(embedded, LocalFailoverGroup) else [("redis", embedded)] if embedded else []
+    for name, member in members:
+        supervised.append(Child(name, member.start, lambda m=member: m.running, lambda m=member: m.pid))
     for command in CHILDREN:
         child, current = process_child(" ".join(command), _spawner(command, env))
         supervised.append(child)
@@ -142,10 +152,10 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _check_redis(url: str) -> None:
-    client = redis.Redis.from_url(url, socket_connect_timeout=3)
+    client = connect(url)
     try:
         client.ping()
     except redis.RedisError:
-        raise RedisUnreachableError(f"cannot reach Redis at ROLLOUT_REDIS_URL={url}") from None
+        raise RedisUnreachableError(f"cannot reach Redis at {url}") from None
     finally:
         client.close()

@@ -16,6 +16,7 @@ from engine.request_rules import (
 from web.auth import current_owner
 from web.services import services
 from workers.gpu.limits import scheduler_limits
+from workers.infra.replication import confirm_if_asked
 from workers.jobs.request import JobRequest
 from workers.jobs.submission import submit_job
 
@@ -58,5 +59,7 @@ def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
 def submit(request: dict[str, Any]) -> dict[str, Any]:
     """Check the validated ``request`` against the limits, type it, store and enqueue its job."""
     svc = services()
-    return submit_job(svc.jobs, svc.celery, owner=current_owner(), request=JobRequest.from_dict(check_limits(request)),
-                      model=svc.model_facts)
+    job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=JobRequest.from_dict(check_limits(request)),
+                     model=svc.model_facts)
+    confirm_if_asked(svc, job["id"])  # with replicas, a 202 means the job survives the primary's death
+    return job

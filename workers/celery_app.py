@@ -23,6 +23,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
+from workers.redis_target import broker_options
 from workers.settings import Settings
 
 TASK_MODULES = [
@@ -38,8 +39,10 @@ TASK_MODULES = [
 def create_celery(settings: Settings, redis_url: str) -> Celery:
     # No result backend: the job record in Redis is the result. A backend would add a
     # SUBSCRIBE/UNSUBSCRIBE round trip to every send_task for results nobody reads.
-    app = Celery("rollout_queue", broker=redis_url, include=TASK_MODULES)
+    broker, target_options = broker_options(redis_url)  # kombu's own Sentinel transport for a Sentinel target
+    app = Celery("rollout_queue", broker=broker, include=TASK_MODULES)
     transport_options = {
+        **target_options,
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 5)),
         "unacked_restore_throttle": 1,

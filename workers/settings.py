@@ -20,6 +20,7 @@ from environs import Env, EnvError
 
 from engine.errors import InvalidRequestError
 from workers.names import node_generate_queue
+from workers.redis_target import SENTINEL_SCHEME, parse_sentinel_url, sentinel_url
 
 
 class SettingsError(InvalidRequestError):
@@ -42,6 +43,18 @@ def usable_cores() -> int:
 @dataclass(frozen=True)
 class Settings:
     redis_url: str | None = None
+    # Redis behind Sentinel (workers/infra/redis_target.py): the sentinels' host:port and the name
+    # they monitor the primary by. Every process then follows a failover; ROLLOUT_REDIS_URL unset.
+    redis_sentinels: tuple[str, ...] = ()
+    redis_sentinel_master: str = "rollout"
+    # With replicas: the API answers 202 only once this many replicas hold the job (Redis WAIT),
+    # else 503 not_durable; 0 answers at once (replication is asynchronous: a failover may then
+    # lose the last jobs answered).
+    redis_replica_acks: int = 0
+    redis_replica_timeout_ms: int = 1000
+    # `rollout-queue up` without ROLLOUT_REDIS_URL: one embedded redis-server ("single"), or a
+    # primary, a replica and three sentinels on loopback ("sentinel") to try a failover.
+    embedded_redis: str = "single"
     # The embedded Redis' append-only file (no ROLLOUT_REDIS_URL): "everysec" may lose the last
     # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
     # write first (workers/infra/redis_server.py; the cost is in bench/durability.py).
@@ -178,6 +191,13 @@ class Settings:
         return dataclasses.replace(self, **changes)
 
     @property
+    def redis_target(self) -> str | None:
+        """The Redis every process connects to: ROLLOUT_REDIS_URL, or the sentinels' primary."""
+        if self.redis_sentinels:
+            return sentinel_url(self.redis_sentinels, self.redis_sentinel_master)
+        return self.redis_url
+
+    @property
     def batch_rows(self) -> int:
         """Rows decoding together: ROLLOUT_GPU_BATCH_SIZE, or as many typical rows as the KV pool holds."""
         if self.gpu_batch_size is not None:
@@ -195,6 +215,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "transport": ("auto", "inline", "shm", "cuda_ipc"),
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "embedded_redis": ("single", "sentinel"),
     "redis_fsync": ("everysec", "always"),
 }
 _RANGES = {
@@ -225,6 +246,8 @@ _RANGES = {
     "visibility_timeout": (1, 10**7),
     "stalled_job_after": (1, 10**7),
     "gpu_batch_size": (1, 4096),
+    "redis_replica_acks": (0, 16),
+    "redis_replica_timeout_ms": (1, 600_000),
     "typical_row_tokens": (1, 2**30),
     "kv_block_tokens": (1, 4096),
     "gpu_batch_wait_ms": (0, 10_000),
@@ -333,8 +356,17 @@ def _check_consistency(s: Settings) -> None:
                 ipaddress.ip_network(net, strict=False)
             except ValueError:
                 problems.append(f"{env_name(name)}: {net!r} is not a CIDR network")
-    if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
-        problems.append("ROLLOUT_REDIS_URL must start with redis://, rediss://, redis+socket:// or unix://")
+    if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "redis+socket://", "unix://",
+                                                   f"{SENTINEL_SCHEME}://")):
+        problems.append(f"ROLLOUT_REDIS_URL must start with redis://, rediss://, redis+socket://, unix:// "
+                        f"or {SENTINEL_SCHEME}://")
+    if s.redis_sentinels and s.redis_url:
+        problems.append("set ROLLOUT_REDIS_URL or ROLLOUT_REDIS_SENTINELS, not both")
+    for url in filter(None, [s.redis_target]):
+        try:
+            parse_sentinel_url(url)
+        except ValueError as exc:
+            problems.append(f"ROLLOUT_REDIS_SENTINELS / ROLLOUT_REDIS_URL: {exc}")
     for secret in s.webhook_secrets:
         if not secret.startswith("whsec_"):
             problems.append("ROLLOUT_WEBHOOK_SECRETS: each secret must start with whsec_")

@@ -42,3 +42,21 @@ def assert_one_webhook_each(host, ids, hook_path: str) -> None:
     time.sleep(1.0)  # a duplicate would follow within the retry schedule's first steps
     counts = webhook_counts(host, ids, hook_path)
     assert counts == Counter(dict.fromkeys(ids, 1)), counts
+
+
+def assert_one_event_each(host, ids, hook_path: str) -> int:
+    """Every job's end was delivered, as one event: all its deliveries carry one ``webhook-id``
+    (what a receiver dedupes by). A delivery whose record a failover lost is sent again, under
+    the same id. Returns the number of repeated deliveries."""
+    wait_until(lambda: len(webhook_counts(host, ids, hook_path)) == len(ids), 30, "a webhook per job")
+    time.sleep(1.0)  # a repeat would follow within the retry schedule's first steps
+    wanted = set(ids)
+    events: dict[str, set[str]] = {}
+    deliveries = 0
+    for _method, headers, body in list(host.requests[hook_path]):
+        job_id = json.loads(body)["data"]["id"]
+        if job_id in wanted:
+            events.setdefault(job_id, set()).add({k.lower(): v for k, v in headers.items()}["webhook-id"])
+            deliveries += 1
+    assert {job_id: len(ids_) for job_id, ids_ in events.items()} == dict.fromkeys(ids, 1)
+    return deliveries - len(ids)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.paged_kv import NULL_BLOCK, BlockPool, KVPoolExhausted, PagedStep, decode_mask, write_prompts
+from engine.errors import KVPoolExhausted
+from engine.paged_kv import NULL_BLOCK, BlockPool, PagedStep, decode_mask, write_prompts
 
 HEADS, DIM, LAYERS = 2, 4, 2
 

@@ -439,3 +439,22 @@ def test_a_decode_step_on_cuda_synchronizes_with_the_host_once(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert scheduler.running_rows == 8 and max(syncs) <= 1, syncs
+
+
+def test_a_scheduler_closed_with_rows_running_gives_the_pool_back(models):
+    """A GPU session that ends mid-run (Redis away, an error) closes its scheduler: the engine's KV
+    pool must not keep the blocks of rows that will run again elsewhere."""
+    model = models("qwen2_vl")
+    engine = model.engine(prompt_cache_tokens=0)
+    scheduler = engine.scheduler()
+    for seed in range(3):
+        scheduler.submit(GenerationRequest(model.text("The weather today is"), sampled(seed=seed, n=2, max_tokens=50)))
+    scheduler.submit(GenerationRequest(model.text("Yes."), sampled(seed=9, max_tokens=50)))
+    for _ in range(4):
+        scheduler.step()
+    assert scheduler.running_rows == 7 and engine.kv_pool.in_use > 0
+    scheduler.close()
+    assert engine.kv_pool.in_use == 0 and not scheduler.has_work and scheduler.running_rows == 0
+    # The engine serves on: a later call is unaffected.
+    assert engine.generate([GenerationRequest(model.text("Yes."), sampled(seed=1, max_tokens=4))])[0].choices
+    assert engine.kv_pool.in_use == 0

@@ -324,3 +324,14 @@ def test_a_lookup_with_wait_answers_once_every_job_has_ended(make_app):
     body = client.post("/v1/jobs/lookup", json={"ids": ids, "wait": 20}, headers=auth()).get_json()
     assert [job["status"] for job in body["data"]] == ["cancelled", "succeeded"]
     assert 0.5 < time.monotonic() - started < 10
+
+
+def test_a_submit_no_replica_confirms_is_503_not_durable_and_names_the_job(make_app):
+    """ROLLOUT_REDIS_REPLICA_ACKS: a 202 waits for replicas to hold the job (Redis WAIT); this Redis
+    has none, so the job was created but is not durable: 503 with its id, never a 500."""
+    client = make_app(redis_replica_acks=1, redis_replica_timeout_ms=50).test_client()
+    response = submit(client, {"token_ids": [100] * 4, "sampling_params": {"max_tokens": 2}})
+    body = response.get_json()
+    assert response.status_code == 503 and body["code"] == "not_durable", body
+    assert body["errors"]["replicas_acknowledged"] == 0 and body["errors"]["id"].startswith("job_")
+    assert submit(make_app().test_client(), {"token_ids": [100] * 4}).status_code == 202  # 0: answered at once

@@ -11,6 +11,7 @@ from typing import Any
 from engine.errors import PayloadTooLargeError, RateLimitedError
 from workers.batches.messages import start_batch
 from workers.batches.store import public_batch
+from workers.infra.replication import confirm_if_asked
 
 # Line errors shown in the batch object (all of them are in the errors download).
 REPORTED_LINE_ERRORS = 10
@@ -62,4 +63,5 @@ def create_batch(rt, owner: str, parsed: ParsedBatch, *, completion_window: int,
     chunks = store.add_lines(batch_id, parsed.valid)
     store.move(batch_id, "in_progress", from_=("validating",))
     start_batch(rt.celery, rt.settings, batch_id, chunks, completion_window)
+    confirm_if_asked(rt, batch_id)
     return public_batch(store.get(batch_id))

@@ -104,6 +104,9 @@ class GenerateSession:
                         if not pending:
                             return None
         finally:
+            # Rows still running (an outage or an error ends the session) give their KV blocks back:
+            # their jobs run again from their messages.
+            self.scheduler.close()
             try:
                 self._flush_tokens()
             except redis.RedisError:

@@ -49,11 +49,13 @@ class EmbeddedRedis:
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
     """
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, persistent: bool = True, fsync: str = "everysec"):
+    def __init__(self, data_dir: Path, *, port: int | None = None, persistent: bool = True, fsync: str = "everysec",
+                 replica_of: int | None = None):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.persistent = persistent
         self.fsync = fsync
+        self.replica_of = replica_of  # the port of the primary on loopback this one replicates at its start
         self._process: subprocess.Popen | None = None
 
     @property
@@ -76,6 +78,7 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "redis.log"),
+            *(["--replicaof", "127.0.0.1", str(self.replica_of)] if self.replica_of else []),
         ]  # fmt: skip
         # Its own session: a Ctrl-C meant for the stack must not stop Redis before the workers.
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -99,14 +102,7 @@ class EmbeddedRedis:
 
     def stop(self, timeout: float = 10.0) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()  # SIGTERM: redis-server flushes the append-only file and exits.
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process, timeout)
 
     @property
     def pid(self) -> int | None:
@@ -121,3 +117,147 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class EmbeddedSentinel:
+    """A redis-server running as a Sentinel (``--sentinel``) that watches the primary on
+    ``primary_port`` under the name ``master``. Its config file lives in ``data_dir``: Sentinel
+    rewrites it with what it learns (the current primary, the replicas, the other sentinels), so a
+    restarted sentinel knows where things stand."""
+
+    def __init__(self, data_dir: Path, *, primary_port: int, master: str, quorum: int = 2, port: int | None = None,
+                 down_after_ms: int = 2000, failover_timeout_ms: int = 10_000):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.primary_port, self.master, self.quorum = primary_port, master, quorum
+        self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def config(self) -> Path:
+        return self.data_dir / "sentinel.conf"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedSentinel:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.config.exists():
+            self.config.write_text("\n".join([
+                f"port {self.port}", "bind 127.0.0.1", f"dir {self.data_dir}",
+                f"logfile {self.data_dir / 'sentinel.log'}",
+                f"sentinel monitor {self.master} 127.0.0.1 {self.primary_port} {self.quorum}",
+                f"sentinel down-after-milliseconds {self.master} {self.down_after_ms}",
+                f"sentinel failover-timeout {self.master} {self.failover_timeout_ms}",
+                f"sentinel parallel-syncs {self.master} 1", "",
+            ]))
+        self._process = subprocess.Popen([redis_server_binary(), str(self.config), "--sentinel"],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        _wait_for_ping(self.port, self._process, timeout, self.data_dir / "sentinel.log")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        _stop(self._process, timeout)
+        self._process = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+
+class LocalFailoverGroup:
+    """A primary, its replicas (one by default) and three sentinels on loopback, from the same
+    redis-server binary: Redis the way production runs it, on one machine, so a failover can be
+    tried (``rollout-queue up`` with ``ROLLOUT_EMBEDDED_REDIS=sentinel``) and tested. :attr:`url`
+    is the Sentinel target every process connects to (workers/redis_target.py)."""
+
+    def __init__(self, data_dir: Path, *, master: str = "rollout", fsync: str = "everysec", down_after_ms: int = 2000,
+                 replicas: int = 1):
+        data_dir = Path(data_dir)
+        self.master = master
+        self.primary = EmbeddedRedis(data_dir / "primary", fsync=fsync)
+        self.replicas = [EmbeddedRedis(data_dir / f"replica-{i}", fsync=fsync, replica_of=self.primary.port)
+                         for i in range(replicas)]
+        self.sentinels = [EmbeddedSentinel(data_dir / f"sentinel-{i}", primary_port=self.primary.port, master=master,
+                                           down_after_ms=down_after_ms) for i in range(3)]
+
+    @property
+    def members(self) -> list[tuple[str, EmbeddedRedis | EmbeddedSentinel]]:
+        return [("redis primary", self.primary), *((f"redis replica {i}", r) for i, r in enumerate(self.replicas)),
+                *((f"sentinel {i}", s) for i, s in enumerate(self.sentinels))]
+
+    def serving(self) -> EmbeddedRedis | None:
+        """The server the sentinels name primary now (None while they name none that runs)."""
+        for sentinel in self.sentinels:
+            try:
+                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
+                    _, port = client.sentinel_get_master_addr_by_name(self.master)
+            except (redis.RedisError, TypeError):
+                continue
+            return next((r for r in (self.primary, *self.replicas) if r.port == int(port) and r.running), None)
+        return None
+
+    @property
+    def url(self) -> str:
+        from workers.redis_target import sentinel_url
+
+        return sentinel_url(tuple(f"127.0.0.1:{s.port}" for s in self.sentinels), self.master)
+
+    def start(self, timeout: float = 30.0) -> LocalFailoverGroup:
+        for _, member in self.members:
+            member.start()
+        deadline = time.monotonic() + timeout
+        for sentinel in self.sentinels:  # ready once every sentinel knows the replica and its peers
+            client = redis.Redis(port=sentinel.port)
+            try:
+                while True:
+                    replicas = client.sentinel_slaves(self.master)
+                    peers = client.sentinel_sentinels(self.master)
+                    known = [r for r in replicas if not r.get("is_disconnected")]
+                    if len(known) == len(self.replicas) and len(peers) == len(self.sentinels) - 1:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RedisStartError(f"sentinel on port {sentinel.port} did not see the replica and its peers")
+                    time.sleep(0.1)
+            finally:
+                client.close()
+        return self
+
+    def stop(self) -> None:
+        for _, member in reversed(self.members):
+            member.stop()
+
+    def __enter__(self) -> LocalFailoverGroup:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_for_ping(port: int, process: subprocess.Popen, timeout: float, log: Path) -> None:
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.RedisError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    _stop(process, 1.0)
+                    raise RedisStartError(f"redis-server did not start on port {port}; see {log}") from None
+                time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _stop(process: subprocess.Popen | None, timeout: float) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()  # SIGTERM: redis-server flushes the append-only file and exits.
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
