@@ -17,9 +17,12 @@ import threading
 import time
 
 import redis
+import requests
 
-from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
+from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.dialect_server import serve
 from tests.e2e.job_checks import assert_one_event_each, wait_until
+from tests.e2e.sse import messages
 from workers.infra.redis_server import LocalFailoverGroup
 
 HOOK_PATH = "/hooks/failover"
@@ -57,6 +60,27 @@ class SteadyLoad:
         self._thread.join(10)
 
 
+class OpenStream:
+    """A reader of one long job's native events over real HTTP, from before the kills to its end."""
+
+    def __init__(self, server: str, job_id: str):
+        self.job_id, self.events, self.failure = job_id, [], None
+        self._thread = threading.Thread(target=self._read, args=(server,), daemon=True)
+        self._thread.start()
+
+    def _read(self, server: str) -> None:
+        try:
+            with requests.get(f"{server}/v1/jobs/{self.job_id}/events", headers={"Authorization": f"Bearer {API_KEY}"},
+                              stream=True, timeout=120) as response:
+                self.events = [(m.event, m.json()) for m in messages(response)]
+        except requests.RequestException as error:  # a dropped connection: a client resumes by event id
+            self.failure = error
+
+    def ended(self, timeout: float) -> OpenStream:
+        self._thread.join(timeout)
+        return self
+
+
 def role(port: int) -> str | None:
     try:
         with redis.Redis(port=port, socket_timeout=1) as client:
@@ -92,11 +116,17 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
         with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "failover")) as stack:
             lines = "\n".join(json.dumps({"custom_id": f"l{n}", "kind": "generate",
                                           "body": {**BODY, "token_ids": [100 + n, 140]}}) for n in range(40))
-            with SteadyLoad(stack) as load:
+            long_body = {**BODY, "sampling_params": {**BODY["sampling_params"], "max_tokens": 2000}}
+            with serve(stack) as (server, _), SteadyLoad(stack) as load:
                 wait_until(lambda: len(load.accepted) >= 10, 60, "the first jobs")
+                long_jobs = [stack.submit({**long_body, "token_ids": [120 + i, 140]})["id"] for i in range(3)]
+                streams = [OpenStream(server, job_id) for job_id in long_jobs]
+                wait_until(lambda: all(s.events or stack.services.jobs.get(s.job_id)["status"] == "generating"
+                                       for s in streams), 60, "the long jobs to generate")
                 batch = stack.client.post("/v1/batches", data=lines,
                                           headers={**stack.headers(), "Content-Type": "application/jsonl"})
                 assert batch.status_code == 202, batch.get_json()
+                assert {stack.services.jobs.get(job_id)["status"] for job_id in long_jobs} == {"generating"}
                 first = fail_over(stack, group, group.primary, load)
                 # The old primary comes back, and the sentinels make it a replica of the new one.
                 group.primary.start()
@@ -114,6 +144,22 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
             wait_until(lambda: len(loopback_host.requests[HOOK_PATH]) >= len(ids), 60, "every webhook")
             repeated = assert_one_event_each(loopback_host, ids, HOOK_PATH)
             assert repeated <= 10, repeated  # only deliveries around the two kills
+            # Streams open across both failovers end with the job's result, every token once, or with
+            # an error event a client can act on (its code); never silently cut.
+            for stream, job_id in zip(streams, long_jobs, strict=True):
+                stream.ended(120)
+                final = stack.wait(job_id, timeout=120)
+                assert final["status"] == "succeeded"
+                kinds = [kind for kind, _ in stream.events]
+                if stream.failure is None and kinds and kinds[-1] == "result":
+                    streamed = [t for kind, data in stream.events if kind == "tokens"
+                                for c in data["choices"] for t in c["token_ids"]]
+                    restarted = "restart" in kinds  # a redone attempt: the client drops the void one
+                    assert restarted or streamed == final["result"]["choices"][0]["token_ids"]
+                else:
+                    assert stream.failure is not None or (kinds and kinds[-1] == "error"
+                                                          and stream.events[-1][1].get("code")), stream.events[-3:]
+            print("streams:", [s.events[-1][0] if s.events else repr(s.failure) for s in streams])
             batch_id = batch.get_json()["id"]
             completed = wait_until(lambda: (b := stack.client.get(f"/v1/batches/{batch_id}", headers=stack.headers())
                                             .get_json())["status"] == "completed" and b, 120, "the batch")
