@@ -45,6 +45,19 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """What one token's K and V take over every layer of the model of ``config``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_tokens_for_memory(config, dtype: torch.dtype, free_bytes: int, fraction: float) -> int:
+    """The KV pool, in tokens, that ``fraction`` of ``free_bytes`` of device memory holds."""
+    return int(free_bytes * fraction) // kv_bytes_per_token(config, dtype)
+
+
 class BlockPool:
     """``capacity`` blocks of ``block_size`` tokens of K/V for every layer, allocated once (at the
     first write, from the shapes of the model's own K/V) and handed out by reference count."""

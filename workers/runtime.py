@@ -259,7 +259,7 @@ class Runtime:
         # The engine checks the same limit as the API and the CPU worker (engine.request_rules).
         loaded.max_context_length = context_limit(s.max_model_len, loaded.max_context_length)
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
-        return Engine(loaded, scheduler_limits(s))
+        return Engine(loaded, _pool_sized(scheduler_limits(s), s, loaded))
 
     @cached_property
     def weight_sync(self):
@@ -300,3 +300,22 @@ def fresh_runtime(app) -> Runtime:
     _building = threading.Lock()  # the parent's may have been held by another thread at the fork
     app.rollout_runtime = Runtime(app.rollout_settings, app.rollout_redis_url, app)
     return app.rollout_runtime
+
+
+def _pool_sized(limits, settings: Settings, loaded):
+    """On CUDA with ROLLOUT_KV_CACHE_MEMORY_FRACTION, the KV pool takes that share of the device
+    memory free after the model loaded, at most ROLLOUT_KV_CACHE_TOKENS (what the API accepts at
+    submit; a request this worker's smaller pool cannot hold is refused by its engine's check)."""
+    import dataclasses
+
+    import torch
+
+    fraction = settings.kv_cache_memory_fraction
+    if not fraction or loaded.device.type != "cuda":
+        return limits
+    from engine.paged_kv import kv_tokens_for_memory
+
+    free, _ = torch.cuda.mem_get_info(loaded.device)
+    tokens = min(limits.kv_cache_tokens, kv_tokens_for_memory(loaded.model.config, loaded.dtype, free, fraction))
+    log.info("KV pool: %d tokens (%.0f%% of %.1f GiB free)", tokens, 100 * fraction, free / 2**30)
+    return dataclasses.replace(limits, kv_cache_tokens=max(tokens, limits.kv_block_tokens))

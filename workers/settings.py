@@ -129,6 +129,9 @@ class Settings:
     # kv_block_tokens), prefill chunk, caches.
     kv_cache_tokens: int = 131_072
     kv_block_tokens: int = 16
+    # On CUDA: the pool takes this share of the device memory free once the model is loaded (at
+    # most kv_cache_tokens); unset: kv_cache_tokens alone.
+    kv_cache_memory_fraction: float | None = None
     prefill_chunk_tokens: int = 512
     prompt_cache_tokens: int = 4096
     encoder_cache_bytes: int = 256 * 1024 * 1024
@@ -250,6 +253,7 @@ _RANGES = {
     "redis_replica_timeout_ms": (1, 600_000),
     "typical_row_tokens": (1, 2**30),
     "kv_block_tokens": (1, 4096),
+    "kv_cache_memory_fraction": (0.01, 0.99),
     "gpu_batch_wait_ms": (0, 10_000),
     "kv_cache_tokens": (1, 2**40),
     "prefill_chunk_tokens": (1, 10**7),

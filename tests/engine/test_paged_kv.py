@@ -80,3 +80,18 @@ def test_the_decode_mask_shows_each_row_its_cache_and_its_new_token():
     assert additive.dtype == torch.float16 and additive[0, 0, 0].tolist()[:2] == [0, 0]
     assert additive[0, 0, 0, 2] == torch.finfo(torch.float16).min
     assert decode_mask([5, 5], attn_implementation="sdpa", dtype=torch.float32, device="cpu").all()
+
+
+def test_the_bytes_a_token_takes_are_those_of_the_models_own_cache(loaded):
+    """Sizing the pool by device memory (ROLLOUT_KV_CACHE_MEMORY_FRACTION) counts what the model's
+    own forward stores per token: measured on its DynamicCache after a prefill."""
+    from engine.paged_kv import kv_bytes_per_token, kv_tokens_for_memory
+
+    ids = torch.tensor([[100, 101, 102, 103, 104]])
+    with torch.inference_mode():
+        out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    stored = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    per_token = kv_bytes_per_token(loaded.model.config, loaded.dtype)
+    assert per_token * ids.shape[1] == stored
+    assert kv_tokens_for_memory(loaded.model.config, loaded.dtype, 1000 * per_token, 0.5) == 500

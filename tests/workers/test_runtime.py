@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.conftest import db_url
 from workers.celery_app import create_celery
 from workers.runtime import fresh_runtime, runtime
@@ -32,3 +34,21 @@ def test_a_forked_child_given_a_fresh_runtime_talks_to_redis_on_its_own_connecti
     os.waitpid(pid, 0)
     assert os.read(read, 1) == b"1"
     assert parent.redis.get("runtime-test") == b"parent"  # the parent's connection still works
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_kv_pool_takes_its_share_of_free_device_memory(demo_model_dir):
+    import torch
+
+    from engine.loading import load_model
+    from engine.paged_kv import kv_bytes_per_token
+    from workers.gpu.limits import scheduler_limits
+    from workers.runtime import _pool_sized
+
+    loaded = load_model(str(demo_model_dir), device="cuda")
+    settings = Settings(kv_cache_memory_fraction=0.5, kv_cache_tokens=2**40)
+    free, _ = torch.cuda.mem_get_info(loaded.device)
+    tokens = _pool_sized(scheduler_limits(settings), settings, loaded).kv_cache_tokens
+    assert abs(tokens * kv_bytes_per_token(loaded.model.config, loaded.dtype) - free / 2) < free * 0.01
+    capped = Settings(kv_cache_memory_fraction=0.5, kv_cache_tokens=4096)
+    assert _pool_sized(scheduler_limits(capped), capped, loaded).kv_cache_tokens == 4096
