@@ -43,7 +43,34 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class EmbeddedRedis:
+class _ServerProcess:
+    """A redis-server child process: stop, pid, running, and use as a context manager."""
+
+    _process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0):
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:
+        process, self._process = self._process, None
+        _stop(process, timeout)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EmbeddedRedis(_ServerProcess):
     """A redis-server child process with its data in ``data_dir``.
 
     Use as a context manager, or call :meth:`start` and :meth:`stop`.
@@ -83,43 +110,12 @@ class EmbeddedRedis:
         # Its own session: a Ctrl-C meant for the stack must not stop Redis before the workers.
         self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          start_new_session=True)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                # LOADING replies raise BusyLoadingError until the append-only file is read back.
-                client.ping()
-                return self
-            except redis.RedisError:
-                if self._process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RedisStartError(
-                        f"embedded redis-server did not start on port {self.port}; see {self.data_dir / 'redis.log'}"
-                    ) from None
-                time.sleep(0.05)
-            finally:
-                client.close()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        process, self._process = self._process, None
-        _stop(process, timeout)
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def __enter__(self) -> EmbeddedRedis:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        # LOADING replies (BusyLoadingError) until the append-only file is read back: not ready yet.
+        _wait_for_ping(self.port, self._process, timeout, self.data_dir / "redis.log")
+        return self
 
 
-class EmbeddedSentinel:
+class EmbeddedSentinel(_ServerProcess):
     """A redis-server running as a Sentinel (``--sentinel``) that watches the primary on
     ``primary_port`` under the name ``master``. Its config file lives in ``data_dir``: Sentinel
     rewrites it with what it learns (the current primary, the replicas, the other sentinels), so a
@@ -153,17 +149,6 @@ class EmbeddedSentinel:
         _wait_for_ping(self.port, self._process, timeout, self.data_dir / "sentinel.log")
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        _stop(self._process, timeout)
-        self._process = None
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
 
 class LocalFailoverGroup:
@@ -191,7 +176,7 @@ class LocalFailoverGroup:
         """The server the sentinels name primary now (None while they name none that runs)."""
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(port=sentinel.port, socket_timeout=1) as client:
+                with redis.Redis(host="127.0.0.1", port=sentinel.port, socket_timeout=1) as client:
                     _, port = client.sentinel_get_master_addr_by_name(self.master)
             except (redis.RedisError, TypeError):
                 continue
@@ -209,7 +194,7 @@ class LocalFailoverGroup:
             member.start()
         deadline = time.monotonic() + timeout
         for sentinel in self.sentinels:  # ready once every sentinel knows the replica and its peers
-            client = redis.Redis(port=sentinel.port)
+            client = redis.Redis(host="127.0.0.1", port=sentinel.port)
             try:
                 while True:
                     replicas = client.sentinel_slaves(self.master)
@@ -236,7 +221,7 @@ class LocalFailoverGroup:
 
 
 def _wait_for_ping(port: int, process: subprocess.Popen, timeout: float, log: Path) -> None:
-    client = redis.Redis(port=port)
+    client = redis.Redis(host="127.0.0.1", port=port)
     deadline = time.monotonic() + timeout
     try:
         while True:
