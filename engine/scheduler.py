@@ -3,9 +3,9 @@ and leave the moment they finish.
 
 Why by hand: transformers' own continuous batching (``generate_batch``, ``init_continuous_batching``)
 takes token ids only and drops ``pixel_values`` (transformers#43386; docs/architecture.md), so it cannot serve
-a multimodal request. What this module uses of transformers: the model's forward with its own
-mask building from a 2-D ``attention_mask``, its ``DynamicCache`` (rows dropped with
-``batch_select_indices``), its position handling (``_prepare_position_ids_for_generation``, which
+a multimodal request. What this module uses of transformers: the model's forward (its own mask
+building from a 2-D ``attention_mask`` and its ``DynamicCache`` for prefills; its attention over
+the paged cache's ``update`` seam for decode steps), its position handling (``_prepare_position_ids_for_generation``, which
 gives Qwen-VL's M-RoPE positions and per-row ``rope_deltas``) and its ``mm_encoder_outputs`` seam
 (media encoded before the forward). Written here: admission, the paged KV cache of the running rows
 (:mod:`engine.paged_kv`), per-row positions during decoding, chunked prefill, prompt sharing.
