@@ -226,17 +226,15 @@ class PagedStep:
         return self.width
 
 
-def decode_mask(lengths: Sequence[int], *, attn_implementation: str | None, dtype: torch.dtype,
-                device: torch.device | str) -> torch.Tensor:
-    """The 4-D mask of a decode step whose rows hold ``lengths`` tokens before it: each row's query
-    sees its first ``length + 1`` slots (its cache and its new token), of ``max(lengths) + 1``.
-    Always given, even when all rows see every slot: a 4-D mask passes the model's mask building
-    as is, which then never asks this cache for sizes. Boolean for sdpa (what its own mask
-    building gives), additive for the others (eager)."""
-    width = max(lengths) + 1
-    sizes = torch.tensor(lengths, dtype=torch.long, device=device)
-    seen = torch.arange(width, device=device)[None, :] <= sizes[:, None]
+def decode_mask(lengths: torch.Tensor, width: int, *, attn_implementation: str | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The 4-D mask of a decode step whose rows hold ``lengths`` tokens before it (a tensor on the
+    model's device): each row's query sees its first ``length + 1`` slots (its cache and its new
+    token), of ``width`` (the longest row's + 1). Always given, even when all rows see every slot:
+    a 4-D mask passes the model's mask building as is, which then never asks this cache for sizes.
+    Boolean for sdpa (what its own mask building gives), additive for the others (eager)."""
+    seen = torch.arange(width, device=lengths.device)[None, :] <= lengths[:, None]
     mask = seen[:, None, None, :]
     if attn_implementation == "sdpa":
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return torch.zeros(mask.shape, dtype=dtype, device=lengths.device).masked_fill_(~mask, torch.finfo(dtype).min)

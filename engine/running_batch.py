@@ -54,17 +54,16 @@ class RunningBatch:
         self._make_room()
         size = self.pool.block_size
         width = max(map(len, self.tables))
-        table = torch.tensor([t + [NULL_BLOCK] * (width - len(t)) for t in self.tables], dtype=torch.long)
-        writes = torch.tensor([t[n // size] * size + n % size for t, n in zip(self.tables, self.lengths, strict=True)],
-                              dtype=torch.long)
-        positions = torch.tensor(self.lengths, dtype=torch.long, device=self.device)[:, None]
+        table = self._to_device([t + [NULL_BLOCK] * (width - len(t)) for t in self.tables])
+        writes = self._to_device([t[n // size] * size + n % size for t, n in zip(self.tables, self.lengths, strict=True)])
+        lengths = self._to_device(self.lengths)
+        positions = lengths[:, None]
         if self.deltas is not None:  # M-RoPE: text positions, then the three rotary axes shifted by the delta
-            deltas = torch.tensor(self.deltas, dtype=torch.long, device=self.device)
-            vision = (positions + deltas[:, None])[None].expand(3, len(self.rows), 1)
+            vision = (positions + self._to_device(self.deltas)[:, None])[None].expand(3, len(self.rows), 1)
             positions = torch.cat([positions[None], vision], dim=0)
-        cache = PagedStep(self.pool, table.to(self.device), writes.to(self.device), max(self.lengths) + 1)
-        mask = decode_mask(self.lengths, attn_implementation=self.attn_implementation, dtype=self.dtype,
-                           device=self.device)
+        cache = PagedStep(self.pool, table, writes, max(self.lengths) + 1)
+        mask = decode_mask(lengths, max(self.lengths) + 1, attn_implementation=self.attn_implementation,
+                           dtype=self.dtype)
         return {"input_ids": self.last[:, None], "position_ids": positions, "cache": cache, "attention_mask": mask}
 
     def advance(self, tokens: torch.Tensor) -> None:
@@ -104,6 +103,12 @@ class RunningBatch:
             self.deltas = [self.deltas[i] for i in keep] if keep else None
         self.last = self.last.index_select(0, torch.as_tensor(keep, dtype=torch.long, device=self.last.device)) \
             if keep else None
+
+    def _to_device(self, values: list) -> torch.Tensor:
+        """A step's small host-side numbers on the device without a host sync (a CUDA copy from
+        pageable memory with ``non_blocking`` does not wait on the stream; the sampler's one copy
+        back is the step's only sync)."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _make_room(self) -> None:
         """Every row's next slot in a block of its own: a new block at a block's end, a private copy

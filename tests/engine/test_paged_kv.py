@@ -73,13 +73,14 @@ def test_a_failed_write_gives_back_what_it_took():
 
 
 def test_the_decode_mask_shows_each_row_its_cache_and_its_new_token():
-    boolean = decode_mask([1, 3], attn_implementation="sdpa", dtype=torch.float32, device="cpu")
+    lengths = torch.tensor([1, 3])
+    boolean = decode_mask(lengths, 4, attn_implementation="sdpa", dtype=torch.float32)
     assert boolean.shape == (2, 1, 1, 4)
     assert boolean[:, 0, 0].tolist() == [[True, True, False, False], [True, True, True, True]]
-    additive = decode_mask([1, 3], attn_implementation="eager", dtype=torch.float16, device="cpu")
+    additive = decode_mask(lengths, 4, attn_implementation="eager", dtype=torch.float16)
     assert additive.dtype == torch.float16 and additive[0, 0, 0].tolist()[:2] == [0, 0]
     assert additive[0, 0, 0, 2] == torch.finfo(torch.float16).min
-    assert decode_mask([5, 5], attn_implementation="sdpa", dtype=torch.float32, device="cpu").all()
+    assert decode_mask(torch.tensor([5, 5]), 6, attn_implementation="sdpa", dtype=torch.float32).all()
 
 
 def test_the_bytes_a_token_takes_are_those_of_the_models_own_cache(loaded):
