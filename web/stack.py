@@ -37,7 +37,7 @@ class RedisUnreachableError(ServiceUnavailableError):
 
 def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[str, str]:
     """The environment ``up`` starts its children with: the Redis and the model it prepared."""
-    # The URL names a Sentinel target too (workers/infra/redis_target.py): it replaces the sentinels' settings.
+    # The URL names a Sentinel target too (workers/redis_target.py): it replaces the sentinels' settings.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_REDIS_SENTINEL")},
            "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
     if not settings.model and not settings.served_model_name:

@@ -43,7 +43,7 @@ def usable_cores() -> int:
 @dataclass(frozen=True)
 class Settings:
     redis_url: str | None = None
-    # Redis behind Sentinel (workers/infra/redis_target.py): the sentinels' host:port and the name
+    # Redis behind Sentinel (workers/redis_target.py): the sentinels' host:port and the name
     # they monitor the primary by. Every process then follows a failover; ROLLOUT_REDIS_URL unset.
     redis_sentinels: tuple[str, ...] = ()
     redis_sentinel_master: str = "rollout"
