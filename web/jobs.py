@@ -100,7 +100,8 @@ class Job(MethodView):
         ROLLOUT_SYNC_TIMEOUT_MAX (long polling: one request instead of one per poll interval)."""
         svc = services()
         job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
-        if wait := _bounded_wait(query.get("wait", 0.0), svc.settings.sync_timeout_max):
+        wait = _bounded_wait(query.get("wait", 0.0), svc.settings.sync_timeout_max)
+        if wait and job["status"] not in TERMINAL:  # an ended job is answered as read, without a second read
             job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
         return public_job(job)
 

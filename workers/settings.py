@@ -366,11 +366,10 @@ def _check_consistency(s: Settings) -> None:
                         f"or {SENTINEL_SCHEME}://")
     if s.redis_sentinels and s.redis_url:
         problems.append("set ROLLOUT_REDIS_URL or ROLLOUT_REDIS_SENTINELS, not both")
-    for url in filter(None, [s.redis_target]):
-        try:
-            parse_sentinel_url(url)
-        except ValueError as exc:
-            problems.append(f"ROLLOUT_REDIS_SENTINELS / ROLLOUT_REDIS_URL: {exc}")
+    try:
+        parse_sentinel_url(s.redis_target or "")
+    except ValueError as exc:
+        problems.append(f"ROLLOUT_REDIS_SENTINELS / ROLLOUT_REDIS_URL: {exc}")
     for secret in s.webhook_secrets:
         if not secret.startswith("whsec_"):
             problems.append("ROLLOUT_WEBHOOK_SECRETS: each secret must start with whsec_")
