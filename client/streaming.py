@@ -115,4 +115,9 @@ class JobStream:
         elif kind == "result":
             self.result = data
             self.status = data.get("status")
+            # The result is the whole of each choice: tokens the stream did not carry (the job ended
+            # before the server saw this reader) are in it too.
+            for choice in (data.get("result") or {}).get("choices") or []:
+                self.token_ids[choice["index"]] = list(choice["token_ids"])
+                self.text[choice["index"]] = choice.get("text") or ""
         return True

@@ -56,10 +56,11 @@ def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
             check_token_ids(token_ids, vocab_size, field)
 
 
-def submit(request: dict[str, Any]) -> dict[str, Any]:
-    """Check the validated ``request`` against the limits, type it, store and enqueue its job."""
+def submit(request: dict[str, Any], *, watched: bool = False) -> dict[str, Any]:
+    """Check the validated ``request`` against the limits, type it, store and enqueue its job
+    (``watched``: the caller streams its events)."""
     svc = services()
     job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=JobRequest.from_dict(check_limits(request)),
-                     model=svc.model_facts)
+                     model=svc.model_facts, watched=watched)
     confirm_if_asked(svc, job["id"])  # with replicas, a 202 means the job survives the primary's death
     return job

@@ -29,8 +29,10 @@ def follow(server, job_id, headers=HEADERS, **kwargs):
 
 
 def test_job_events_carry_every_token_once_then_the_result(stack, server):
+    # Long enough that the reader, who comes after the POST, is seen while the job still runs:
+    # the tokens so far then arrive as one entry, and every later flush after it.
     job = requests.post(f"{server}/v1/jobs", headers=HEADERS, timeout=30, json={
-        "token_ids": [100, 140, 150], "sampling_params": {**GREEDY, "logprobs": True}}).json()
+        "token_ids": [100, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 400, "logprobs": True}}).json()
     events = follow(server, job["id"])
     kinds = [m.event for m in events]
     assert kinds[0] == "status" and kinds[-1] == "result", kinds
@@ -42,16 +44,40 @@ def test_job_events_carry_every_token_once_then_the_result(stack, server):
     text = "".join(c.get("text", "") for entry in tokens for c in entry["choices"])
     result = events[-1].json()["result"]
     [choice] = result["choices"]
-    assert streamed == choice["token_ids"] and len(streamed) == 24
+    assert streamed == choice["token_ids"] and len(streamed) == 400
     assert logprobs == pytest.approx(choice["logprobs"])
     assert text == choice["text"]
     assert all(m.id for m in events[:-1])
 
 
+def test_a_job_nobody_read_while_it_ran_writes_no_tokens_and_its_stream_has_them_in_the_result(stack, server):
+    job = stack.submit({"token_ids": [102, 140, 150], "sampling_params": GREEDY})
+    tokens = stack.wait(job["id"])["result"]["choices"][0]["token_ids"]
+    assert [e.type for e in stack.services.events.all(job["id"])] == ["status"] * 3
+    events = follow(server, job["id"])
+    assert [m.event for m in events] == ["status"] * 3 + ["result"]
+    assert events[-1].json()["result"]["choices"][0]["token_ids"] == tokens and len(tokens) == 24
+
+
+def test_a_reader_that_comes_mid_job_gets_the_tokens_so_far_in_one_entry_then_the_rest(stack, server):
+    import time
+
+    job = stack.submit({"token_ids": [103, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 800}})
+    deadline = time.monotonic() + 30
+    while stack.services.jobs.get(job["id"])["status"] != "generating" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # some tokens exist, unpublished: nobody read the job yet
+    events = follow(server, job["id"])
+    tokens = [m.json()["choices"][0] for m in events if m.event == "tokens"]
+    assert tokens[0]["offset"] == 0 and len(tokens[0]["token_ids"]) > 1
+    assert [t["offset"] for t in tokens[1:]] == [sum(len(t["token_ids"]) for t in tokens[:i]) for i in range(1, len(tokens))]
+    assert [t for entry in tokens for t in entry["token_ids"]] == events[-1].json()["result"]["choices"][0]["token_ids"]
+
+
 def test_last_event_id_resumes_after_that_event(stack, server):
-    job = stack.submit({"token_ids": [101, 140, 150], "sampling_params": GREEDY})
-    stack.wait(job["id"])
+    job = stack.submit({"token_ids": [101, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 400}})
     everything = follow(server, job["id"])
+    assert len(everything) > 6
     middle = everything[3]
     resumed = follow(server, job["id"], headers={**HEADERS, "Last-Event-ID": middle.id})
     assert [(m.event, m.data) for m in resumed] == [(m.event, m.data) for m in everything[4:]]
@@ -180,10 +206,13 @@ def test_the_python_client_streams_a_job_and_the_cli_follows_one(stack, server, 
     from client.follow_cli import follow_command
 
     with RolloutClient(server, API_KEY) as client:
-        stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": GREEDY})
-        kinds = [event["event"] for event in stream]
+        stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 400}})
+        events = list(stream)
+    kinds = [event["event"] for event in events]
     assert kinds[0] == "status" and kinds[-1] == "result" and "tokens" in kinds
     [choice] = stream.result["result"]["choices"]
+    streamed = [t for e in events if e["event"] == "tokens" for c in e["data"]["choices"] for t in c["token_ids"]]
+    assert streamed == choice["token_ids"]
     assert stream.token_ids[0] == choice["token_ids"] and stream.text[0] == choice["text"]
 
     import argparse

@@ -55,7 +55,7 @@ def dialect_stream(requests: list[dict[str, Any]], writer: ChunkWriter):
     jobs: list[dict[str, Any]] = []
     try:
         for request in requests:
-            jobs.append(submit(request))
+            jobs.append(submit(request, watched=True))
     except Exception:
         release()
         _cancel(svc, owner, jobs)

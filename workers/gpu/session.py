@@ -12,9 +12,10 @@ stop then and it fails with ``job_time_limit_exceeded`` while the others go on. 
 fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
 
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
-session writes them to the jobs' event streams in one pipeline (``workers/jobs/events.py``), before
-the jobs that ended in that step are moved (so a stream's tokens always precede its ``ended``
-status). Each job's run here is numbered (an attempt); a redo of a job whose worker died writes a
+session writes those of the jobs someone reads to their event streams in one pipeline
+(``workers/jobs/events.py``), before the jobs that ended in that step are moved (so a stream's
+tokens always precede its ``ended`` status). A job nobody reads keeps its tokens here until it
+ends: a reader that comes mid-job is seen at the next cancel poll and gets them all at once. Each job's run here is numbered (an attempt); a redo of a job whose worker died writes a
 ``restart`` event first.
 """
 
@@ -51,8 +52,11 @@ REQUEUE = "requeue"
 
 @dataclass
 class _ChoiceStream:
-    sent: int = 0  # tokens published so far
-    text: StreamText | None = None  # None: the row does not detokenize
+    token_ids: list[int] = field(default_factory=list)  # every token so far
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    sent: int = 0  # tokens staged for publishing so far
+    text: StreamText | None = None  # None: not read yet, or the row does not detokenize
 
 
 @dataclass
@@ -60,7 +64,9 @@ class _Live:
     job: dict[str, Any]
     prompt: Any
     message_ids: list[str]
+    sampling: Any
     attempt: int = 1
+    watched: bool = False  # someone reads the job's events: its tokens are published
     streams: dict[int, _ChoiceStream] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
@@ -171,13 +177,21 @@ class GenerateSession:
                 self.batches.acknowledge(messages[job["id"]])
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
-            live = _Live(job, prompt, messages[job["id"]], attempt=attempt)
-            tokenizer = self.engine.loaded.tokenizer
-            for choice in range(request.sampling.n):
-                text = StreamText(tokenizer, request.sampling) if request.sampling.detokenize and tokenizer else None
-                live.streams[choice] = _ChoiceStream(text=text)
+            live = _Live(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
+            live.streams = {choice: _ChoiceStream() for choice in range(request.sampling.n)}
             self.live[handle] = live
             self._by_job[job["id"]] = live
+            if attempt.watched:
+                self._watch(live)
+
+    def _watch(self, live: _Live) -> None:
+        """The job has a reader from now on: publish its tokens (those so far at the next flush)."""
+        live.watched = True
+        tokenizer = self.engine.loaded.tokenizer
+        for index, stream in live.streams.items():
+            if live.sampling.detokenize and tokenizer:
+                stream.text = StreamText(tokenizer, live.sampling)
+            self._stage(live, index)
 
     # --- between steps -------------------------------------------------------------------------
 
@@ -185,39 +199,26 @@ class GenerateSession:
         self._step_tokens.extend(rows)
 
     def _publish(self, finished) -> None:
-        """This step's tokens, one entry per job, all jobs in one round trip. A choice's text is
-        sent as it commits; its last delta comes from the result (cut at a stop string) when its
-        job ends. Steps faster than ``ROLLOUT_STREAM_FLUSH_MS`` are coalesced (one entry carries
-        several tokens per choice): a first token, and every step in which a job ends (its tokens
-        must precede its terminal status), flush at once."""
+        """This step's tokens of the jobs someone reads, one entry per job, all jobs in one round
+        trip. A choice's text is sent as it commits; its last delta comes from the result (cut at
+        a stop string) when its job ends. Steps faster than ``ROLLOUT_STREAM_FLUSH_MS`` are
+        coalesced (one entry carries several tokens per choice): a first entry, and every step in
+        which a job ends (its tokens must precede its terminal status), flush at once."""
         tokens, self._step_tokens = self._step_tokens, []
-        entries = self._unflushed
-
-        def entry(job_id: str, live: _Live, index: int) -> dict[str, Any]:
-            choices = entries.setdefault((job_id, live.attempt), {})
-            if index not in choices:
-                stream = live.streams[index]
-                choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
-                if stream.text is not None:
-                    choices[index]["text"] = ""
-            return choices[index]
-
         for row in tokens:
             live = self._by_job.get(row.tag)
             if live is None:
                 continue
             stream = live.streams[row.choice]
-            out = entry(row.tag, live, row.choice)
-            out["token_ids"].append(row.token_id)
-            stream.sent += 1
+            stream.token_ids.append(row.token_id)
             if row.logprob is not None:
-                out.setdefault("logprobs", []).append(row.logprob)
-            if stream.text is not None and row.finish_reason is None:
-                out["text"] += stream.text.push(row.token_id)
-            out["finish_reason"] = row.finish_reason
+                stream.logprobs.append(row.logprob)
+            stream.finish_reason = row.finish_reason
+            if live.watched:
+                self._stage(live, row.choice)
         for item in finished:
             live = self._by_job.get(item.tag)
-            if live is None or item.result is None or live.stopped_by == "retract":
+            if live is None or not live.watched or item.result is None or live.stopped_by == "retract":
                 continue
             for choice in item.result.choices:
                 stream = live.streams.get(choice.index)
@@ -225,16 +226,43 @@ class GenerateSession:
                     continue
                 tail = stream.text.finish(choice.text)
                 if tail:
-                    out = entry(item.tag, live, choice.index)
+                    out = self._entry(live, choice.index)
                     out["text"] += tail
                     out["finish_reason"] = choice.finish_reason
-        if not entries:
+        if not self._unflushed:
             return
         now = time.monotonic()
-        first = any(out["offset"] == 0 for choices in entries.values() for out in choices.values())
+        first = any(out["offset"] == 0 for choices in self._unflushed.values() for out in choices.values())
         if finished or first or now >= self._next_flush:
             self._flush_tokens()
             self._next_flush = now + self._flush_every
+
+    def _entry(self, live: _Live, index: int) -> dict[str, Any]:
+        """The choice's entry of the next flush (started at the first token not yet staged)."""
+        choices = self._unflushed.setdefault((live.job["id"], live.attempt), {})
+        if index not in choices:
+            stream = live.streams[index]
+            choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
+            if stream.text is not None:
+                choices[index]["text"] = ""
+        return choices[index]
+
+    def _stage(self, live: _Live, index: int) -> None:
+        """Move the choice's tokens not yet staged into the next flush's entry. The token a row
+        finishes with is not detokenized: its text comes from the result."""
+        stream = live.streams[index]
+        new = stream.token_ids[stream.sent:]
+        if not new:
+            return
+        out = self._entry(live, index)
+        out["token_ids"] += new
+        if stream.logprobs:
+            out.setdefault("logprobs", []).extend(stream.logprobs[stream.sent:])
+        if stream.text is not None:
+            pushed = new[:-1] if stream.finish_reason is not None else new
+            out["text"] += "".join(stream.text.push(token_id) for token_id in pushed)
+        out["finish_reason"] = stream.finish_reason
+        stream.sent = len(stream.token_ids)
 
     def _flush_tokens(self) -> None:
         entries, self._unflushed = self._unflushed, {}
@@ -243,21 +271,25 @@ class GenerateSession:
                                            for (job_id, attempt), choices in entries.items()])
 
     def _poll_cancels(self) -> None:
+        """Which running jobs were cancelled, and which got a reader (one MGET each)."""
         now = time.monotonic()
         if now < self._next_poll or not self.live:
             return
         self._next_poll = now + ABORT_POLL_SECONDS
         by_job = {live.job["id"]: handle for handle, live in self.live.items()}
+        unwatched = [job_id for job_id, live in self._by_job.items() if not live.watched]
         try:
             cancelled = self.rt.jobs.cancel_requested(list(by_job))
+            watched = self.rt.events.watched(unwatched)
         except redis.RedisError:
             # Redis is away: decode on, and look again in a second (each failed call waits on
             # reconnect attempts; one per poll would slow every step down).
             self._next_poll = now + REDIS_DOWN_POLL_PAUSE_SECONDS
             return
         for job_id in cancelled:
-            if job_id in by_job:
-                self.scheduler.abort(by_job[job_id])
+            self.scheduler.abort(by_job[job_id])
+        for job_id in watched:
+            self._watch(self._by_job[job_id])
 
     def _end(self, finished) -> None:
         rt = self.rt

@@ -26,9 +26,14 @@ tokens back, so it continues only where it can prove equality: the new attempt's
 already delivered must equal them (they are skipped) and only later ones are sent; a mismatch
 ends the stream with a ``stream_diverged`` error (``workers.jobs.follow.TokenLedger``).
 
-Cost: the GPU session writes one pipeline per flush for all of its rows (one round trip,
-``XADD ... MAXLEN ~``), listener or not: a late reader must be able to replay. ``bench/streaming.py``
-measures what it costs.
+Tokens are written only for jobs someone reads (``rq:job:<id>:watched``). Every reader marks
+the jobs it follows (:meth:`JobEvents.watch`, called by ``workers.jobs.follow.follow``); the GPU
+session learns it as the job's attempt begins, or at its next cancel poll for a reader that comes
+mid-job, and then writes the job's tokens so far as one entry from offset 0, and every flush after
+(one pipeline per flush for all of its watched rows: one round trip, ``XADD ... MAXLEN ~``). A job
+nobody reads costs no token writes; a reader that comes after it ended has its tokens from the
+result (the native route's ``result`` event, a dialect's ``TokenLedger.finish``). Status and
+restart events are written for every job. ``bench/streaming.py`` measures what publishing costs.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from workers.infra.redis_records import plausible_id
 # loses its first tokens from the stream (a reader then sees a gap and says so; the result keeps all).
 DEFAULT_MAXLEN = 20_000
 
-# KEYS: events, attempt counter. ARGV: ttl, maxlen. Returns the attempt number.
+# KEYS: events, attempt counter, watch mark. ARGV: ttl, maxlen. Returns {attempt number, watched}.
 _BEGIN_ATTEMPT = """
 local attempt = redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
@@ -54,7 +59,7 @@ if attempt > 1 then
              '{"attempt":' .. attempt .. '}')
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 end
-return attempt
+return {attempt, redis.call('EXISTS', KEYS[3])}
 """
 
 # What job_store's Lua scripts append, spelled here once (they format it with the status word).
@@ -62,6 +67,12 @@ STATUS_EVENT_LUA = (
     "redis.call('XADD', {key}, 'MAXLEN', '~', tonumber({maxlen}), '*', 't', 'status', 'd', "
     "'{{\"status\":\"' .. {status} .. '\"}}')"
 )
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int  # 1, 2, ...: a redo's number is above 1
+    watched: bool  # someone follows the job's events: write its tokens
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,11 @@ def events_key(job_id: str) -> str:
 
 def attempt_key(job_id: str) -> str:
     return f"rq:job:{job_id}:attempt"
+
+
+def watch_key(job_id: str) -> str:
+    """Set while the job's events may have a reader: its tokens are then written."""
+    return f"rq:job:{job_id}:watched"
 
 
 def plausible_event_id(value: str | None) -> bool:
@@ -101,15 +117,21 @@ class JobEvents:
 
     # --- writing (the GPU session) -------------------------------------------------------------
 
-    def begin_attempts(self, job_ids: list[str]) -> list[int]:
-        """Number each job's new generation attempt (1, 2, ...) in one round trip; a redo
-        (attempt > 1) writes its ``restart`` event in the same call."""
+    def begin_attempts(self, job_ids: list[str]) -> list[Attempt]:
+        """Number each job's new generation attempt (1, 2, ...) and say whether it has a reader,
+        in one round trip; a redo (attempt > 1) writes its ``restart`` event in the same call."""
         if not job_ids:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
-            self._begin(keys=[events_key(job_id), attempt_key(job_id)], args=[self.ttl, self.maxlen], client=pipe)
-        return [int(attempt) for attempt in pipe.execute()]
+            self._begin(keys=[events_key(job_id), attempt_key(job_id), watch_key(job_id)],
+                        args=[self.ttl, self.maxlen], client=pipe)
+        return [Attempt(int(number), bool(watched)) for number, watched in pipe.execute()]
+
+    def watched(self, job_ids: list[str]) -> set[str]:
+        """The jobs of ``job_ids`` someone reads (one MGET)."""
+        flags = self.redis.mget([watch_key(job_id) for job_id in job_ids]) if job_ids else []
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
 
     def publish_tokens(self, deltas: list[tuple[str, int, list[dict[str, Any]]]]) -> None:
         """One decode step's ``(job id, attempt, choices)`` for every job with new tokens: one
@@ -123,6 +145,16 @@ class JobEvents:
         pipe.execute()
 
     # --- reading (the API) ---------------------------------------------------------------------
+
+    def watch(self, job_ids: list[str]) -> None:
+        """Mark the jobs as read, for as long as their events live: from now on their tokens are
+        written (a job already generating catches up at the session's next poll)."""
+        ids = [job_id for job_id in job_ids if plausible_id(job_id)]
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in ids:
+                pipe.set(watch_key(job_id), 1, ex=self.ttl)
+            pipe.execute()
 
     def read(self, positions: dict[str, str], *, block_ms: int | None) -> list[tuple[str, JobEvent]]:
         """``(job id, event)`` after each job's position (``"0"``: from the start), waiting up to

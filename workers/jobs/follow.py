@@ -54,12 +54,18 @@ def follow(events: JobEvents, jobs: JobStore, positions: dict[str, str], *,
 
     Redis away for less than ``outage_s`` seconds (a blip, a failover) is ridden out: keep-alives
     while it is away, then the events from where the stream was, none lost or twice (a read that
-    fails halfway moves no position). A longer outage raises its RedisError."""
+    fails halfway moves no position). A longer outage raises its RedisError.
+
+    The jobs are marked as read first: their tokens are written only then (see job_events)."""
     positions = dict(positions)
     block_ms = max(1, int(keepalive * 1000))
     down_since: float | None = None
+    marked = False
     while positions:
         try:
+            if not marked:
+                events.watch(list(positions))
+                marked = True
             items, moved = _next_items(events, jobs, positions, block_ms)
         except redis.RedisError:
             now = time.monotonic()

@@ -22,7 +22,7 @@ import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
 from workers.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
-from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key
+from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
@@ -70,7 +70,7 @@ return 1
 _CREATE = """
 if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
 if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
-for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 """ + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
 redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
 redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
@@ -78,6 +78,7 @@ redis.call('ZADD', KEYS[7], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
 redis.call('INCR', KEYS[3])
 redis.call('INCR', KEYS[4])
 if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
+if ARGV[7] == '1' then redis.call('SET', KEYS[8], 1, 'EX', tonumber(ARGV[5])) end
 return 1
 """
 
@@ -124,9 +125,10 @@ class JobStore:
 
     def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
                webhook: dict | None = None, metadata: dict | None = None,
-               extra: dict[str, str] | None = None, prompt: str | None = None) -> dict[str, Any]:
+               extra: dict[str, str] | None = None, prompt: str | None = None, watched: bool = False) -> dict[str, Any]:
         """Store a new queued job and return its record. ``prompt``, a finalized prompt as JSON, is
-        stored with it (under ``prompt_key``) when the job needs no preprocessing."""
+        stored with it (under ``prompt_key``) when the job needs no preprocessing; ``watched``: a
+        reader follows its events from the start (its tokens are written, see job_events)."""
         now = time.time()
         job_id = new_id("job")
         fields: dict[str, Any] = {
@@ -136,11 +138,11 @@ class JobStore:
         }
         encoded = {name: _encode(name, value) for name, value in fields.items()}
         args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, prompt or "",
-                           self.limits.result_ttl, self.limits.events_maxlen]
+                           self.limits.result_ttl, self.limits.events_maxlen, "1" if watched else "0"]
         for pair in encoded.items():
             args += pair
         keys = [self.key(job_id), f"rq:jobs:{owner}", self._active_key(owner), TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
-                events_key(job_id), UNFINISHED_KEY]
+                events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
         outcome = self._create(keys=keys, args=args)
         if outcome == -1:
             raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})

@@ -17,8 +17,10 @@ from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHAR
 
 
 def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobRequest,
-               extra: dict[str, str] | None = None, model: ModelFacts | None = None) -> dict[str, Any]:
-    """Create the job and enqueue its first task; returns the stored job record.
+               extra: dict[str, str] | None = None, model: ModelFacts | None = None,
+               watched: bool = False) -> dict[str, Any]:
+    """Create the job and enqueue its first task; returns the stored job record. ``watched``: the
+    caller streams the job's events from the start.
 
     A prompt of plain token ids (no media, no media tokens; the token-in-token-out path RL
     trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
@@ -35,6 +37,7 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
         metadata=request.metadata,
         extra=extra,
         prompt=json.dumps(text_prompt(token_ids)) if plain else None,
+        watched=watched,
     )
     try:
         if plain:

@@ -9,7 +9,7 @@ import redis
 
 from engine.choice import Choice
 from tests.conftest import empty_db_url
-from workers.jobs.events import JobEvents
+from workers.jobs.events import Attempt, JobEvents
 from workers.jobs.follow import Ended, KeepAlive, StreamDivergedError, TokenLedger, follow
 from workers.jobs.store import JobStore, Limits
 
@@ -50,10 +50,19 @@ def test_every_move_of_the_job_is_a_status_event_with_the_jobs_ttl(jobs, events,
 
 def test_a_redo_is_a_new_attempt_with_a_restart_event(jobs, events):
     job = new_job(jobs)
-    assert events.begin_attempts([job["id"]]) == [1]
-    assert events.begin_attempts([job["id"]]) == [2]
+    assert events.begin_attempts([job["id"]]) == [Attempt(1, watched=False)]
+    assert events.begin_attempts([job["id"]]) == [Attempt(2, watched=False)]
     assert [e.type for e in events.all(job["id"])] == ["status", "restart"]
     assert events.all(job["id"])[-1].data == {"attempt": 2}
+
+
+def test_a_job_followed_by_a_reader_is_marked_watched_for_its_events_lifetime(jobs, events, client):
+    read, unread = new_job(jobs), new_job(jobs)
+    jobs.advance(read["id"], "succeeded", owner=OWNER, result={"choices": []})
+    assert [item for item in follow(events, jobs, {read["id"]: "0"}, keepalive=0.05)][-1][1].job["id"] == read["id"]
+    assert events.watched([read["id"], unread["id"]]) == {read["id"]}
+    assert events.begin_attempts([read["id"], unread["id"]]) == [Attempt(1, watched=True), Attempt(1, watched=False)]
+    assert 0 < client.ttl(f"rq:job:{read['id']}:watched") <= 600
 
 
 def test_tokens_of_many_jobs_and_reading_after_a_position(jobs, events):
