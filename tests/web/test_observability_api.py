@@ -45,7 +45,7 @@ def test_deliveries_are_shown_to_their_owner_only(client, redis_client):
 def test_metrics_render_what_the_workers_record(client, redis_client):
     submit_job(client)
     observe_stage(redis_client, "generate", 0.2)
-    observe_stage(redis_client, "generate", 0.03)
+    observe_stage(redis_client, "generate", 0.03, 0.04, 500.0)  # a GPU step's jobs, in one call
     count(redis_client, "mm_cache_hit", 3)
     record_job_ends(redis_client, [{"status": "succeeded", "result": {"transport": "shm"}}, {"status": "failed"}])
     text = client.get("/metrics").get_data(as_text=True)
@@ -56,9 +56,10 @@ def test_metrics_render_what_the_workers_record(client, redis_client):
     assert 'rollout_events_total{event="mm_cache_hit"} 3.0' in text
     assert 'rollout_events_total{event="transport_shm"} 1.0' in text
     assert 'rollout_stage_seconds_bucket{le="0.025",stage="generate"} 0.0' in text
-    assert 'rollout_stage_seconds_bucket{le="0.05",stage="generate"} 1.0' in text
-    assert 'rollout_stage_seconds_bucket{le="+Inf",stage="generate"} 2.0' in text
-    assert 'rollout_stage_seconds_sum{stage="generate"} 0.23' in text
+    assert 'rollout_stage_seconds_bucket{le="0.05",stage="generate"} 2.0' in text
+    assert 'rollout_stage_seconds_bucket{le="300.0",stage="generate"} 3.0' in text
+    assert 'rollout_stage_seconds_bucket{le="+Inf",stage="generate"} 4.0' in text
+    assert 'rollout_stage_seconds_sum{stage="generate"} 500.27' in text
     assert 'rollout_stage_seconds_count{stage="preprocess"} 0.0' in text
 
 

@@ -29,10 +29,8 @@ def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]]
     """The jobs of ``job_ids`` that are ready to run, moved to ``generating``, with their opened
     prompts; and the ids settled without running (gone, already ended, sent back to preprocessing,
     cancelled meanwhile), whose messages are done."""
-    jobs = rt.jobs.get_many(job_ids)
-    prompts = rt.jobs.prompts(job_ids)
     ready, ended, settled = [], [], []
-    for job_id, job, raw in zip(job_ids, jobs, prompts, strict=True):
+    for job_id, (job, raw) in zip(job_ids, rt.jobs.with_prompts(job_ids), strict=True):
         if job is None:
             settled.append(job_id)
             continue

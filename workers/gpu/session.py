@@ -293,7 +293,7 @@ class GenerateSession:
 
     def _end(self, finished) -> None:
         rt = self.rt
-        endings, done, retracted = [], [], []
+        endings, done, retracted, durations = [], [], [], []
         for item in finished:
             live = self.live.pop(item.handle)
             self._by_job.pop(item.tag, None)
@@ -303,7 +303,7 @@ class GenerateSession:
                 continue
             done.append(live)
             elapsed = time.perf_counter() - live.started
-            observe_stage(rt.redis, "generate", elapsed)
+            durations.append(elapsed)
             if item.error is not None:
                 fail_job(rt, job["id"], _job_error(job, item.error))
             elif item.timed_out:
@@ -314,6 +314,7 @@ class GenerateSession:
                                       batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
         if endings:
             end_jobs(rt, endings)
+        observe_stage(rt.redis, "generate", *durations)
         for live in done:
             release_prompt(rt.redis, live.prompt)
         for live in retracted:

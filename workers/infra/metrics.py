@@ -20,17 +20,20 @@ STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 STAGES = ("preprocess", "generate", "score", "queue_wait")
 
 
-def observe_stage(client: redis.Redis, stage: str, seconds: float) -> None:
+def observe_stage(client: redis.Redis, stage: str, *durations: float) -> None:
+    """Add each of ``durations`` (seconds) to the stage's histogram, all in one round trip."""
+    if not durations:
+        return
     key = f"rq:metrics:stage:{stage}"
+    buckets: dict[str, int] = {}
+    for seconds in durations:
+        bound = next((repr(bound) for bound in STAGE_BUCKETS if seconds <= bound), "+Inf")
+        buckets[bound] = buckets.get(bound, 0) + 1
     pipe = client.pipeline(transaction=False)
-    for bound in STAGE_BUCKETS:
-        if seconds <= bound:
-            pipe.hincrby(key, repr(bound), 1)
-            break
-    else:
-        pipe.hincrby(key, "+Inf", 1)
-    pipe.hincrbyfloat(key, "sum", seconds)
-    pipe.hincrby(key, "count", 1)
+    for bound, hits in buckets.items():
+        pipe.hincrby(key, bound, hits)
+    pipe.hincrbyfloat(key, "sum", sum(durations))
+    pipe.hincrby(key, "count", len(durations))
     _best_effort(pipe)
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import redis
 
+from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import plausible_id
 
 # Roughly (MAXLEN ~) the entries kept per job: one per flush, so a job longer than this
@@ -120,13 +121,9 @@ class JobEvents:
     def begin_attempts(self, job_ids: list[str]) -> list[Attempt]:
         """Number each job's new generation attempt (1, 2, ...) and say whether it has a reader,
         in one round trip; a redo (attempt > 1) writes its ``restart`` event in the same call."""
-        if not job_ids:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            self._begin(keys=[events_key(job_id), attempt_key(job_id), watch_key(job_id)],
-                        args=[self.ttl, self.maxlen], client=pipe)
-        return [Attempt(int(number), bool(watched)) for number, watched in pipe.execute()]
+        calls = [(self._begin, [events_key(job_id), attempt_key(job_id), watch_key(job_id)], [self.ttl, self.maxlen])
+                 for job_id in job_ids]
+        return [Attempt(int(number), bool(watched)) for number, watched in run_scripts(self.redis, calls)]
 
     def watched(self, job_ids: list[str]) -> set[str]:
         """The jobs of ``job_ids`` someone reads (one MGET)."""

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
+from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
 from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
 
@@ -183,13 +184,9 @@ class JobStore:
 
     def advance_each(self, moves: list[tuple[str, str, str, dict[str, Any]]]) -> list[bool]:
         """``advance`` for many ``(job id, owner, status, fields)`` in one round trip."""
-        if not moves:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, owner, status, fields in moves:
-            keys, args = self._transition_call(job_id, owner, status, fields)
-            self._transition(keys=keys, args=args, client=pipe)
-        return [moved == 1 for moved in pipe.execute()]
+        calls = [(self._transition, *self._transition_call(job_id, owner, status, fields))
+                 for job_id, owner, status, fields in moves]
+        return [moved == 1 for moved in run_scripts(self.redis, calls)] if calls else []
 
     def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen]
@@ -230,6 +227,18 @@ class JobStore:
     def prompts(self, job_ids: list[str]) -> list[bytes | None]:
         """The jobs' finalized prompts as stored (JSON); None where a job has none (yet, or any more)."""
         return self.redis.mget([self.prompt_key(job_id) for job_id in job_ids]) if job_ids else []
+
+    def with_prompts(self, job_ids: list[str]) -> list[tuple[dict[str, Any] | None, bytes | None]]:
+        """Each job and its finalized prompt as stored (JSON), in one round trip; None where a job
+        is gone, or has no prompt (yet, or any more)."""
+        if not job_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.key(job_id))
+        pipe.mget([self.prompt_key(job_id) for job_id in job_ids])
+        *records, prompts = pipe.execute()
+        return [(self._decode(raw) if raw else None, prompt) for raw, prompt in zip(records, prompts, strict=True)]
 
     def request_abort(self, job_id: str) -> None:
         """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""

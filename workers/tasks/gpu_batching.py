@@ -32,7 +32,8 @@ The flush rule:
 Continuous batching: the batch the pool thread runs is a session of the engine's scheduler
 (``workers/gpu/session.py``), not one static batch. Between decode steps the session takes more
 messages from the buffer (:meth:`GenerateBatches.take`, as many as it has free rows) and
-acknowledges each message as its job ends (:meth:`GenerateBatches.acknowledge`); what the session
+acknowledges the messages of the jobs that ended, a step's all in one round trip
+(:meth:`GenerateBatches.acknowledge`, ``workers/gpu/bulk_ack.py``); what the session
 leaves unacknowledged (Redis went away, or a crash) is settled when it returns, as before.
 
 ``rollout.generate`` messages never carry an ETA, so celery-batches' ETA queue (``_pending``) is
@@ -47,6 +48,7 @@ import time
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
+from workers.gpu.bulk_ack import acknowledge_messages
 from workers.gpu.session import REQUEUE
 from workers.infra.redis_client import REDIS_DOWN
 from workers.names import SHARED_GENERATE_QUEUE
@@ -69,6 +71,7 @@ class GenerateBatches(Batches):
         which builds the strategy again: forget the dead timer here and tick again for what the old
         connection left in the buffer (otherwise those jobs would hang in ``generating``)."""
         handler = super().Strategy(task, app, consumer)
+        self._consumer = consumer
         self._tref = None
         if not self._buffer.empty():
             self._tref = consumer.timer.call_repeatedly(self.flush_interval, self._do_flush)
@@ -145,11 +148,21 @@ class GenerateBatches(Batches):
         return [SimpleRequest.from_request(request) for request in requests]
 
     def acknowledge(self, request_ids) -> None:
-        """The jobs of these messages ended (their results are stored): the messages are done."""
-        for request_id in request_ids:
-            request = self._inflight.pop(request_id, None)
-            if request is not None and request.task.acks_late:
-                request.acknowledge()
+        """The jobs of these messages ended (their results are stored): the messages are done, all
+        in one round trip."""
+        requests = [self._inflight.pop(request_id, None) for request_id in request_ids]
+        self._acknowledge([request for request in requests if request is not None and request.task.acks_late])
+
+    def _acknowledge(self, requests) -> None:
+        """``Request.acknowledge`` for many requests, their messages settled in one round trip. As
+        Celery's own acks, it runs on the event loop (``call_soon``): that loop then reserves the
+        next messages at once, where an ack from this thread would leave it asleep until its next
+        timer with the prefetch window full."""
+        messages = [request.message for request in requests if not request.acknowledged]
+        for request in requests:
+            request.acknowledged = True
+        if messages:
+            self._consumer.call_soon(acknowledge_messages, messages)
 
     def flush(self, requests):
         """As ``Batches.flush``, with two changes. A batch that returns ``REQUEUE`` (Redis went away
@@ -170,11 +183,11 @@ class GenerateBatches(Batches):
                 # What the session did not settle: every message it took, not only these.
                 left = [request for request in self._inflight.values() if request.task.acks_late]
                 self._inflight.clear()
-                for request in left:
-                    if result == REQUEUE:
+                if result == REQUEUE:
+                    for request in left:
                         request.reject(requeue=True)
-                    else:
-                        request.acknowledge()
+                else:
+                    self._acknowledge(left)
             finally:
                 self._after_batch()
 
