@@ -47,7 +47,8 @@ def db_url(url: str, db: int) -> str:
     6: handles, 7: transport, 8: follow-ups, 9: preprocess time limit, 10: the API under gunicorn,
     11: GPU isolation, 12: job store, 13: job ends, 14: GPU batching, 15: the media stack,
     16: weight sync, 17, 18: the fidelity routes (stacks in turn), 19: slow clients, 20: a GPU worker's death,
-    21: held messages, 22: heartbeats, 31: the model check, 24: job events, 25: streams
+    21: held messages, 22: heartbeats, 23: Redis plumbing (pipelined scripts, bulk acks, the Celery app),
+    31: the model check, 24: job events, 25: streams
     under gunicorn, 26: the job reaper, 27: the webhook reaper, 28: runtimes, 29: the batch reaper,
     30: worker start; the embedded Redis has 32)."""
     return url.rsplit("/", 1)[0] + f"/{db}"

@@ -19,6 +19,8 @@ Reliability settings, and why:
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from celery import Celery
 from kombu import Exchange, Queue
 
@@ -36,11 +38,28 @@ TASK_MODULES = [
 ]
 
 
+class _NoResultsCelery(Celery):
+    """Celery without results: the job record in Redis is the result. A backend would add a
+    SUBSCRIBE/UNSUBSCRIBE round trip to every send_task for results nobody reads.
+
+    Celery keeps its (disabled) backend per thread and builds it on a thread's first use, which
+    scans the installed packages' entry points; ``send_task`` reaches it on every call, even with
+    results ignored (the ``AsyncResult`` it returns reads it). On a server that runs each request
+    on a new thread that was ~10 % of a submit. The disabled backend holds no state, so one serves
+    every thread."""
+
+    @cached_property
+    def backend(self):
+        return self._get_backend()
+
+    def send_task(self, *args, **kwargs):
+        kwargs.setdefault("ignore_result", True)  # ``task_ignore_result`` does not reach send_task
+        return super().send_task(*args, **kwargs)
+
+
 def create_celery(settings: Settings, redis_url: str) -> Celery:
-    # No result backend: the job record in Redis is the result. A backend would add a
-    # SUBSCRIBE/UNSUBSCRIBE round trip to every send_task for results nobody reads.
     broker, target_options = broker_options(redis_url)  # kombu's own Sentinel transport for a Sentinel target
-    app = Celery("rollout_queue", broker=broker, include=TASK_MODULES)
+    app = _NoResultsCelery("rollout_queue", broker=broker, include=TASK_MODULES)
     transport_options = {
         **target_options,
         "visibility_timeout": settings.visibility_timeout,

@@ -16,7 +16,7 @@ QUEUE = Queue("bulk-ack-test", Exchange("bulk-ack-test"), routing_key="bulk-ack-
 
 @pytest.fixture
 def url(redis_url):
-    return empty_db_url(redis_url, 5)
+    return empty_db_url(redis_url, 23)
 
 
 def received(connection, count: int) -> list:

@@ -1,0 +1,29 @@
+"""The Celery app (workers/celery_app.py): no results asked for, and its disabled backend built
+once for every thread (Celery builds one per thread, scanning entry points each time)."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+from celery.backends.base import DisabledBackend
+
+from tests.conftest import empty_db_url
+from workers.celery_app import create_celery
+from workers.names import SHARED_GENERATE_QUEUE
+from workers.settings import Settings
+
+
+def test_every_thread_shares_one_disabled_backend_and_a_sent_task_asks_for_no_result(redis_url):
+    url = empty_db_url(redis_url, 23)
+    app = create_celery(Settings(redis_url=url), url)
+    backends = []
+    threads = [threading.Thread(target=lambda: backends.append(app.backend)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(backend) for backend in backends}) == 1 and isinstance(backends[0], DisabledBackend)
+    assert app.send_task("rollout.generate", args=["job_x"], queue=SHARED_GENERATE_QUEUE).ignored
+    with redis.Redis.from_url(url) as client:
+        assert client.llen(SHARED_GENERATE_QUEUE) == 1
