@@ -1,5 +1,6 @@
-"""The Celery app (workers/celery_app.py): no results asked for, and its disabled backend built
-once for every thread (Celery builds one per thread, scanning entry points each time)."""
+"""The Celery app (workers/celery_app.py): no results asked for, its disabled backend built once
+for every thread (Celery builds one per thread, scanning entry points each time), and messages
+reach their queues without declaring them on every send."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from celery.backends.base import DisabledBackend
 
 from tests.conftest import empty_db_url
 from workers.celery_app import create_celery
-from workers.names import SHARED_GENERATE_QUEUE
+from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from workers.settings import Settings
 
 
@@ -25,5 +26,7 @@ def test_every_thread_shares_one_disabled_backend_and_a_sent_task_asks_for_no_re
         thread.join()
     assert len({id(backend) for backend in backends}) == 1 and isinstance(backends[0], DisabledBackend)
     assert app.send_task("rollout.generate", args=["job_x"], queue=SHARED_GENERATE_QUEUE).ignored
-    with redis.Redis.from_url(url) as client:
-        assert client.llen(SHARED_GENERATE_QUEUE) == 1
+    app.send_task("rollout.preprocess", args=["job_y"], queue=PREPROCESS_QUEUE, countdown=0)
+    with redis.Redis.from_url(url) as client:  # a Redis no worker declared a queue in: no bindings
+        assert not client.keys("_kombu.binding.*")
+        assert client.llen(SHARED_GENERATE_QUEUE) == 1 and client.llen(PREPROCESS_QUEUE) == 1
