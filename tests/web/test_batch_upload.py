@@ -18,6 +18,7 @@ from web import batch_upload
 from web.app import create_app
 from web.batch_upload import validate_lines
 from web.dialects import openai
+from web.dialects.common import token_ids_of
 from web.openai_batch_lines import CHAT_URL, read_line
 from web.submit import check_limits
 from workers.settings import Settings
@@ -154,3 +155,19 @@ def test_a_refused_line_is_refused_alone_wherever_it_sits_in_its_chunk(app, mode
     assert [(entry["line"], entry["custom_id"]) for entry in stored] == [(1, "a"), (6, "c"), (11, "g")]
     assert stored[2]["request"] == sync_route_request(chat_line("g", model, CONVERSATIONS[9])["body"])
     assert stored[2]["request"]["content_parts"] == [{"type": "image_url", "url": PNG}]
+
+
+@pytest.mark.parametrize("left_set", ["truncation", "padding", "split_special_tokens"])
+def test_batched_ids_are_the_tokenizers_own_call_whatever_is_left_set_on_it(app, left_set):
+    """transformers' call resets what a tokenizer may carry (truncation, padding, how special
+    tokens split); the batched path must give what that call gives, not the backend's raw ids."""
+    tok = openai.tokenizer()
+    texts = ["<|im_start|>user\nHello there, how are you today?<|im_end|>\n", "short", ""]
+    if left_set == "truncation":
+        tok.backend_tokenizer.enable_truncation(max_length=3)
+    elif left_set == "padding":
+        tok.backend_tokenizer.enable_padding(length=64)
+    else:
+        tok.split_special_tokens = True
+    batched = token_ids_of(texts, add_special_tokens=False)
+    assert batched == [tok(text, add_special_tokens=False)["input_ids"] for text in texts]

@@ -27,6 +27,7 @@ from web.dialects.common import (
     native_request,
     prompt_logprobs_of,
     served_model_name,
+    token_ids_of,
     tokenizer,
     vocab_size,
 )
@@ -280,15 +281,13 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
 
 def chat_prompts_token_ids(prompts: list[ChatPrompt]) -> list[list[int]]:
     """Each prompt's token ids as ``chat_request`` tokenizes one, in one tokenizer call per
-    ``add_special_tokens`` value: a fast tokenizer encodes a batch on all cores, and a single text
-    is the same call with a batch of one (transformers' ``_encode_plus``), so the ids are the same."""
+    ``add_special_tokens`` value."""
     ids: list[list[int]] = [[] for _ in prompts]
     groups: dict[bool, list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt.add_special_tokens, []).append(i)
     for special, at in groups.items():
-        encoded = tokenizer()([prompts[i].text for i in at], add_special_tokens=special,
-                              return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+        encoded = token_ids_of([prompts[i].text for i in at], add_special_tokens=special)
         for i, token_ids in zip(at, encoded, strict=True):
             ids[i] = token_ids
     return ids
