@@ -6,6 +6,9 @@ from __future__ import annotations
 import codecs
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from flask import request
@@ -20,9 +23,12 @@ from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_jso
 from web.openai_batch_lines import (
     JOBS_URL,
     LineShapeError,
+    PendingLine,
+    begin_line,
+    chat_token_ids,
     check_endpoint,
+    finish_line,
     is_openai_line,
-    read_line,
 )
 from web.services import services
 from web.submit import check_limits
@@ -39,6 +45,10 @@ MULTIPART_OVERHEAD = 64 * 1024
 # At most 9 digits: past that the window is out of range anyway, and int() of thousands of digits raises.
 _WINDOW = re.compile(r"^\s*(\d{1,9})\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+# Lines are checked a chunk at a time: one tokenizer call per chunk's chat lines, and what the
+# steps hold in between (rendered prompts, token ids) bounded by the chunk, not the file.
+LINES_PER_CHUNK = 256
+_NATIVE_LINE = BatchLineSchema()
 
 
 class InvalidBatchError(InvalidRequestError):
@@ -55,57 +65,91 @@ def validate_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) 
     ours counting as ``/v1/jobs``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
-    raw_lines = data.split(b"\n")
-    counted = sum(1 for raw in raw_lines if raw.strip())
-    if counted > max_lines:
-        raise BatchTooLargeError(f"the file has {counted} lines; at most {max_lines} are accepted")
-    schema = BatchLineSchema()
-    parsed = ParsedBatch(total=counted)
+    numbered = [(number, raw) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
+    if len(numbered) > max_lines:
+        raise BatchTooLargeError(f"the file has {len(numbered)} lines; at most {max_lines} are accepted")
+    parsed = ParsedBatch(total=len(numbered))
     seen: set[str] = set()
-    for number, raw in enumerate(raw_lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = parse_json(raw)
-        except InvalidJsonError:
-            parsed.invalid.append(_line_error(number, None, "invalid_json", "the line is not valid JSON"))
-            continue
-        except UnsupportedJsonValueError as exc:
-            parsed.invalid.append(_line_error(number, None, exc.code, exc.message))
-            continue
-        custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-        custom_id = custom_id if isinstance(custom_id, str) else None
-        reply = None
-        try:
-            if is_openai_line(obj):
-                custom_id, body, reply = read_line(obj, endpoint)
+    for start in range(0, len(numbered), LINES_PER_CHUNK):
+        for line in _read_chunk(numbered[start:start + LINES_PER_CHUNK], endpoint):
+            if line.error is not None:
+                parsed.invalid.append(line.error)
+            # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
+            elif line.custom_id in seen:
+                parsed.invalid.append(_line_error(line.number, line.custom_id, "duplicate_custom_id",
+                                                  "custom_id is used by an earlier valid line"))
             else:
-                check_endpoint(JOBS_URL, endpoint)
-                line = schema.load(obj)
-                custom_id, body = line["custom_id"], line["body"]
-            body = check_limits(body)
-        except LineShapeError as exc:  # never a request: no status (web.openai_batch_lines)
-            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors))
-            continue
-        except ValidationError as exc:
-            parsed.invalid.append(_line_error(number, custom_id, "invalid_request", _describe(exc.messages),
-                                              errors=exc.messages, status_code=422))
-            continue
-        except RolloutError as exc:
-            parsed.invalid.append(_line_error(number, custom_id, exc.code, exc.message, errors=exc.errors,
-                                              status_code=exc.http_status))
-            continue
-        # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
-        if custom_id in seen:
-            parsed.invalid.append(_line_error(number, custom_id, "duplicate_custom_id",
-                                              "custom_id is used by an earlier valid line"))
-            continue
-        seen.add(custom_id)
-        stored = {"line": number, "custom_id": custom_id, "request": body}
-        if reply is not None:
-            stored["reply"] = reply
-        parsed.valid.append(json.dumps(stored, separators=(",", ":")))
+                seen.add(line.custom_id)
+                parsed.valid.append(line.stored())
     return parsed
+
+
+@dataclass
+class _Line:
+    """One line of the file as it is checked: an error entry, or its job request (and reply)."""
+
+    number: int
+    custom_id: str | None = None
+    error: dict[str, Any] | None = None
+    pending: PendingLine | None = None  # an OpenAI line read up to its token ids
+    body: dict[str, Any] | None = None
+    reply: dict[str, Any] | None = None
+
+    def stored(self) -> str:
+        stored = {"line": self.number, "custom_id": self.custom_id, "request": self.body}
+        if self.reply is not None:
+            stored["reply"] = self.reply
+        return json.dumps(stored, separators=(",", ":"))
+
+
+def _read_chunk(chunk: list[tuple[int, bytes]], endpoint: str | None) -> list[_Line]:
+    """The chunk's lines checked, in order. Chat lines are read in two steps around one tokenizer
+    call for the whole chunk (web.openai_batch_lines.chat_token_ids); a line's error is its own."""
+    lines = [_begin(number, raw, endpoint) for number, raw in chunk]
+    pending = [line for line in lines if line.pending is not None]
+    for line, token_ids in zip(pending, chat_token_ids([line.pending for line in pending]), strict=True):
+        with _refusals(line):
+            line.custom_id, body, line.reply = finish_line(line.pending, token_ids)
+            line.body = check_limits(body)
+    return lines
+
+
+def _begin(number: int, raw: bytes, endpoint: str | None) -> _Line:
+    line = _Line(number)
+    try:
+        obj = parse_json(raw)
+    except InvalidJsonError:
+        line.error = _line_error(number, None, "invalid_json", "the line is not valid JSON")
+        return line
+    except UnsupportedJsonValueError as exc:
+        line.error = _line_error(number, None, exc.code, exc.message)
+        return line
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    line.custom_id = custom_id if isinstance(custom_id, str) else None
+    with _refusals(line):
+        if is_openai_line(obj):
+            line.pending = begin_line(obj, endpoint)
+        else:
+            check_endpoint(JOBS_URL, endpoint)
+            loaded = _NATIVE_LINE.load(obj)
+            line.custom_id, line.body = loaded["custom_id"], check_limits(loaded["body"])
+    return line
+
+
+@contextmanager
+def _refusals(line: _Line) -> Iterator[None]:
+    """A refused line's error entry: a line that is no request has no status (web.openai_batch_lines),
+    a refused request the status its route would have answered."""
+    try:
+        yield
+    except LineShapeError as exc:
+        line.error = _line_error(line.number, line.custom_id, exc.code, exc.message, errors=exc.errors)
+    except ValidationError as exc:
+        line.error = _line_error(line.number, line.custom_id, "invalid_request", _describe(exc.messages),
+                                 errors=exc.messages, status_code=422)
+    except RolloutError as exc:
+        line.error = _line_error(line.number, line.custom_id, exc.code, exc.message, errors=exc.errors,
+                                 status_code=exc.http_status)
 
 
 def read_upload(limit: int) -> tuple[bytes, dict[str, str]]:

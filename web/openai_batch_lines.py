@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from marshmallow import Schema, ValidationError, fields, validate
@@ -82,10 +84,41 @@ def check_endpoint(url: str, endpoint: str | None) -> None:
                                     errors={"url": [f"must be {endpoint!r}"]})
 
 
+@dataclass
+class PendingLine:
+    """A line read up to its token ids: a chat line has its template rendered (``prompt``) and
+    ``finish_line`` makes its job request; any other line has its ``request`` already."""
+
+    custom_id: str
+    url: str
+    loaded: dict[str, Any]
+    request: dict[str, Any] | None = None
+    prompt: openai.ChatPrompt | None = None
+
+
 def read_line(obj: dict, endpoint: str | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
     """(custom_id, the native job request, how to render its reply or None) of an OpenAI-format
     line. Raises ``LineShapeError`` for a line that is no request, marshmallow's
     ``ValidationError`` or a ``RolloutError`` for a body its route would refuse."""
+    pending = begin_line(obj, endpoint)
+    token_ids = None
+    if pending.prompt is not None:
+        (token_ids,) = openai.chat_prompts_token_ids([pending.prompt])
+    return finish_line(pending, token_ids)
+
+
+def chat_token_ids(pendings: list[PendingLine]) -> list[list[int] | None]:
+    """The token ids of each chat line among ``pendings`` (None for the others), from one tokenizer
+    call for them all: what ``finish_line`` takes."""
+    chats = [i for i, pending in enumerate(pendings) if pending.prompt is not None]
+    token_ids: list[list[int] | None] = [None] * len(pendings)
+    for i, ids in zip(chats, openai.chat_prompts_token_ids([pendings[i].prompt for i in chats]), strict=True):
+        token_ids[i] = ids
+    return token_ids
+
+
+def begin_line(obj: dict, endpoint: str | None) -> PendingLine:
+    """``read_line`` up to the token ids of a chat line; raises as it does."""
     try:
         line = _LINE.load(obj)
     except ValidationError as exc:
@@ -95,26 +128,44 @@ def read_line(obj: dict, endpoint: str | None) -> tuple[str, dict[str, Any], dic
         raise UnsupportedUrlError(f"url {url!r} is not served in batches; use one of {', '.join(ENDPOINTS)}",
                                   errors={"url": ["unsupported"]})
     check_endpoint(url, endpoint)
-    try:
+    with _body_errors():
         if url == JOBS_URL:
-            return line["custom_id"], _JOB.load(body), None
+            return PendingLine(line["custom_id"], url, body, request=_JOB.load(body))
         loaded = _BODIES[url].load(body)
         if url == CHAT_URL:
-            request = openai.chat_request(loaded)
-        else:
-            prompts, _ = openai.prompts_of(loaded["prompt"])
-            if len(prompts) != 1:
-                # One line, one job, one result: a list of prompts is one line per prompt.
-                raise InvalidRequestError("a batch line takes one prompt; write one line per prompt",
-                                          errors={"prompt": ["one prompt per line"]})
-            (request,) = openai.completion_requests(loaded)
-    except ValidationError as exc:
-        raise ValidationError({"body": exc.messages}) from None
+            return PendingLine(line["custom_id"], url, loaded, prompt=openai.chat_prompt(loaded))
+        prompts, _ = openai.prompts_of(loaded["prompt"])
+        if len(prompts) != 1:
+            # One line, one job, one result: a list of prompts is one line per prompt.
+            raise InvalidRequestError("a batch line takes one prompt; write one line per prompt",
+                                      errors={"prompt": ["one prompt per line"]})
+        (request,) = openai.completion_requests(loaded)
+        return PendingLine(line["custom_id"], url, loaded, request=request)
+
+
+def finish_line(pending: PendingLine, token_ids: list[int] | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+    """``read_line``'s answer for a line ``begin_line`` read (a chat line with its ``token_ids``)."""
+    if pending.url == JOBS_URL:
+        return pending.custom_id, pending.request, None
+    request = pending.request
+    if pending.prompt is not None:
+        with _body_errors():
+            request = openai.chat_job_request(pending.prompt, token_ids)
+    loaded, url = pending.loaded, pending.url
     reply = {"url": url, "n": request["sampling_params"]["n"],
              "body": {name: loaded[name] for name in _REPLY_OPTIONS if name in loaded}}
     if url == COMPLETIONS_URL and loaded.get("echo"):
         reply["body"]["prompt"] = loaded["prompt"]  # echo writes it back; kept only then
-    return line["custom_id"], request, reply
+    return pending.custom_id, request, reply
+
+
+@contextmanager
+def _body_errors() -> Iterator[None]:
+    """A body's field errors named under ``body``, as the line's own."""
+    try:
+        yield
+    except ValidationError as exc:
+        raise ValidationError({"body": exc.messages}) from None
 
 
 # --- Results --------------------------------------------------------------------------------------

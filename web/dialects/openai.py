@@ -13,6 +13,7 @@ logprob and a dict of it plus the k most likely tokens; chat takes ``logprobs: t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
@@ -26,6 +27,7 @@ from web.dialects.common import (
     native_request,
     prompt_logprobs_of,
     served_model_name,
+    token_ids_of,
     tokenizer,
     vocab_size,
 )
@@ -245,7 +247,27 @@ def completion_logprobs(choice: Choice, result: JobResult | None, prompt_ids: li
 # --- chat ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat body checked and its conversation rendered by the chat template: all of its job
+    request but the token ids (a batch file tokenizes many of these in one call)."""
+
+    body: dict[str, Any]
+    text: str
+    parts: list[dict]
+
+    @property
+    def add_special_tokens(self) -> bool:
+        return self.body.get("add_special_tokens", False)
+
+
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
+    prompt = chat_prompt(body)
+    ids = tokenizer()(prompt.text, add_special_tokens=prompt.add_special_tokens)["input_ids"]
+    return chat_job_request(prompt, ids)
+
+
+def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     check_model(body["model"])
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
@@ -254,17 +276,36 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     text = tokenizer().apply_chat_template(template_messages, tokenize=False,
                                            add_generation_prompt=body.get("add_generation_prompt", True),
                                            **checked_template_kwargs(body))
-    # The template wrote every special token the model wants; media placeholders stay collapsed
-    # (one per item) and are expanded by the preprocessing worker, exactly once.
-    ids = tokenizer()(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
+    return ChatPrompt(body, text, parts)
+
+
+def chat_prompts_token_ids(prompts: list[ChatPrompt]) -> list[list[int]]:
+    """Each prompt's token ids as ``chat_request`` tokenizes one, in one tokenizer call per
+    ``add_special_tokens`` value."""
+    ids: list[list[int]] = [[] for _ in prompts]
+    groups: dict[bool, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt.add_special_tokens, []).append(i)
+    for special, at in groups.items():
+        encoded = token_ids_of([prompts[i].text for i in at], add_special_tokens=special)
+        for i, token_ids in zip(at, encoded, strict=True):
+            ids[i] = token_ids
+    return ids
+
+
+def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
+    """The native job request of a rendered chat prompt and its token ids. The template wrote every
+    special token the model wants; media placeholders stay collapsed (one per item) and are
+    expanded by the preprocessing worker, exactly once."""
+    body = prompt.body
     params = _params({**body, **({"max_tokens": body["max_completion_tokens"]}
                                  if "max_completion_tokens" in body else {})})
     params["logprobs"] = bool(body.get("logprobs"))
     if body.get("logprobs") and body.get("top_logprobs"):
         params["top_logprobs"] = body["top_logprobs"]
     native: dict[str, Any] = {"token_ids": ids, "sampling_params": params}
-    if parts:
-        native["content_parts"] = parts
+    if prompt.parts:
+        native["content_parts"] = prompt.parts
     if body.get("request_id"):
         native["request_id"] = body["request_id"]
     names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
