@@ -96,17 +96,6 @@ class PendingLine:
     prompt: openai.ChatPrompt | None = None
 
 
-def read_line(obj: dict, endpoint: str | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-    """(custom_id, the native job request, how to render its reply or None) of an OpenAI-format
-    line. Raises ``LineShapeError`` for a line that is no request, marshmallow's
-    ``ValidationError`` or a ``RolloutError`` for a body its route would refuse."""
-    pending = begin_line(obj, endpoint)
-    token_ids = None
-    if pending.prompt is not None:
-        (token_ids,) = openai.chat_prompts_token_ids([pending.prompt])
-    return finish_line(pending, token_ids)
-
-
 def chat_token_ids(pendings: list[PendingLine]) -> list[list[int] | None]:
     """The token ids of each chat line among ``pendings`` (None for the others), from one tokenizer
     call for them all: what ``finish_line`` takes."""
@@ -118,7 +107,9 @@ def chat_token_ids(pendings: list[PendingLine]) -> list[list[int] | None]:
 
 
 def begin_line(obj: dict, endpoint: str | None) -> PendingLine:
-    """``read_line`` up to the token ids of a chat line; raises as it does."""
+    """An OpenAI-format line read up to the token ids of a chat line (``finish_line`` completes it).
+    Raises ``LineShapeError`` for a line that is no request, marshmallow's ``ValidationError`` or
+    a ``RolloutError`` for a body its route would refuse."""
     try:
         line = _LINE.load(obj)
     except ValidationError as exc:
@@ -144,7 +135,8 @@ def begin_line(obj: dict, endpoint: str | None) -> PendingLine:
 
 
 def finish_line(pending: PendingLine, token_ids: list[int] | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
-    """``read_line``'s answer for a line ``begin_line`` read (a chat line with its ``token_ids``)."""
+    """(custom_id, the native job request, how to render its reply or None) of a line
+    ``begin_line`` read (a chat line with its ``token_ids``); raises as ``begin_line`` does."""
     if pending.url == JOBS_URL:
         return pending.custom_id, pending.request, None
     request = pending.request

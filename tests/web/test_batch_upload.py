@@ -19,7 +19,7 @@ from web.app import create_app
 from web.batch_upload import validate_lines
 from web.dialects import openai
 from web.dialects.common import token_ids_of
-from web.openai_batch_lines import CHAT_URL, read_line
+from web.openai_batch_lines import CHAT_URL, begin_line, finish_line
 from web.submit import check_limits
 from workers.settings import Settings
 
@@ -111,9 +111,9 @@ def test_batched_chat_lines_store_the_sync_routes_job_requests(app, model):
                for obj, stored in zip(lines, parsed.valid, strict=True) if obj["body"].get("add_special_tokens")]
     assert special and all(ids == bos for ids in special)  # the tokenizer's own special tokens, where asked
     for number, (obj, stored) in enumerate(zip(lines, parsed.valid, strict=True), start=1):
-        custom_id, _, reply = read_line(obj, CHAT_URL)  # the per-line path
-        expected = {"line": number, "custom_id": custom_id, "request": sync_route_request(obj["body"]),
-                    "reply": reply}
+        request = sync_route_request(obj["body"])
+        custom_id, _, reply = finish_line(begin_line(obj, CHAT_URL), request["token_ids"])
+        expected = {"line": number, "custom_id": custom_id, "request": request, "reply": reply}
         assert stored == json.dumps(expected, separators=(",", ":")), obj
 
 
