@@ -97,7 +97,7 @@ class RolloutClient:
         :class:`JobStream` for ``status``, ``restart``, ``tokens`` and the final ``result`` events
         (a failed job raises ``ClientError`` with its code); it keeps ``token_ids`` and ``text`` by
         choice and reconnects with ``Last-Event-ID``. Leaving it cancels nothing."""
-        job_id = job if isinstance(job, str) else self.submit(job)["id"]
+        job_id = job if isinstance(job, str) else self.submit({**job, "stream_events": True})["id"]
         return JobStream(self, job_id, last_event_id=last_event_id)
 
     def generate(self, request: Mapping[str, Any], timeout: float = 60.0) -> dict[str, Any]:

@@ -110,6 +110,14 @@ class Finished:
     batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
 
 
+@dataclass(frozen=True)
+class ChoiceSoFar:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float] | None  # None: the request asked for none
+    finish_reason: str | None
+
+
 @dataclass
 class _Job:
     handle: int
@@ -215,6 +223,13 @@ class Scheduler:
         self._jobs[handle] = job
         self._pending.append(job)
         return handle
+
+    def tokens_so_far(self, handle: int) -> list[ChoiceSoFar]:
+        """Each choice of the request with its tokens so far: what a stream that starts mid-request
+        sends first. Empty once the request ended."""
+        job = self._jobs.get(handle)
+        return [] if job is None else [ChoiceSoFar(row.choice_index, list(row.token_ids), row.logprobs(),
+                                                   row.finish_reason) for row in job.rows]
 
     def abort(self, handle: int) -> None:
         """End the request at the next step with the tokens so far (``finish_reason="abort"``)."""

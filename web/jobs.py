@@ -15,8 +15,8 @@ from web.schemas import (
     JobLookupResultSchema,
     JobLookupSchema,
     JobPollQuerySchema,
-    JobRequestSchema,
     JobSchema,
+    SubmitJobSchema,
 )
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
@@ -32,7 +32,7 @@ ERRORS_SUBMIT = (401, 413, 422, 429, 503)
 
 @blp.route("")
 class Jobs(MethodView):
-    @blp.arguments(JobRequestSchema)
+    @blp.arguments(SubmitJobSchema)
     @blp.response(202, JobSchema, headers={"Location": {"description": "The job's URL", "schema": {"type": "string"}}})
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(413, schema=None, description="Body too large")
@@ -41,7 +41,8 @@ class Jobs(MethodView):
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def post(self, request):
         """Submit a job (kind generate or score)."""
-        job = public_job(submit(request))
+        watched = request.pop("stream_events")
+        job = public_job(submit(request, watched=watched))
         return job, 202, {"Location": job["links"]["self"]}
 
     @blp.arguments(JobListQuerySchema, location="query", unknown="raise")

@@ -172,6 +172,12 @@ class JobRequestSchema(Schema):
             raise ValidationError("only for kind score", "completion_token_ids")
 
 
+class SubmitJobSchema(JobRequestSchema):
+    stream_events = fields.Boolean(load_default=False, metadata={
+        "description": "The caller will read GET /v1/jobs/{id}/events: its tokens are written from the job's "
+                       "start (otherwise from when a reader is first seen, within ~50 ms)"})
+
+
 class SyncGenerateRequestSchema(JobRequestSchema):
     timeout = StrictFloat(allow_nan=False, validate=validate.Range(0, 3600), load_default=60.0,
                            metadata={"description": "Seconds to wait before answering 202 with the job link"})

@@ -43,17 +43,17 @@ class _NoResultsCelery(Celery):
     SUBSCRIBE/UNSUBSCRIBE round trip to every send_task for results nobody reads.
 
     Celery keeps its (disabled) backend per thread and builds it on a thread's first use, which
-    scans the installed packages' entry points; ``send_task`` reaches it on every call, even with
-    results ignored (the ``AsyncResult`` it returns reads it). On a server that runs each request
-    on a new thread that was ~10 % of a submit. The disabled backend holds no state, so one serves
-    every thread."""
+    scans the installed packages' entry points; ``send_task`` reaches it on every call (the
+    ``AsyncResult`` it returns reads it). On a server that runs each request on a new thread that
+    was ~10 % of a submit. The disabled backend holds no state, so one serves every thread. (Sending
+    with ``ignore_result=True`` as well made celery-batches' worker stall now and then in
+    ``tests/workers/tasks/test_gpu_batching.py``: left as Celery sends it.)"""
 
     @cached_property
     def backend(self):
         return self._get_backend()
 
     def send_task(self, *args, **kwargs):
-        kwargs.setdefault("ignore_result", True)  # ``task_ignore_result`` does not reach send_task
         # Celery sends to our direct queues through the default exchange: kombu's Redis transport
         # then pushes onto the queue's list, which needs no declared binding. Declaring on every
         # send cost ~7 % of a submit (kombu copies the unbound queue before it consults its cache

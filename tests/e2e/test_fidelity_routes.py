@@ -462,7 +462,8 @@ def _call_every_route(stack, cases: dict[str, Case], replies: dict[str, Replies]
             status=202)["id"]
 
     # Native jobs, submitted at once; then every synchronous and streamed call in threads.
-    native_jobs = {m: {what: caller.post("/v1/jobs", body, status=202)["id"]
+    # Those read through GET /v1/jobs/{id}/events say so: their tokens are written from the start.
+    native_jobs = {m: {what: caller.post("/v1/jobs", {**body, "stream_events": what != "score"}, status=202)["id"]
                        for what, body in _native_bodies(case).items()} for m, case in cases.items()}
     calls = {}
     with ThreadPoolExecutor(max_workers=16) as pool:

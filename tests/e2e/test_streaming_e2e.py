@@ -50,6 +50,16 @@ def test_job_events_carry_every_token_once_then_the_result(stack, server):
     assert all(m.id for m in events[:-1])
 
 
+def test_a_job_submitted_with_stream_events_writes_its_tokens_from_the_start(stack, server):
+    job = requests.post(f"{server}/v1/jobs", headers=HEADERS, timeout=30, json={
+        "token_ids": [104, 140, 150], "sampling_params": GREEDY, "stream_events": True}).json()
+    stack.wait(job["id"])  # read only once it ended: the tokens were written anyway
+    events = follow(server, job["id"])
+    streamed = [t for m in events if m.event == "tokens" for c in m.json()["choices"] for t in c["token_ids"]]
+    assert streamed == events[-1].json()["result"]["choices"][0]["token_ids"] and len(streamed) == 24
+    assert "stream_events" not in stack.services.jobs.get(job["id"])["request"]  # not a request option
+
+
 def test_a_job_nobody_read_while_it_ran_writes_no_tokens_and_its_stream_has_them_in_the_result(stack, server):
     job = stack.submit({"token_ids": [102, 140, 150], "sampling_params": GREEDY})
     tokens = stack.wait(job["id"])["result"]["choices"][0]["token_ids"]
@@ -206,7 +216,7 @@ def test_the_python_client_streams_a_job_and_the_cli_follows_one(stack, server, 
     from client.follow_cli import follow_command
 
     with RolloutClient(server, API_KEY) as client:
-        stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 400}})
+        stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": GREEDY})  # stream_events: true
         events = list(stream)
     kinds = [event["event"] for event in events]
     assert kinds[0] == "status" and kinds[-1] == "result" and "tokens" in kinds

@@ -312,6 +312,25 @@ def test_abort_mid_batch_ends_that_request_only_with_its_tokens_so_far(models):
     assert [c.token_ids[:3] for c in full.choices] == [c.token_ids for c in results[1].choices]
 
 
+def test_tokens_so_far_are_each_choices_prefix_of_its_result(models):
+    model = models("qwen2_vl")
+    scheduler = model.engine().scheduler()
+    request = model.request("Count.", sampled(seed=3, max_tokens=12, n=2, logprobs=True, min_tokens=12))
+    handle = scheduler.submit(request, tag="job")
+    for _ in range(5):
+        scheduler.step()
+    so_far = scheduler.tokens_so_far(handle)
+    results = []
+    while scheduler.has_work:
+        results += [finished.result for finished in scheduler.step()]
+    (result,) = results
+    assert [c.index for c in so_far] == [0, 1] and all(c.finish_reason is None for c in so_far)
+    for choice, ended in zip(so_far, result.choices, strict=True):
+        assert 0 < len(choice.token_ids) < 12 and choice.token_ids == ended.token_ids[:len(choice.token_ids)]
+        assert choice.logprobs == ended.logprobs[:len(choice.logprobs)] and len(choice.logprobs) == len(choice.token_ids)
+    assert scheduler.tokens_so_far(handle) == []  # ended
+
+
 def test_a_deadline_stops_a_request_and_marks_it_timed_out(models):
     model = models("qwen2_vl")
     scheduler = model.engine().scheduler()

@@ -14,9 +14,9 @@ fails ends alone (the scheduler isolates it); score jobs run as a group when the
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
 session writes those of the jobs someone reads to their event streams in one pipeline
 (``workers/jobs/events.py``), before the jobs that ended in that step are moved (so a stream's
-tokens always precede its ``ended`` status). A job nobody reads keeps its tokens here until it
-ends: a reader that comes mid-job is seen at the next cancel poll and gets them all at once. Each job's run here is numbered (an attempt); a redo of a job whose worker died writes a
-``restart`` event first.
+tokens always precede its ``ended`` status). A reader that comes mid-job is seen at the next
+cancel poll and gets the tokens so far (the scheduler's) in one entry. Each job's run here is
+numbered (an attempt); a redo of a job whose worker died writes a ``restart`` event first.
 """
 
 from __future__ import annotations
@@ -52,11 +52,8 @@ REQUEUE = "requeue"
 
 @dataclass
 class _ChoiceStream:
-    token_ids: list[int] = field(default_factory=list)  # every token so far
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
     sent: int = 0  # tokens staged for publishing so far
-    text: StreamText | None = None  # None: not read yet, or the row does not detokenize
+    text: StreamText | None = None  # None: the row does not detokenize
 
 
 @dataclass
@@ -178,20 +175,19 @@ class GenerateSession:
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
             live = _Live(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
-            live.streams = {choice: _ChoiceStream() for choice in range(request.sampling.n)}
             self.live[handle] = live
             self._by_job[job["id"]] = live
             if attempt.watched:
-                self._watch(live)
+                self._watch(handle, live)
 
-    def _watch(self, live: _Live) -> None:
-        """The job has a reader from now on: publish its tokens (those so far at the next flush)."""
+    def _watch(self, handle: int, live: _Live) -> None:
+        """The job has a reader from now on: publish its tokens, those so far at the next flush."""
         live.watched = True
         tokenizer = self.engine.loaded.tokenizer
-        for index, stream in live.streams.items():
-            if live.sampling.detokenize and tokenizer:
-                stream.text = StreamText(tokenizer, live.sampling)
-            self._stage(live, index)
+        detokenize = live.sampling.detokenize and tokenizer
+        for choice in self.scheduler.tokens_so_far(handle):
+            live.streams[choice.index] = _ChoiceStream(text=StreamText(tokenizer, live.sampling) if detokenize else None)
+            self._stage(live, choice.index, choice.token_ids, choice.logprobs, choice.finish_reason)
 
     # --- between steps -------------------------------------------------------------------------
 
@@ -207,15 +203,9 @@ class GenerateSession:
         tokens, self._step_tokens = self._step_tokens, []
         for row in tokens:
             live = self._by_job.get(row.tag)
-            if live is None:
-                continue
-            stream = live.streams[row.choice]
-            stream.token_ids.append(row.token_id)
-            if row.logprob is not None:
-                stream.logprobs.append(row.logprob)
-            stream.finish_reason = row.finish_reason
-            if live.watched:
-                self._stage(live, row.choice)
+            if live is not None and live.watched:
+                self._stage(live, row.choice, [row.token_id], None if row.logprob is None else [row.logprob],
+                            row.finish_reason)
         for item in finished:
             live = self._by_job.get(item.tag)
             if live is None or not live.watched or item.result is None or live.stopped_by == "retract":
@@ -247,22 +237,22 @@ class GenerateSession:
                 choices[index]["text"] = ""
         return choices[index]
 
-    def _stage(self, live: _Live, index: int) -> None:
-        """Move the choice's tokens not yet staged into the next flush's entry. The token a row
-        finishes with is not detokenized: its text comes from the result."""
-        stream = live.streams[index]
-        new = stream.token_ids[stream.sent:]
-        if not new:
+    def _stage(self, live: _Live, index: int, token_ids: list[int], logprobs: list[float] | None,
+               finish_reason: str | None) -> None:
+        """Add the choice's next tokens to the next flush's entry. The token a row finishes with is
+        not detokenized: its text comes from the result."""
+        if not token_ids:
             return
+        stream = live.streams[index]
         out = self._entry(live, index)
-        out["token_ids"] += new
-        if stream.logprobs:
-            out.setdefault("logprobs", []).extend(stream.logprobs[stream.sent:])
+        out["token_ids"] += token_ids
+        if logprobs is not None:
+            out.setdefault("logprobs", []).extend(logprobs)
         if stream.text is not None:
-            pushed = new[:-1] if stream.finish_reason is not None else new
+            pushed = token_ids[:-1] if finish_reason is not None else token_ids
             out["text"] += "".join(stream.text.push(token_id) for token_id in pushed)
-        out["finish_reason"] = stream.finish_reason
-        stream.sent = len(stream.token_ids)
+        out["finish_reason"] = finish_reason
+        stream.sent += len(token_ids)
 
     def _flush_tokens(self) -> None:
         entries, self._unflushed = self._unflushed, {}
@@ -289,7 +279,7 @@ class GenerateSession:
         for job_id in cancelled:
             self.scheduler.abort(by_job[job_id])
         for job_id in watched:
-            self._watch(self._by_job[job_id])
+            self._watch(by_job[job_id], self._by_job[job_id])
 
     def _end(self, finished) -> None:
         rt = self.rt
