@@ -27,9 +27,11 @@ already delivered must equal them (they are skipped) and only later ones are sen
 ends the stream with a ``stream_diverged`` error (``workers.jobs.follow.TokenLedger``).
 
 Tokens are written only for jobs someone reads (``rq:job:<id>:watched``). Every reader marks
-the jobs it follows (:meth:`JobEvents.watch`, called by ``workers.jobs.follow.follow``); the GPU
-session learns it as the job's attempt begins, or at its next cancel poll for a reader that comes
-mid-job, and then writes the job's tokens so far as one entry from offset 0, and every flush after
+the jobs it follows (:meth:`JobEvents.watch`, called by ``workers.jobs.follow.follow``), and a job
+submitted to be streamed (a dialect's ``stream: true``, ``stream_events`` on ``POST /v1/jobs``) is
+marked as it is created (``JobStore.create``). The GPU session learns it as the job's attempt
+begins, or at its next cancel poll for a reader that comes mid-job, and then writes the job's
+tokens so far as one entry from offset 0, and every flush after
 (one pipeline per flush for all of its watched rows: one round trip, ``XADD ... MAXLEN ~``). A job
 nobody reads costs no token writes; a reader that comes after it ended has its tokens from the
 result (the native route's ``result`` event, a dialect's ``TokenLedger.finish``). Status and
