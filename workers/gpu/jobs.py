@@ -14,7 +14,7 @@ from typing import Any
 from engine.errors import HandleUnavailableError, RolloutError
 from workers.infra.metrics import count, observe_stage
 from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.prompt_codec import open_prompt, release_prompt
+from workers.jobs.prompt_codec import open_prompt, release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.results import engine_result
 from workers.jobs.store import TERMINAL
@@ -55,14 +55,15 @@ def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]]
         ready.append((job, prompt))
     resume_followups(rt, ended)
     moved = rt.jobs.advance_many([(job["id"], job["owner"]) for job, _ in ready], "generating")
-    running = []
+    running, cancelled = [], []
     for (job, prompt), advanced in zip(ready, moved, strict=True):
         # Neither moved nor already generating (a redelivery): it was cancelled meanwhile.
         if advanced or job["status"] == "generating":
             running.append((job, prompt))
         else:
-            release_prompt(rt.redis, prompt)
+            cancelled.append(prompt)
             settled.append(job["id"])
+    release_prompts(rt.redis, cancelled)
     return running, settled
 
 

@@ -32,7 +32,7 @@ from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
 from workers.gpu.jobs import ending, open_jobs, requeue_generate, run_score_jobs
 from workers.infra.metrics import count, observe_stage
-from workers.jobs.prompt_codec import release_prompt
+from workers.jobs.prompt_codec import release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.stream_text import StreamText
 from workers.lifecycle import end_jobs, fail_job
@@ -156,8 +156,7 @@ class GenerateSession:
             try:
                 run_score_jobs(rt, self.engine, scores)
             finally:
-                for _job, prompt in scores:
-                    release_prompt(rt.redis, prompt)
+                release_prompts(rt.redis, [prompt for _job, prompt in scores])
                 self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
         deadline = time.monotonic() + rt.settings.task_soft_time_limit
         generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
@@ -170,7 +169,7 @@ class GenerateSession:
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 fail_job(rt, job["id"], _job_error(job, error))
-                release_prompt(rt.redis, prompt)
+                release_prompts(rt.redis, [prompt])
                 self.batches.acknowledge(messages[job["id"]])
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
@@ -305,8 +304,7 @@ class GenerateSession:
         if endings:
             end_jobs(rt, endings)
         observe_stage(rt.redis, "generate", *durations)
-        for live in done:
-            release_prompt(rt.redis, live.prompt)
+        release_prompts(rt.redis, [live.prompt for live in done])
         for live in retracted:
             requeue_generate(rt, live.job["id"], live.prompt)
         self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])

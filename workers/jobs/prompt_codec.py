@@ -11,6 +11,7 @@ the API builds plain-text prompts (``text_prompt``) with this module and never i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,7 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
 
     items, handles = [], []
     for raw in payload["items"]:
-        # Held open (zero-copy) until release_prompt acknowledges them after the batch.
+        # Held open (zero-copy) until release_prompts acknowledges them after the batch.
         tensors = {name: open_feature(handle, device=device, hold=True) for name, handle in raw["features"].items()}
         handles.extend(raw["features"].values())
         items.append(MultimodalItem(modality=raw["modality"], features=tensors, offset=tuple(raw["offset"]),
@@ -78,9 +79,10 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
                         payload["timings"], handles, payload.get("node_id", ""))
 
 
-def release_prompt(client, prompt: OpenedPrompt) -> None:
-    """Tell the producer it may free this prompt's feature memory."""
+def release_prompts(client, prompts: Iterable[OpenedPrompt]) -> None:
+    """Tell the producers they may free these prompts' feature memory: one round trip for all."""
     from engine.transport import acknowledge
 
-    if prompt.handles:
-        acknowledge(client, prompt.handles)
+    handles = [handle for prompt in prompts for handle in prompt.handles]
+    if handles:
+        acknowledge(client, handles)

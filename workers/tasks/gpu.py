@@ -29,7 +29,7 @@ from celery import shared_task
 from workers.gpu.session import REQUEUE, GenerateSession
 from workers.infra.logs import job_context
 from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.prompt_codec import release_prompt
+from workers.jobs.prompt_codec import release_prompts
 from workers.lifecycle import fail_unexpected
 from workers.names import GENERATE_TASK
 from workers.runtime import runtime
@@ -61,5 +61,5 @@ def generate(self, requests) -> str | None:
             # end each job that is still open instead (their messages are settled on return).
             for live in session.live.values():
                 fail_unexpected(rt, live.job["id"], "generating")
-                release_prompt(rt.redis, live.prompt)
+            release_prompts(rt.redis, [live.prompt for live in session.live.values()])
     return None
