@@ -25,7 +25,17 @@ import requests
 import torch
 
 from bench.rows import print_rows
-from bench.service import BATCH, KEY, ROOT, CpuMeter, Service, _row, engine_request, job_body
+from bench.service import (
+    BATCH,
+    KEY,
+    ROOT,
+    CpuMeter,
+    Service,
+    _row,
+    engine_request,
+    job_body,
+    process_cpu_seconds,
+)
 from client import RolloutClient
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
@@ -63,7 +73,7 @@ class StackCpu(CpuMeter):
     def _now(self) -> dict[str, float]:
         now = super()._now()
         arbiter = self.service.workers["api"].pid
-        now["api worker"] += sum(_cpu_seconds(pid) for pid in _children(arbiter))
+        now["api worker"] += sum(process_cpu_seconds(pid) for pid in _children(arbiter))
         return now
 
 
@@ -78,13 +88,6 @@ def _children(pid: int) -> list[int]:
             continue
     return found
 
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def one_round(client: RolloutClient, base: int) -> float:

@@ -288,10 +288,8 @@ class CpuMeter:
 
     def _now(self) -> dict[str, float]:
         now = {"API + client (bench process)": time.process_time()}
-        tick = os.sysconf("SC_CLK_TCK")
         for kind, process in self.service.workers.items():
-            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            now[f"{kind} worker"] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            now[f"{kind} worker"] = process_cpu_seconds(process.pid)
         info = self.service.svc.redis.info("cpu")
         now["redis-server"] = info["used_cpu_user"] + info["used_cpu_sys"]
         return now
@@ -305,6 +303,15 @@ class CpuMeter:
 
     def per_item_ms(self, items: int) -> dict[str, float]:
         return {name: seconds / items * 1e3 for name, seconds in self.total.items()}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` so far (0 once it is gone), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _timed(call, *args) -> float:

@@ -8,7 +8,8 @@ API served over loopback HTTP (werkzeug, threaded), read by real HTTP clients:
   (``Engine.generate`` with ``max_tokens=1``): reported, no goal;
 - streamed / non-streamed throughput of the same 64 jobs (32 prompt ids, 32 new tokens): all
   submitted at once and waited for, vs the same with one SSE reader per job on
-  ``/v1/jobs/{id}/events`` until its ``result`` (median of 3 rounds each). Goal >= 0.9;
+  ``/v1/jobs/{id}/events``, opened as its job is accepted, until its ``result`` (median of 3
+  rounds each; beside it the share of the tokens that came as ``tokens`` events). Goal >= 0.9;
 - the first token of a 128-token greedy job at the client, as a share of its total time (submit to
   last chunk). Goal <= 25 %;
 - what the GPU session's publishing costs: one ``JobEvents.publish_tokens`` pipeline for a step of
