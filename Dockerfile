@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    # One torch thread per worker process (DESIGN §8: two threads on two cores were up to 10x slower).
+    # One torch thread per worker process (README, ROLLOUT_TORCH_THREADS: more threads than cores slow generation).
     OMP_NUM_THREADS=1 \
     ROLLOUT_STATE_DIR=/data \
     ROLLOUT_HOST=0.0.0.0
