@@ -100,7 +100,10 @@ def test_upload_create_poll_download_a_mixed_file(client, model, stack):
 
 
 def test_cancel_midway_keeps_finished_lines(client, model):
-    data = jsonl([chat_line(f"c{n}", model, "Count", max_tokens=40) for n in range(200)])
+    # Ten short lines end first; the rest are long enough that none can end before the cancel,
+    # however fast the machine: the cancel must stop them.
+    max_tokens = {f"c{n}": 3 if n < 10 else 2000 for n in range(200)}
+    data = jsonl([chat_line(custom_id, model, "Count", max_tokens=most) for custom_id, most in max_tokens.items()])
     uploaded = client.files.create(file=("long.jsonl", data), purpose="batch")
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 120
@@ -114,7 +117,8 @@ def test_cancel_midway_keeps_finished_lines(client, model):
     assert done.request_counts.completed >= 10 and done.request_counts.failed > 0
     outputs = lines_of(client, done.output_file_id)
     assert len(outputs) == done.request_counts.completed
-    assert all(line["response"]["body"]["usage"]["completion_tokens"] <= 40 for line in outputs)
+    assert all(line["response"]["body"]["usage"]["completion_tokens"] <= max_tokens[line["custom_id"]]
+               for line in outputs)
     errors = lines_of(client, done.error_file_id)
     assert len(outputs) + len(errors) == 200
     assert {line["error"]["code"] for line in errors if line["error"]} <= {"batch_cancelled"}
