@@ -64,17 +64,24 @@ class OpenStream:
     """A reader of one long job's native events over real HTTP, from before the kills to its end."""
 
     def __init__(self, server: str, job_id: str):
-        self.job_id, self.events, self.failure = job_id, [], None
+        self.job_id, self.events, self.failure, self.status = job_id, [], None, None
+        self.crash: BaseException | None = None  # anything else: the test fails on it
         self._thread = threading.Thread(target=self._read, args=(server,), daemon=True)
         self._thread.start()
 
     def _read(self, server: str) -> None:
+        events = []  # ``events`` is set once the stream ended
         try:
             with requests.get(f"{server}/v1/jobs/{self.job_id}/events", headers={"Authorization": f"Bearer {API_KEY}"},
                               stream=True, timeout=120) as response:
-                self.events = [(m.event, m.json()) for m in messages(response)]
+                self.status = response.status_code  # the stream is open (or refused): its headers came
+                for message in messages(response):
+                    events.append((message.event, message.json()))
         except requests.RequestException as error:  # a dropped connection: a client resumes by event id
             self.failure = error
+        except BaseException as error:
+            self.crash = error
+        self.events = events
 
     def ended(self, timeout: float) -> OpenStream:
         self._thread.join(timeout)
@@ -123,6 +130,7 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
                 streams = [OpenStream(server, job_id) for job_id in long_jobs]
                 wait_until(lambda: all(s.events or stack.services.jobs.get(s.job_id)["status"] == "generating"
                                        for s in streams), 60, "the long jobs to generate")
+                wait_until(lambda: all(s.status is not None for s in streams), 60, "the streams to open")
                 batch = stack.client.post("/v1/batches", data=lines,
                                           headers={**stack.headers(), "Content-Type": "application/jsonl"})
                 assert batch.status_code == 202, batch.get_json()
@@ -148,6 +156,7 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
             # an error event a client can act on (its code); never silently cut.
             for stream, job_id in zip(streams, long_jobs, strict=True):
                 stream.ended(120)
+                assert stream.crash is None and stream.status == 200, (stream.status, repr(stream.crash))
                 final = stack.wait(job_id, timeout=120)
                 assert final["status"] == "succeeded"
                 kinds = [kind for kind, _ in stream.events]

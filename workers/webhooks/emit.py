@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import current_app
 
+from workers.infra.replication import NotDurableError, confirm_if_asked
 from workers.jobs.store import TERMINAL
 from workers.jobs.view import public_job
 from workers.names import DELIVER_TASK, WEBHOOKS_QUEUE
@@ -65,6 +66,7 @@ def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict |
                                   event_type=event_type, url=url, data=data)
     if made:
         log.info("%s %s: webhook event %s (%s) made", object_kind, object_id, event_id, event_type)
+        _confirm_replicated(rt, event_id)
     else:
         # Already made: a redelivered or repeated call. Start the first attempt again only if it
         # may have been lost (the call that made the event died before starting it); a duplicate is
@@ -82,3 +84,14 @@ def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict |
 def queue_attempt(app, event_id: str, attempt: int, *, countdown: float) -> None:
     (app or current_app).send_task(DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
                                    queue=WEBHOOKS_QUEUE, countdown=countdown)
+
+
+def _confirm_replicated(rt, event_id: str) -> None:
+    """With ``ROLLOUT_REDIS_REPLICA_ACKS``, the replicas hold the event before a receiver can have
+    it: a failover right after its first delivery then cannot lose it, and the end that made it,
+    run again, finds it instead of making another under a new ``webhook-id``."""
+    try:
+        confirm_if_asked(rt, event_id)
+    except NotDurableError as error:
+        # Delivered anyway: a receiver gets its event at least once, which waiting cannot promise.
+        log.warning("webhook event %s: %s", event_id, error)

@@ -5,6 +5,7 @@ loopback receiver that verifies every signature with the standardwebhooks librar
 from __future__ import annotations
 
 import json
+import logging
 import random
 import socket
 import threading
@@ -12,6 +13,7 @@ import time
 from datetime import UTC, datetime
 from email.utils import format_datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -394,6 +396,25 @@ def test_job_ended_twice_makes_one_event_and_one_delivery(celery_app, rt, receiv
     assert len(receiver.hits_for("/twice")) == 1
     assert len(view["attempts"]) == 1
     assert len(WebhookStore(rt.redis, 600).deliveries("job", job["id"])) == 1
+
+
+def test_with_replica_acks_an_event_is_confirmed_on_the_replicas_before_its_first_delivery(rt, receiver, caplog):
+    # This Redis has no replica, so the confirmation times out: the event is delivered anyway.
+    settings = rt.settings.replace(redis_replica_acks=1, redis_replica_timeout_ms=20)
+    asking = SimpleNamespace(redis=rt.redis, settings=settings, webhooks=rt.webhooks)
+    waits = []
+
+    def first_attempt(event_id):
+        waits.append(rt.redis.info("commandstats")["cmdstat_wait"]["calls"])
+
+    before = rt.redis.info("commandstats").get("cmdstat_wait", {"calls": 0})["calls"]
+    job = make_job(rt, webhook={"url": receiver.url("/replicated")})
+    with caplog.at_level(logging.WARNING, logger="workers.webhooks.emit"):
+        event_id = emit_job_event(asking, job, first_attempt=first_attempt)
+    assert event_id is not None and waits == [before + 1]
+    assert f"webhook event {event_id}" in caplog.text  # the warning: not confirmed in time
+    assert emit_job_event(asking, job, first_attempt=first_attempt) == event_id  # made once: no second wait
+    assert rt.redis.info("commandstats")["cmdstat_wait"]["calls"] == before + 1
 
 
 def test_events_filter_and_owner_default_url(celery_app, rt, receiver):
