@@ -1,0 +1,183 @@
+"""Take many waiting messages per wake-up, in one round trip, recorded as they are popped.
+
+kombu's Redis transport takes one message per BRPOP, then records it as unacknowledged with a
+MULTI/EXEC of its own (``QoS.append``): two round trips per message, on the consumer's event loop.
+A GPU worker whose prefetch window is two batches paid 2 x 32 of them to fill it: the largest
+service cost left in its profile (``bench/README.md``). kombu has no bulk take for Redis (its SQS
+transport has one), so this transport adds it: when a BRPOP brings a message and the prefetch
+window has room for more, one Lua script records that message and pops up to the room's worth
+more from the same queue (its priority lists in kombu's order), recording each in ``unacked`` /
+``unacked_index`` exactly as ``QoS.append`` does, before it returns. Popping and recording in one
+script leaves no moment where a message is held by nobody (kombu's BRPOP path has one, which
+``workers/infra/lost_messages.py`` covers for the first message as before).
+
+The messages are then delivered one by one through kombu's own callback; their QoS entry skips the
+Redis write the script already made. Everything else (acks, rejects, restores, the visibility
+timeout, ``workers/gpu/held_messages.py``) reads the records as kombu wrote them.
+``tests/workers/infra/test_bulk_take.py`` pins the kombu internals this relies on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from queue import Empty
+
+import redis
+from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+log = logging.getLogger(__name__)
+
+# The most one take pops when the window is unbounded (prefetch_count 0).
+UNBOUNDED_TAKE = 64
+
+# KEYS: unacked, unacked_index, then the queue's lists in priority order.
+# ARGV: now, how many more to pop, the message BRPOP brought.
+# Records the BRPOP'd message, pops up to ARGV[2] more and records each; returns the popped ones.
+# A message that is not kombu's JSON is returned unrecorded (the consumer drops it, as kombu
+# would), so the script never stops halfway with messages popped and not recorded.
+_TAKE = """
+local function record(item)
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' or type(message['properties']) ~= 'table' then return end
+  local properties = message['properties']
+  local tag = properties['delivery_tag']
+  local delivery = properties['delivery_info']
+  if type(tag) ~= 'string' or type(delivery) ~= 'table' then return end
+  redis.call('HSET', KEYS[1], tag, '[' .. item .. ',' .. cjson.encode(delivery['exchange']) .. ',' ..
+             cjson.encode(delivery['routing_key']) .. ']')
+  redis.call('ZADD', KEYS[2], ARGV[1], tag)
+end
+record(ARGV[3])
+local taken = {}
+local wanted = tonumber(ARGV[2])
+for i = 3, #KEYS do
+  if wanted <= 0 then break end
+  local items = redis.call('RPOP', KEYS[i], wanted)
+  if items then
+    for _, item in ipairs(items) do
+      record(item)
+      taken[#taken + 1] = item
+    end
+    wanted = wanted - #items
+  end
+end
+return taken
+"""
+
+class BulkQoS(kombu_redis.QoS):
+    """kombu's Redis QoS that does not write again a record the take script already made."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorded: set[str] = set()
+
+    def append(self, message, delivery_tag):
+        if delivery_tag in self.recorded:
+            self.recorded.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+        else:
+            super().append(message, delivery_tag)
+
+
+class _BulkTake:
+    """Mixed into kombu's Redis channels (plain and Sentinel)."""
+
+    QoS = BulkQoS
+    _take_script = None
+
+    def _brpop_read(self, **options):
+        # kombu's own _brpop_read up to the delivery, which is ours.
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # as kombu does: the next poll reconnects
+                raise
+            if not dest__item:
+                raise Empty()
+            key, first = dest__item
+            queue = bytes_to_str(key).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+        taken = self._take_more(queue, first)
+        if taken is None:
+            self._deliver_all(queue, [loads(bytes_to_str(first))])
+            return True
+        payloads = []
+        for item in [first, *taken]:
+            try:
+                payloads.append(loads(bytes_to_str(item)))
+            except ValueError:
+                log.error("dropped a message of %s that is not JSON: %.200r", queue, item)
+        self.qos.recorded.update(tag for tag in map(_recorded_tag, payloads) if tag is not None)
+        self._deliver_all(queue, payloads)
+        return True
+
+    def _take_more(self, queue: str, first: bytes) -> list[bytes] | None:
+        """Record ``first`` and pop (and record) as many more as the prefetch window allows. None
+        when there is no room or the take failed: then kombu records ``first`` itself, as always."""
+        room = self.qos.can_consume_max_estimate()
+        room = UNBOUNDED_TAKE if room is None else room - 1  # ``first`` takes a place
+        if room <= 0 or self.global_keyprefix:  # a prefixed client rewrites keys: left to kombu
+            return None
+        keys = [self.unacked_key, self.unacked_index_key,
+                *(self._q_for_pri(queue, pri) for pri in self.priority_steps)]
+        try:
+            with self.conn_or_acquire() as client:
+                if self._take_script is None:
+                    self._take_script = client.register_script(_TAKE)
+                taken = self._take_script(keys=keys, args=[time.time(), room, first], client=client)
+        except redis.RedisError as error:
+            log.warning("could not take more messages from %s: %s", queue, error)
+            return None
+        return taken
+
+    def _deliver_all(self, queue: str, payloads: list[dict]) -> None:
+        """Hand each message to kombu's callback. When one raises, the rest go back to the head
+        of their queue (recorded and never delivered, nobody would run them before the visibility
+        timeout) and the error goes on up, as kombu's own would."""
+        for index, payload in enumerate(payloads):
+            try:
+                self.connection._deliver(payload, queue)
+            except BaseException:
+                for rest in reversed(payloads[index + 1:]):  # the oldest ends up nearest the head
+                    tag = rest["properties"]["delivery_tag"]
+                    self.qos.recorded.discard(tag)
+                    self.qos.restore_by_tag(tag)
+                raise
+
+
+def _recorded_tag(payload) -> str | None:
+    """The delivery tag the take script recorded ``payload`` under; None where it recorded none."""
+    properties = payload.get("properties") if isinstance(payload, dict) else None
+    if not isinstance(properties, dict) or not isinstance(properties.get("delivery_info"), dict):
+        return None
+    tag = properties.get("delivery_tag")
+    return tag if isinstance(tag, str) else None
+
+
+class Channel(_BulkTake, kombu_redis.Channel):
+    pass
+
+
+class SentinelChannel(_BulkTake, kombu_redis.SentinelChannel):
+    pass
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
+def transport_for(broker_url: str) -> type[kombu_redis.Transport]:
+    """The bulk-taking transport for a broker URL ``workers.redis_target.broker_options`` made."""
+    return SentinelTransport if broker_url.startswith("sentinel://") else Transport
