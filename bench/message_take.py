@@ -1,4 +1,4 @@
-"""Taking a burst of waiting messages: kombu's Redis transport beside ours (workers/infra/bulk_take.py).
+"""Taking a burst of waiting messages: kombu's Redis transport beside ours (workers/celery_transport.py).
 
 A burst of small Celery-shaped messages waits in one queue of an embedded Redis (what a batch
 chunk, a GRPO step or a restarted GPU worker finds); one kombu consumer with a prefetch window
@@ -21,7 +21,7 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from bench.rows import print_rows
-from workers.infra import bulk_take
+from workers import celery_transport
 from workers.infra.redis_server import EmbeddedRedis
 
 QUEUE = Queue("bench-take", Exchange("bench-take"), routing_key="bench-take")
@@ -70,7 +70,7 @@ def run(messages: int = 2000, rounds: int = 5) -> list[dict]:
         client = redis.Redis.from_url(server.url)
         try:
             for _ in range(rounds):
-                for name, transport in (("kombu", "redis"), ("ours", bulk_take.Transport)):
+                for name, transport in (("kombu", "redis"), ("ours", celery_transport.Transport)):
                     publish(server.url, messages)
                     redis_cpu, calls = redis_state(client)
                     consumer_cpu = take_all(server.url, transport, messages)
@@ -91,7 +91,7 @@ def run(messages: int = 2000, rounds: int = 5) -> list[dict]:
                  kombu["consumer"] / ours["consumer"])]
     for name in ("kombu", "ours"):
         figures = median[name]
-        label = "kombu's Redis transport" if name == "kombu" else "workers/infra/bulk_take.py"
+        label = "kombu's Redis transport" if name == "kombu" else "workers/celery_transport.py"
         rows += [_row(f"· {label}: consumer CPU per message taken and acked (us)", figures["consumer"]),
                  _row(f"· {label}: Redis CPU per message (us)", figures["redis"]),
                  _row(f"· {label}: BRPOP, scripts and transactions per message", figures["trips"])]

@@ -24,7 +24,7 @@ from functools import cached_property
 from celery import Celery
 from kombu import Exchange, Queue
 
-from workers.infra.bulk_take import transport_for
+from workers.celery_transport import transport_for
 from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 from workers.redis_target import broker_options
 from workers.settings import Settings
@@ -86,7 +86,7 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
         task_reject_on_worker_lost=True,
         task_soft_time_limit=settings.task_soft_time_limit,
         task_time_limit=settings.task_time_limit,
-        # kombu's Redis transport, taking many waiting messages per wake-up (workers/infra/bulk_take.py).
+        # kombu's Redis transport, taking many waiting messages per wake-up (workers/celery_transport.py).
         broker_transport=transport_for(broker),
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,

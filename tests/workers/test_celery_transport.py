@@ -1,4 +1,4 @@
-"""The bulk-taking transport (workers/infra/bulk_take.py) on a real Redis, beside kombu's own: one
+"""The bulk-taking transport (workers/celery_transport.py) on a real Redis, beside kombu's own: one
 wake-up fills the prefetch window in one script, every message recorded exactly as kombu records
 it (so kombu's acks and restores read it), in kombu's order, and nothing held by nobody when a
 callback fails or a message is not JSON."""
@@ -12,8 +12,8 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from tests.conftest import empty_db_url
+from workers import celery_transport
 from workers.celery_app import create_celery
-from workers.infra import bulk_take
 from workers.settings import Settings
 
 QUEUE = Queue("bulk-take-test", Exchange("bulk-take-test"), routing_key="bulk-take-test", max_priority=9)
@@ -57,7 +57,7 @@ def consume(connection, prefetch: int, wakeups: int, callback=None) -> list:
 def test_one_wakeup_fills_the_prefetch_window_in_one_script(url, client):
     publish(url, [{"n": i} for i in range(8)])
     client.config_resetstat()
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    with Connection(url, transport=celery_transport.Transport) as connection:
         messages = consume(connection, prefetch=5, wakeups=1)
         assert [m.payload["n"] for m in messages] == [0, 1, 2, 3, 4]
         calls = {name: stats["calls"] for name, stats in client.info("commandstats").items()}
@@ -78,7 +78,7 @@ def test_records_are_kombus_own_and_kombus_restore_reads_them(url, client):
         kombu_record = json.loads(client.hget("unacked", stock.delivery_tag))
         stock.ack()
     publish(url, [{"n": 0}, {"n": 1}])
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    with Connection(url, transport=celery_transport.Transport) as connection:
         messages = consume(connection, prefetch=5, wakeups=1)
         records = [json.loads(client.hget("unacked", m.delivery_tag)) for m in messages]
         for record, message in zip(records, messages, strict=True):
@@ -101,7 +101,7 @@ def test_priorities_come_in_kombus_order(url, client):
         stock = [m.payload["n"] for m in consume(connection, prefetch=0, wakeups=20)]
     client.flushdb()
     publish(url, [{"n": i} for i in range(7)], priorities)
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    with Connection(url, transport=celery_transport.Transport) as connection:
         ours = [m.payload["n"] for m in consume(connection, prefetch=0, wakeups=20)]
     assert ours == stock and len(ours) == 7
 
@@ -115,7 +115,7 @@ def test_a_failing_callback_sends_the_rest_back_to_the_head_of_their_queue(url, 
         if body["n"] == 1:
             raise RuntimeError("the consumer failed")
 
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    with Connection(url, transport=celery_transport.Transport) as connection:
         with pytest.raises(RuntimeError):
             consume(connection, prefetch=4, wakeups=1, callback=callback)
         assert seen == [0, 1]
@@ -129,23 +129,23 @@ def test_a_message_that_is_not_json_is_dropped_and_the_rest_are_recorded(url, cl
     publish(url, [{"n": 0}])
     client.lpush(QUEUE.name, b"{not json")
     publish(url, [{"n": 2}])
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    with Connection(url, transport=celery_transport.Transport) as connection:
         messages = consume(connection, prefetch=5, wakeups=1)
         assert [m.payload["n"] for m in messages] == [0, 2]
         assert client.hlen("unacked") == 2 and client.llen(QUEUE.name) == 0
 
 
 def test_an_unbounded_window_takes_at_most_a_bounded_number(url, client):
-    publish(url, [{"n": i} for i in range(bulk_take.UNBOUNDED_TAKE + 10)])
-    with Connection(url, transport=bulk_take.Transport) as connection:
+    publish(url, [{"n": i} for i in range(celery_transport.UNBOUNDED_TAKE + 10)])
+    with Connection(url, transport=celery_transport.Transport) as connection:
         messages = consume(connection, prefetch=0, wakeups=1)
-        assert len(messages) == bulk_take.UNBOUNDED_TAKE + 1  # BRPOP's own, and a take's worth
+        assert len(messages) == celery_transport.UNBOUNDED_TAKE + 1  # BRPOP's own, and a take's worth
 
 
 @pytest.mark.parametrize("target", ["redis://127.0.0.1:6379/0", "redis+sentinel://127.0.0.1:26379/mymaster/0"])
 def test_every_celery_app_takes_in_bulk(target):
     app = create_celery(Settings(), target)
     transport = app.connection_for_read().transport_cls
-    assert transport in (bulk_take.Transport, bulk_take.SentinelTransport)
-    assert issubclass(transport.Channel, bulk_take._BulkTake)
-    assert (transport is bulk_take.SentinelTransport) == target.startswith("redis+sentinel")
+    assert transport in (celery_transport.Transport, celery_transport.SentinelTransport)
+    assert issubclass(transport.Channel, celery_transport._BulkTake)
+    assert (transport is celery_transport.SentinelTransport) == target.startswith("redis+sentinel")
