@@ -15,6 +15,7 @@ from flask import current_app
 from engine.request_rules import context_limit
 from web.auth import KeyRing
 from workers.infra.redis_client import with_pool_size
+from workers.jobs.event_hub import EventHub
 from workers.jobs.events import JobEvents
 from workers.runtime import Runtime
 from workers.settings import Settings
@@ -40,9 +41,15 @@ class Services(Runtime):
 
     @cached_property
     def events(self) -> JobEvents:
-        # Every stream blocks in a read on its own connection: a pool sized for the stream slots.
+        # The hub's read blocks one connection; streams make their own short calls (marks, the
+        # record of a job that ended) at once: a pool sized for the stream slots.
         client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
         return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
+
+    @cached_property
+    def event_hub(self) -> EventHub:
+        """One XREAD for every stream this process serves (workers/jobs/event_hub.py)."""
+        return EventHub(self.events)
 
 
 def services() -> Services:

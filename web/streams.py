@@ -1,9 +1,10 @@
 """Server-Sent Events: the wire format, the per-process stream slots, and ``/v1/jobs/{id}/events``.
 
 How long-lived streams are served (gunicorn's gthread worker, ``web/server.py``): a stream is a
-WSGI response generator on a worker thread, and that thread spends its life blocked in one Redis
-XREAD (``workers/jobs/follow.py``), which releases the GIL: an idle stream costs a parked OS thread
-(its stack is virtual memory, mostly untouched) and no CPU. That is why threads and not gevent
+WSGI response generator on a worker thread, and that thread spends its life waiting on its queue
+of the process's event hub (``workers/jobs/event_hub.py``: one XREAD for every stream of the
+process), which releases the GIL: an idle stream costs a parked OS thread (its stack is virtual
+memory, mostly untouched) and no CPU. That is why threads and not gevent
 (monkey-patching Celery's publisher, redis-py and the rest of the API process for one route) nor a
 second async server (its own auth, error shapes and deployment for the same routes). What threads
 need is a bound so streams never take the threads ordinary requests run on: each process has
@@ -168,7 +169,7 @@ def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
     for a failed job, ``error``. A dead attempt's late tokens are left out (see job_events)."""
     attempts = AttemptFilter()
     try:
-        for item in follow(svc.events, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds,
+        for item in follow(svc.event_hub, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds,
                            outage_s=svc.settings.stream_outage_seconds):
             if isinstance(item, KeepAlive):
                 yield KEEPALIVE

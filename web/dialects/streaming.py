@@ -76,7 +76,7 @@ def _chunks(svc, jobs: list[dict[str, Any]], writer: ChunkWriter, state: dict) -
     by_id = {job["id"]: job for job in jobs}
     ended: dict[str, dict[str, Any]] = {}
     try:
-        for item in follow(svc.events, svc.jobs, {job["id"]: "0" for job in jobs},
+        for item in follow(svc.event_hub, svc.jobs, {job["id"]: "0" for job in jobs},
                            keepalive=svc.settings.stream_keepalive_seconds, outage_s=svc.settings.stream_outage_seconds):
             if isinstance(item, KeepAlive):
                 yield KEEPALIVE

@@ -166,15 +166,16 @@ class JobEvents:
         for key, entries in reply or []:
             job_id = (key.decode() if isinstance(key, bytes) else key).split(":")[2]
             for entry_id, fields in entries:
-                out.append((job_id, _event(entry_id, fields)))
+                out.append((job_id, parse_event(entry_id, fields)))
         return out
 
     def all(self, job_id: str) -> list[JobEvent]:
         """Every event still in the job's stream, oldest first (tests, the CLI's replay)."""
-        return [_event(entry_id, fields) for entry_id, fields in self.redis.xrange(events_key(job_id))]
+        return [parse_event(entry_id, fields) for entry_id, fields in self.redis.xrange(events_key(job_id))]
 
 
-def _event(entry_id: bytes | str, fields: dict) -> JobEvent:
+def parse_event(entry_id: bytes | str, fields: dict) -> JobEvent:
+    """One stream entry as the event it holds."""
     def text(value):
         return value.decode() if isinstance(value, bytes) else value
 

@@ -1,8 +1,9 @@
 """Following jobs' event streams until they end: what every streamed view (SSE) iterates.
 
-:func:`follow` blocks on one XREAD for all the jobs it follows, yields their events, a
-:class:`KeepAlive` when nothing came for ``keepalive`` seconds, and each job's :class:`Ended` (its
-final record, read once) after its terminal status event. :class:`TokenLedger` is what a dialect
+:func:`follow` reads the jobs it follows through the process's event hub (one XREAD for every
+stream of the process), yields their events, a :class:`KeepAlive` when nothing came for
+``keepalive`` seconds, and each job's :class:`Ended` (its final record, read once) after its
+terminal status event. :class:`TokenLedger` is what a dialect
 stream keeps to deliver each token once across a redo (see ``workers/jobs/events.py``).
 """
 
@@ -17,6 +18,7 @@ import redis
 
 from engine.choice import Choice
 from engine.errors import RolloutError
+from workers.jobs.event_hub import EventHub, Outage
 from workers.jobs.events import JobEvent, JobEvents
 from workers.jobs.store import TERMINAL, JobStore
 
@@ -47,57 +49,61 @@ class Ended:
     job: dict[str, Any]
 
 
-def follow(events: JobEvents, jobs: JobStore, positions: dict[str, str], *,
+def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *,
            keepalive: float, outage_s: float = 0.0) -> Iterator[tuple[str, JobEvent | Ended] | KeepAlive]:
     """Events of the jobs in ``positions`` (job id -> last entry id seen, ``"0"`` for all), each
-    job's ``Ended`` after its terminal status, until every job ended.
+    job's ``Ended`` after its terminal status, until every job ended. The reading is the process's
+    :class:`~workers.jobs.event_hub.EventHub` (one XREAD for all its streams).
 
     Redis away for less than ``outage_s`` seconds (a blip, a failover) is ridden out: keep-alives
-    while it is away, then the events from where the stream was, none lost or twice (a read that
-    fails halfway moves no position). A longer outage raises its RedisError.
+    while it is away, then the events from where the stream was, none lost or twice. A longer
+    outage raises its RedisError.
 
     The jobs are marked as read first: their tokens are written only then (see job_events)."""
     positions = dict(positions)
-    block_ms = max(1, int(keepalive * 1000))
+    events = hub.events
     down_since: float | None = None
-    marked = False
-    while positions:
-        try:
-            if not marked:
-                events.watch(list(positions))
-                marked = True
-            items, moved = _next_items(events, jobs, positions, block_ms)
-        except redis.RedisError:
-            now = time.monotonic()
-            down_since = now if down_since is None else down_since
-            if now - down_since >= outage_s:
-                raise
-            yield KeepAlive()
-            time.sleep(min(0.5, keepalive))
-            continue
-        down_since = None
-        positions = moved
-        yield from items
+    subscription = None
+    delivered = None  # entries the hub handed over, kept until their items are made
+    try:
+        while positions:
+            try:
+                if subscription is None:
+                    events.watch(list(positions))
+                    subscription = hub.subscribe(positions)
+                got = delivered if delivered is not None else subscription.get(keepalive)
+                if isinstance(got, Outage):
+                    raise got.error
+                if got is None:
+                    items, moved = _ended_quietly(events, jobs, positions)
+                else:
+                    delivered = got
+                    items, moved = _items(jobs, positions, got)
+                    delivered = None
+            except redis.RedisError:
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                if now - down_since >= outage_s:
+                    raise
+                yield KeepAlive()
+                time.sleep(min(0.5, keepalive))
+                continue
+            down_since = None
+            positions = moved
+            for item in items:
+                if isinstance(item, tuple) and isinstance(item[1], Ended):
+                    subscription.drop(item[0])
+            yield from items
+    finally:
+        if subscription is not None:
+            subscription.close()
 
 
-def _next_items(events: JobEvents, jobs: JobStore, positions: dict[str, str], block_ms: int):
-    """One read's items and the positions after them (``positions`` itself is left as it was, so a
-    read that fails halfway is read again whole)."""
+def _items(jobs: JobStore, positions: dict[str, str], batch: list[tuple[str, JobEvent]]):
+    """The items of the entries the hub delivered, and the positions past them (without the jobs
+    that ended). ``positions`` itself is left as it was, so a read that fails halfway moves nothing."""
     positions = dict(positions)
     items: list = []
-    batch = events.read(positions, block_ms=block_ms)
-    if not batch:
-        items.append(KeepAlive())
-        # A job whose record ended while its stream says nothing (the stream trimmed, expired,
-        # or the job was ended by a path that predates streams): read once more, then end it.
-        for job, job_id in zip(jobs.get_many(list(positions)), list(positions), strict=True):
-            if job is not None and job["status"] in TERMINAL:
-                for _, event in events.read({job_id: positions[job_id]}, block_ms=None):
-                    positions[job_id] = event.id
-                    items.append((job_id, event))
-                positions.pop(job_id)
-                items.append((job_id, Ended(job)))
-        return items, positions
     for job_id, event in batch:
         if job_id not in positions:
             continue
@@ -107,6 +113,22 @@ def _next_items(events: JobEvents, jobs: JobStore, positions: dict[str, str], bl
             positions.pop(job_id)
             job = jobs.get_many([job_id])[0]
             items.append((job_id, Ended(job if job is not None else {"id": job_id, "status": event.data["status"]})))
+    return items, positions
+
+
+def _ended_quietly(events: JobEvents, jobs: JobStore, positions: dict[str, str]):
+    """Nothing came for a keep-alive period: a :class:`KeepAlive`, and the end of each job whose
+    record ended while its stream says nothing (the stream trimmed, expired, or the job ended by a
+    path that predates streams), after a last read of its stream; and the positions after them."""
+    positions = dict(positions)
+    items: list = [KeepAlive()]
+    ended = [(job_id, job) for job, job_id in zip(jobs.get_many(list(positions)), list(positions), strict=True)
+             if job is not None and job["status"] in TERMINAL]
+    for job_id, job in ended:
+        for _, event in events.read({job_id: positions[job_id]}, block_ms=None):
+            items.append((job_id, event))
+        positions.pop(job_id)
+        items.append((job_id, Ended(job)))
     return items, positions
 
 

@@ -9,6 +9,7 @@ import redis
 
 from engine.choice import Choice
 from tests.conftest import empty_db_url
+from workers.jobs.event_hub import EventHub
 from workers.jobs.events import Attempt, JobEvents
 from workers.jobs.follow import Ended, KeepAlive, StreamDivergedError, TokenLedger, follow
 from workers.jobs.store import JobStore, Limits
@@ -31,6 +32,13 @@ def jobs(client):
 @pytest.fixture
 def events(client):
     return JobEvents(client, ttl=600)
+
+
+@pytest.fixture
+def hub(events):
+    hub = EventHub(events)
+    yield hub
+    hub.close()
 
 
 def new_job(jobs):
@@ -56,10 +64,10 @@ def test_a_redo_is_a_new_attempt_with_a_restart_event(jobs, events):
     assert events.all(job["id"])[-1].data == {"attempt": 2}
 
 
-def test_a_job_followed_by_a_reader_is_marked_watched_for_its_events_lifetime(jobs, events, client):
+def test_a_job_followed_by_a_reader_is_marked_watched_for_its_events_lifetime(jobs, events, hub, client):
     read, unread = new_job(jobs), new_job(jobs)
     jobs.advance(read["id"], "succeeded", owner=OWNER, result={"choices": []})
-    assert [item for item in follow(events, jobs, {read["id"]: "0"}, keepalive=0.05)][-1][1].job["id"] == read["id"]
+    assert [item for item in follow(hub, jobs, {read["id"]: "0"}, keepalive=0.05)][-1][1].job["id"] == read["id"]
     assert events.watched([read["id"], unread["id"]]) == {read["id"]}
     assert events.begin_attempts([read["id"], unread["id"]]) == [Attempt(1, watched=True), Attempt(1, watched=False)]
     assert 0 < client.ttl(f"rq:job:{read['id']}:watched") <= 600
@@ -77,11 +85,11 @@ def test_tokens_of_many_jobs_and_reading_after_a_position(jobs, events):
     assert job_id == a["id"] and event.data["choices"][0]["token_ids"] == [5]
 
 
-def test_follow_ends_each_job_with_its_record_and_keeps_alive_while_idle(jobs, events):
+def test_follow_ends_each_job_with_its_record_and_keeps_alive_while_idle(jobs, hub):
     job = new_job(jobs)
     jobs.advance(job["id"], "generating", owner=OWNER)
     seen = []
-    for item in follow(events, jobs, {job["id"]: "0"}, keepalive=0.05):
+    for item in follow(hub, jobs, {job["id"]: "0"}, keepalive=0.05):
         seen.append(item)
         if isinstance(item, KeepAlive) and len(seen) < 5:
             jobs.advance(job["id"], "succeeded", owner=OWNER, result={"choices": []})
