@@ -72,7 +72,8 @@ def test_a_job_nobody_read_while_it_ran_writes_no_tokens_and_its_stream_has_them
 def test_a_reader_that_comes_mid_job_gets_the_tokens_so_far_in_one_entry_then_the_rest(stack, server):
     import time
 
-    job = stack.submit({"token_ids": [103, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 800}})
+    # Long enough to still decode when the reader comes, on a machine several times faster than this one.
+    job = stack.submit({"token_ids": [103, 140, 150], "sampling_params": {**GREEDY, "max_tokens": 3500}})
     deadline = time.monotonic() + 30
     while stack.services.jobs.get(job["id"])["status"] != "generating" and time.monotonic() < deadline:
         time.sleep(0.01)
