@@ -2,8 +2,9 @@
 
 kombu's Redis transport takes one message per BRPOP, then records it as unacknowledged with a
 MULTI/EXEC of its own (``QoS.append``): two round trips per message, on the consumer's event loop.
-A GPU worker whose prefetch window is two batches paid 2 x 32 of them to fill it: the largest
-service cost left in its profile (``bench/README.md``). kombu has no bulk take for Redis (its SQS
+A GPU worker's prefetch window is two batches: refilling it after a burst (a batch chunk, a GRPO
+step, a restart) paid two round trips per message, and kombu's take was the largest service cost
+left in its profile (``bench/README.md``). kombu has no bulk take for Redis (its SQS
 transport has one), so this transport adds it: when a BRPOP brings a message and the prefetch
 window has room for more, one Lua script records that message and pops up to the room's worth
 more from the same queue (its priority lists in kombu's order), recording each in ``unacked`` /
@@ -69,6 +70,7 @@ for i = 3, #KEYS do
 end
 return taken
 """
+
 
 class BulkQoS(kombu_redis.QoS):
     """kombu's Redis QoS that does not write again a record the take script already made."""
@@ -149,9 +151,14 @@ class _BulkTake:
                 self.connection._deliver(payload, queue)
             except BaseException:
                 for rest in reversed(payloads[index + 1:]):  # the oldest ends up nearest the head
-                    tag = rest["properties"]["delivery_tag"]
+                    tag = _recorded_tag(rest)
+                    if tag is None or tag not in self.qos.recorded:
+                        continue  # never recorded: kombu would have dropped it too
                     self.qos.recorded.discard(tag)
-                    self.qos.restore_by_tag(tag)
+                    try:
+                        self.qos.restore_by_tag(tag)
+                    except redis.RedisError as error:  # left recorded: back after the visibility timeout
+                        log.warning("could not give message %s back: %s", tag, error)
                 raise
 
 
