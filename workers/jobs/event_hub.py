@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import redis
 
-from workers.jobs.events import JobEvent, JobEvents, events_key, parse_event, plausible_id
+from workers.infra.redis_records import plausible_id
+from workers.jobs.events import JobEvent, JobEvents, events_key, parse_event
 
 log = logging.getLogger(__name__)
 
