@@ -9,30 +9,11 @@ import time
 import pytest
 import redis
 
-from tests.conftest import empty_db_url
 from workers.jobs.event_hub import EventHub
 from workers.jobs.events import JobEvents
 from workers.jobs.follow import Ended, follow
-from workers.jobs.store import JobStore, Limits
 
 OWNER = "key_owner"
-
-
-@pytest.fixture
-def client(redis_url):
-    client = redis.Redis.from_url(empty_db_url(redis_url, 24))
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def jobs(client):
-    return JobStore(client, Limits(100, 100, 600))
-
-
-@pytest.fixture
-def events(client):
-    return JobEvents(client, ttl=600)
 
 
 @pytest.fixture

@@ -5,33 +5,13 @@ ledger that keeps a dialect stream's tokens single across a redo."""
 from __future__ import annotations
 
 import pytest
-import redis
 
 from engine.choice import Choice
-from tests.conftest import empty_db_url
 from workers.jobs.event_hub import EventHub
-from workers.jobs.events import Attempt, JobEvents
+from workers.jobs.events import Attempt
 from workers.jobs.follow import Ended, KeepAlive, StreamDivergedError, TokenLedger, follow
-from workers.jobs.store import JobStore, Limits
 
 OWNER = "key_owner"
-
-
-@pytest.fixture
-def client(redis_url):
-    client = redis.Redis.from_url(empty_db_url(redis_url, 24))
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def jobs(client):
-    return JobStore(client, Limits(100, 100, 600))
-
-
-@pytest.fixture
-def events(client):
-    return JobEvents(client, ttl=600)
 
 
 @pytest.fixture
