@@ -193,7 +193,8 @@ def throughput(service: Service, engine: Engine, jobs: int, rounds: int) -> dict
         assert all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
     batch_sizes = [r["result"]["timings"]["batch_size"] for r in results]
     return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(through_service),
-            "mean_batch": statistics.mean(batch_sizes), "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds)}
+            "mean_batch": statistics.mean(batch_sizes), "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds),
+            "commands_per_job": cpu.commands / (jobs * rounds)}
 
 
 def added_latency(service: Service, engine: Engine, jobs: int) -> dict:
@@ -285,6 +286,8 @@ class CpuMeter:
         self.service = service
         self.total: dict[str, float] = {}
         self._at: dict[str, float] = {}
+        self.commands = 0  # Redis commands run meanwhile (a script's inner calls count too)
+        self._commands_at = 0
 
     def _now(self) -> dict[str, float]:
         now = {"API + client (bench process)": time.process_time()}
@@ -294,12 +297,17 @@ class CpuMeter:
         now["redis-server"] = info["used_cpu_user"] + info["used_cpu_sys"]
         return now
 
+    def _commands(self) -> int:
+        return self.service.svc.redis.info("stats")["total_commands_processed"]
+
     def start(self) -> None:
         self._at = self._now()
+        self._commands_at = self._commands()
 
     def stop(self) -> None:
         for name, value in self._now().items():
             self.total[name] = self.total.get(name, 0.0) + value - self._at[name]
+        self.commands += self._commands() - self._commands_at
 
     def per_item_ms(self, items: int) -> dict[str, float]:
         return {name: seconds / items * 1e3 for name, seconds in self.total.items()}
@@ -357,6 +365,7 @@ def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int
         _row("· service: mean GPU batch size", flow["mean_batch"]),
         _row("· in-process engine: CPU ms per job", flow["in_process_s"] / jobs * 1e3),
         *(_row(f"· service: CPU ms per job, {name}", ms) for name, ms in flow["cpu_ms_per_job"].items()),
+        _row("· service: Redis commands per job (INFO's total; a script's own calls count)", flow["commands_per_job"]),
         _row(f"added latency per job over in-process, p50 (ms, {latency_jobs} sequential jobs)",
              latency["p50_ms"], "<= 15"),
         _row("· added latency per job, p90 (ms)", latency["p90_ms"]),
