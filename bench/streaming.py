@@ -1,7 +1,10 @@
 """Streaming through the service: time to first token, what streaming costs, how early tokens come.
 
 A real stack (bench.service.Service: embedded Redis, CPU/GPU/batches worker subprocesses) with the
-API served over loopback HTTP (werkzeug, threaded), read by real HTTP clients:
+API as a user runs it (``rollout-queue api``: gunicorn at its defaults, a process of its own) on
+loopback HTTP, read by real HTTP clients in this process. The readers used to share the server's
+interpreter (werkzeug in this process): 64 reader threads parsing SSE then took the GIL from the
+server's own, which no deployment does, and the ratio measured that (0.40 then; 0.68 this way):
 
 - time to first token of one greedy job through ``POST /generate`` with ``stream: true`` (submit
   to first chunk at the client), beside the engine's prefill of the same prompt in-process
@@ -29,19 +32,13 @@ from pathlib import Path
 
 import requests
 import torch
-from werkzeug.serving import make_server
 
+from bench.http_service import start_api
 from bench.service import BATCH, HEADERS, Service, _row, engine_request, job_body
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
 from engine.loading import load_model
 from workers.jobs.events import JobEvents
-
-
-def serve(service: Service):
-    server = make_server("127.0.0.1", 0, service.app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_port}"
 
 
 def first_and_total(url: str, body: dict) -> tuple[float, float]:
@@ -138,12 +135,11 @@ def run(jobs: int = 64, rounds: int = 3) -> list[dict]:
         state = Path(tmp)
         model_dir = build_demo_model(state / "model")
         service = Service(state, model_dir)
-        server = None
         try:
             service.start_workers()
             engine = Engine(load_model(str(model_dir), device="cpu"))
             service.wait_ready()
-            server, url = serve(service)
+            url = start_api(service)
             session = requests.Session()
             plain_round(url, session, BATCH, 10_000)  # warm-up: the first task after a start is slow
             streamed_round(url, session, BATCH, 10_500)
@@ -164,9 +160,7 @@ def run(jobs: int = 64, rounds: int = 3) -> list[dict]:
                                                          for i in range(3))]
             publish_s, step_s = publish_cost(service, engine)
         finally:
-            if server is not None:
-                server.shutdown()
-            service.close()
+            service.close()  # the API's process too (start_api adds it to the workers)
     plain_s, streamed_s = statistics.median(plain), statistics.median(streamed)
     return [
         _row(f"streamed / non-streamed throughput ({jobs} jobs x 32 tokens, median of {rounds})",
