@@ -49,9 +49,9 @@ SHORT_HARD_LIMIT_S, SHORT_SOFT_LIMIT_S = 8, 6
 STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/jobs/reaper.py)
 HOOK_PATH = "/hooks/faults"
 # Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
-# 1,000 tokens: a batch still decodes when a test kills the worker or stops Redis under it. The 16
-# rows a restarted worker decodes at once (20 jobs) took 6-7 s on a slow day of 2 busy cores, so
-# the soft limit is well above that.
+# 1,000 tokens: a batch still decodes when a test kills the worker or stops Redis under it. On a
+# slow day of 2 cores, ten such rows and a 3 s Redis outage took more than 6 s (the jobs failed
+# job_time_limit_exceeded under the old 6 s soft limit), so the soft limit is well above that.
 LONG_TEXT = [{"token_ids": [100 + i, 140, 150, 160],
               "sampling_params": {"max_tokens": 1000, "temperature": 0, "ignore_eos": True}} for i in range(10)]
 MEDIA_DELAY_S = 0.3
