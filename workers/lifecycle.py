@@ -85,7 +85,7 @@ def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
         record_job_ends(rt.redis, jobs)
     record_job_lines(rt, [job for job in jobs if job.get("batch_id")])
     hooked = [job["id"] for job in jobs if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", ""))]
-    # Owed first: a job_ended message lost on its way is then sent again (workers/webhooks/reaper.py).
-    rt.webhooks.owe(hooked)
+    # The move that ended each job recorded its webhook debt (workers/jobs/store.py): a job_ended
+    # message lost on its way, or with a failed-over primary, is sent again (workers/webhooks/reaper.py).
     for job_id in hooked:
         rt.celery.send_task(JOB_ENDED_TASK, args=[job_id], queue=WEBHOOKS_QUEUE)

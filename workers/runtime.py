@@ -99,7 +99,8 @@ class Runtime:
     def jobs(self) -> JobStore:
         s = self.settings
         return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
-                                           s.stream_events_maxlen))
+                                           s.stream_events_maxlen),
+                        hooked_owners=frozenset(owner for owner, url in s.key_webhooks.items() if url))
 
     @cached_property
     def batches(self):

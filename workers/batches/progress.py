@@ -32,7 +32,8 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
     """Count the ended jobs' lines (jobs of any batches): results go to a batch's output, errors to
     its errors; one ``record`` per batch, not per job.
 
-    Called by ``workers.lifecycle`` for the calls that ended the jobs; a line counted before is a
+    Called by ``workers.lifecycle`` for the calls that ended the jobs, and by the batch reaper for
+    ended jobs whose count a crash lost (``JobStore.uncounted_lines``); a line counted before is a
     no-op.
     """
     by_batch: dict[str, list[dict[str, Any]]] = {}
@@ -52,6 +53,7 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
             cancelled_as = {"cancelling": CANCELLED, "cancelled": CANCELLED, "expired": EXPIRED}.get(
                 status, JOB_CANCELLED)
         record_lines(rt, batch_id, [job_entry(job, cancelled_as) for job in ended])
+    rt.jobs.lines_counted([job["id"] for job in jobs])
 
 
 def record_lines(rt, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> None:

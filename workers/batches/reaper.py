@@ -14,6 +14,10 @@ the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_
   sweeps running, gets its message again;
 - one past its completion window: the expiry check is sent again. No search first: a check that
   finds the batch ended does nothing, so a duplicate costs one no-op per stall period.
+
+And a job of a batch that ended ``stall_s`` ago with its line still not counted (the worker that
+ended it died, or a failover took the count but kept the end: ``JobStore.uncounted_lines``) has its
+line counted here. Counting is idempotent, so no search first.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import threading
 import time
 
 from workers.batches.messages import send_chunk, send_score_lines
+from workers.batches.progress import record_job_lines
 from workers.batches.store import TERMINAL
 from workers.infra.lost_messages import Suspects, start_sweeping, sweep_every, task_calls_in_messages
 from workers.names import (
@@ -50,6 +55,7 @@ class BatchReaper:
     def sweep(self) -> list[tuple[str, str, int]]:
         """One sweep; the (task, batch id, chunk) sent again (chunk -1 for an expiry check)."""
         store, now = self.rt.batches, time.time()
+        self.count_lost_lines(before=now - self.stall_s)
         candidates = store.open_batches(before=now - self.stall_s, limit=MAX_CANDIDATES)
         if not candidates:
             self.suspects.clear()
@@ -81,6 +87,19 @@ class BatchReaper:
         if lost:
             log.warning("batch work no message carried was sent again: %s", ", ".join(lost))
         return sent
+
+    def count_lost_lines(self, *, before: float) -> list[str]:
+        """Count the lines of jobs that ended before ``before`` and are still uncounted; their ids."""
+        job_ids = self.rt.jobs.uncounted_lines(before=before, limit=MAX_CANDIDATES)
+        if not job_ids:
+            return []
+        jobs = dict(zip(job_ids, self.rt.jobs.get_many(job_ids), strict=True))
+        self.rt.jobs.lines_counted([job_id for job_id, job in jobs.items() if job is None])  # expired
+        ended = [job for job in jobs.values() if job is not None]
+        record_job_lines(self.rt, ended)
+        log.warning("batch lines of ended jobs still uncounted were counted: %s",
+                    ", ".join(job["id"] for job in ended))
+        return [job["id"] for job in ended]
 
     def _owed(self, batch: dict) -> list[tuple[str, str, int]]:
         submitted, scoring = self.rt.batches.chunk_progress(batch["id"])

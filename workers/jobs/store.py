@@ -9,7 +9,12 @@ job's webhook.
 Per-owner indexes: ``rq:jobs:<owner>`` (sorted by creation, for listing) and an active-job counter
 per owner and in total (for backpressure), kept exact by the same scripts. ``rq:unfinished`` holds
 every unfinished job scored by its last move, for the sweep that finds jobs no message carries
-(``workers/jobs/reaper.py``).
+(``workers/jobs/reaper.py``). ``rq:webhook:owed`` gets every job whose end owes a webhook, in the
+script that ends it: a failover that keeps the end keeps the debt too (Redis replicates a script
+as one write), and the webhook reaper (``workers/webhooks/reaper.py``) pays a debt whose
+``job_ended`` message was lost. ``rq:batch:uncounted`` the same way gets every ended job of a batch
+until its line is counted; the batch reaper (``workers/batches/reaper.py``) counts the ones a crash
+or a failover left behind.
 """
 
 from __future__ import annotations
@@ -33,11 +38,15 @@ TOTAL_ACTIVE_KEY = "rq:active:_total"
 _SHORTEST_WAIT_S = 0.002  # a BLPOP timeout Redis does not round down to 0 (for ever)
 DONE_TTL_S = 300  # how long a job's wake-up for its waiters stays
 UNFINISHED_KEY = "rq:unfinished"
+WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
+UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
-# unfinished index.
-# ARGV: new status, its rank, now, ttl, events maxlen, then field/value pairs to set with the move.
-# Returns 1 when the job moved; the move's status event goes to the job's stream in the same call.
+# unfinished index, webhook debts, uncounted batch lines.
+# ARGV: new status, its rank, now, ttl, events maxlen, '1' when the owner has a key-wide webhook,
+# then field/value pairs to set with the move.
+# Returns 1 when the job moved; the move's status event goes to the job's stream in the same call,
+# and an end that owes a webhook (the job's own, or its owner's) or a batch line is recorded as a debt.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
@@ -46,7 +55,7 @@ local from = ranks[current]
 local to = tonumber(ARGV[2])
 if from >= 3 or to <= from then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 """ + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
 if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
 if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
@@ -61,6 +70,12 @@ if to == 3 then
   redis.call('EXPIRE', KEYS[4], """ + str(DONE_TTL_S) + """)
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
+  local hook = redis.call('HGET', KEYS[1], 'webhook')
+  if ARGV[6] == '1' or (hook and hook ~= '' and hook ~= 'null' and hook ~= '{}') then
+    redis.call('ZADD', KEYS[9], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+  end
+  local batch = redis.call('HGET', KEYS[1], 'batch_id')
+  if batch and batch ~= '' then redis.call('ZADD', KEYS[10], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
 end
 return 1
 """
@@ -97,9 +112,13 @@ class Limits:
 
 
 class JobStore:
-    def __init__(self, client: redis.Redis, limits: Limits):
+    """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
+    job's end owes one."""
+
+    def __init__(self, client: redis.Redis, limits: Limits, *, hooked_owners: frozenset[str] = frozenset()):
         self.redis = client
         self.limits = limits
+        self.hooked_owners = hooked_owners
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
 
@@ -189,11 +208,13 @@ class JobStore:
         return [moved == 1 for moved in run_scripts(self.redis, calls)] if calls else []
 
     def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
-        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen]
+        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen,
+                           "1" if owner in self.hooked_owners else "0"]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
         keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
-                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY]
+                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY,
+                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY]
         return keys, args
 
     def fail(self, job_id: str, error: RolloutError) -> bool:
@@ -267,6 +288,15 @@ class JobStore:
         """Drop ids from the unfinished index (their records are gone, or ended before the index existed)."""
         if job_ids:
             self.redis.zrem(UNFINISHED_KEY, *job_ids)
+
+    def uncounted_lines(self, *, before: float, limit: int) -> list[str]:
+        """Ended jobs of batches, ended before ``before``, whose line is not counted yet; oldest first."""
+        return [job_id.decode() for job_id in self.redis.zrangebyscore(UNCOUNTED_LINES_KEY, "-inf", before, 0, limit)]
+
+    def lines_counted(self, job_ids: list[str]) -> None:
+        """These jobs' batch lines are counted (or their batch is gone)."""
+        if job_ids:
+            self.redis.zrem(UNCOUNTED_LINES_KEY, *job_ids)
 
     def active_counts(self) -> int:
         return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from workers.infra.redis_records import decode_record
+from workers.jobs.store import WEBHOOK_OWED_KEY
 from workers.webhooks.attempts import Outcome
 from workers.webhooks.events import EVENT_TYPES, FAILED, PENDING, RETRYING, build_payload
 
@@ -35,7 +36,7 @@ def once_key(object_kind: str, object_id: str, event_type: str) -> str:
 
 
 OPEN_KEY = "rq:webhook:open"
-OWED_KEY = "rq:webhook:owed"
+OWED_KEY = WEBHOOK_OWED_KEY  # written by the script that ends a job (workers/jobs/store.py)
 
 
 def new_event_id() -> str:
@@ -135,11 +136,6 @@ class WebhookStore:
         return state
 
     # --- what the reaper sweeps (workers/webhooks/reaper.py) ----------------------------------
-
-    def owe(self, job_ids: list[str]) -> None:
-        """These ended jobs want a webhook event (their ``job_ended`` message is being sent)."""
-        if job_ids:
-            self.redis.zadd(OWED_KEY, dict.fromkeys(job_ids, time.time()), nx=True)
 
     def settle(self, job_id: str) -> None:
         """The job's event is made (or none is wanted after all)."""

@@ -116,3 +116,18 @@ def test_a_batch_is_looked_at_once_per_stall_period(rt):
     patient = BatchReaper(rt, stall_s=3600)
     assert patient.sweep() == [] and patient.sweep() == []  # created just now: not a candidate yet
     assert rt.redis.zscore(OPEN_KEY, batch_id) is not None
+
+
+def test_an_ended_line_whose_count_was_lost_is_counted_once(rt, reaper):
+    """A job of a batch ended, and its worker died (or a failover took the count) before its line
+    was counted: the sweep counts it; a line counted since is left alone."""
+    batch_id = new_batch(rt, 2)
+    submit_chunk(rt, batch_id, 0)
+    first, second = (rt.jobs.get(job_id) for job_id in rt.batches.line_jobs(batch_id, [1, 2]).values())
+    for job in (first, second):  # the end's move alone, as a crash right after it leaves them
+        assert rt.jobs.advance(job["id"], "succeeded", owner=OWNER, result={"choices": []})
+    assert rt.batches.get(batch_id)["completed"] == 0
+    assert reaper.count_lost_lines(before=0) == []  # ended just now: not looked at before the stall
+    assert sorted(reaper.count_lost_lines(before=float("inf"))) == sorted([first["id"], second["id"]])
+    assert rt.batches.get(batch_id)["completed"] == 2
+    assert reaper.count_lost_lines(before=float("inf")) == []  # counted: the debts are settled
