@@ -15,6 +15,9 @@ the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_
 - one past its completion window: the expiry check is sent again. No search first: a check that
   finds the batch ended does nothing, so a duplicate costs one no-op per stall period.
 
+- one whose lines are all counted (``settled``) but which has not ended: the worker that counted
+  its last line died before ending it. It is ended here (``finish`` is idempotent).
+
 And a job of a batch that ended ``stall_s`` ago with its line still not counted (the worker that
 ended it died, or a failover took the count but kept the end: ``JobStore.uncounted_lines``) has its
 line counted here. Counting is idempotent, so no search first.
@@ -27,7 +30,7 @@ import threading
 import time
 
 from workers.batches.messages import send_chunk, send_score_lines
-from workers.batches.progress import record_job_lines
+from workers.batches.progress import finish, record_job_lines
 from workers.batches.store import TERMINAL
 from workers.infra.lost_messages import Suspects, start_sweeping, sweep_every, task_calls_in_messages
 from workers.names import (
@@ -66,6 +69,12 @@ class BatchReaper:
         live = {batch_id: batch for batch_id, batch in batches.items()
                 if batch is not None and batch["status"] not in TERMINAL}
         sent: list[tuple[str, str, int]] = []
+        if unended := [batch_id for batch_id, batch in live.items() if batch.get("settled")]:
+            log.warning("batches whose lines were all counted but which had not ended were ended: %s",
+                        ", ".join(unended))
+            for batch_id in unended:
+                finish(self.rt, batch_id)
+                live.pop(batch_id)
         for batch_id, batch in live.items():
             if batch["expires_at"] <= now:
                 self.rt.celery.send_task(EXPIRE_BATCH_TASK, args=[batch_id], queue=BATCHES_QUEUE)

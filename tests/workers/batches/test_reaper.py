@@ -131,3 +131,18 @@ def test_an_ended_line_whose_count_was_lost_is_counted_once(rt, reaper):
     assert sorted(reaper.count_lost_lines(before=float("inf"))) == sorted([first["id"], second["id"]])
     assert rt.batches.get(batch_id)["completed"] == 2
     assert reaper.count_lost_lines(before=float("inf")) == []  # counted: the debts are settled
+
+
+def test_a_batch_whose_last_line_was_counted_but_which_never_ended_is_ended(rt, reaper):
+    """The worker that counted the last line died before it ended the batch."""
+    batch_id = new_batch(rt, 2)
+    submit_chunk(rt, batch_id, 0)
+    entries = [(line, True, {"custom_id": f"c{line}", "line": line, "job_id": job_id,
+                             "response": {"status_code": 200, "body": {}}})
+               for line, job_id in rt.batches.line_jobs(batch_id, [1, 2]).items()]
+    assert rt.batches.record(batch_id, entries)  # the call that counted the last line ...
+    assert rt.batches.get(batch_id)["status"] == "in_progress"  # ... and died before ``finish``
+    reaper.sweep()
+    assert rt.batches.get(batch_id)["status"] == "completed"
+    assert rt.redis.zscore(OPEN_KEY, batch_id) is None
+    assert reaper.sweep() == []
