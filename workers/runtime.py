@@ -96,17 +96,22 @@ class Runtime:
         return connect(self.redis_url)
 
     @cached_property
+    def _hooked_owners(self) -> frozenset[str]:
+        """The owners with a key-wide webhook: every end of their jobs and batches owes an event."""
+        return frozenset(owner for owner, url in self.settings.key_webhooks.items() if url)
+
+    @cached_property
     def jobs(self) -> JobStore:
         s = self.settings
         return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
                                            s.stream_events_maxlen),
-                        hooked_owners=frozenset(owner for owner, url in s.key_webhooks.items() if url))
+                        hooked_owners=self._hooked_owners)
 
     @cached_property
     def batches(self):
         from workers.batches.store import BatchStore
 
-        return BatchStore(self.redis, result_ttl=self.settings.result_ttl)
+        return BatchStore(self.redis, result_ttl=self.settings.result_ttl, hooked_owners=self._hooked_owners)
 
     @cached_property
     def files(self):

@@ -79,8 +79,13 @@ _INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completi
                "keys_expire_at")
 PAGE = 1000
 
-# KEYS: batch hash, and the keys to re-expire when the batch ends. ARGV: new status, allowed
-# current statuses (comma separated), now, the timestamp field ('' for none).
+# Ended batches whose webhook event is not made yet (the webhook store's, workers/webhooks/reaper.py).
+BATCH_WEBHOOK_OWED_KEY = "rq:webhook:owed:batches"
+
+# KEYS: batch hash, webhook debts. ARGV: new status, allowed current statuses (comma separated),
+# now, the timestamp field ('' for none), then the owners with a key-wide webhook. An end that owes
+# a webhook event (the batch's own, or its owner's) records the debt in the same write, so a
+# failover cannot keep the end and lose the debt.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
@@ -91,6 +96,14 @@ end
 if not allowed then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], ARGV[4], ARGV[3]) end
+local ends = {completed=true, failed=true, cancelled=true, expired=true}
+if ends[ARGV[1]] then
+  local hook = redis.call('HGET', KEYS[1], 'webhook')
+  local owed = hook and hook ~= '' and hook ~= 'null' and hook ~= '{}'
+  local owner = redis.call('HGET', KEYS[1], 'owner')
+  for i = 5, #ARGV do owed = owed or ARGV[i] == owner end
+  if owed then redis.call('ZADD', KEYS[2], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+end
 return 1
 """
 
@@ -124,9 +137,13 @@ DIRECT_LINE = "direct"
 
 
 class BatchStore:
-    def __init__(self, client: redis.Redis, *, result_ttl: int):
+    """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
+    batch's end owes one."""
+
+    def __init__(self, client: redis.Redis, *, result_ttl: int, hooked_owners: frozenset[str] = frozenset()):
         self.redis = client
         self.result_ttl = result_ttl
+        self.hooked_owners = hooked_owners
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
         self._input = StoredInput(client)
@@ -310,8 +327,8 @@ class BatchStore:
 
     def move(self, batch_id: str, status: str, *, from_: Iterable[str], **fields: Any) -> bool:
         """Compare-and-set the status (stamping ``<status>_at``); False if it was not in ``from_``."""
-        args = [status, ",".join(from_), time.time(), STATUS_TIMESTAMPS.get(status, "")]
-        moved = self._transition(keys=[batch_key(batch_id)], args=args) == 1
+        args = [status, ",".join(from_), time.time(), STATUS_TIMESTAMPS.get(status, ""), *sorted(self.hooked_owners)]
+        moved = self._transition(keys=[batch_key(batch_id), BATCH_WEBHOOK_OWED_KEY], args=args) == 1
         if moved and fields:
             self.redis.hset(batch_key(batch_id), mapping={k: _encode(k, v) for k, v in fields.items()})
         if moved and status in TERMINAL:

@@ -51,7 +51,9 @@ def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) ->
         owner = owner if owner is not None else stored_owner or ""
         if webhook is None:
             webhook = stored_webhook or None
-    return _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch, None)
+    event_id = _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch, None)
+    rt.webhooks.settle_batch(batch["id"])  # made (the open events index has it now), or none wanted
+    return event_id
 
 
 def _emit(rt, app, object_kind: str, object_id: str, owner: str, webhook: dict | None, event_type: str,

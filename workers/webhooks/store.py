@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 
+from workers.batches.store import BATCH_WEBHOOK_OWED_KEY
 from workers.infra.redis_records import decode_record
 from workers.jobs.store import WEBHOOK_OWED_KEY
 from workers.webhooks.attempts import Outcome
@@ -144,6 +145,15 @@ class WebhookStore:
     def owed(self, *, before: float, limit: int) -> list[str]:
         """Jobs owed an event since before ``before``, oldest first."""
         return [item.decode() for item in self.redis.zrangebyscore(OWED_KEY, "-inf", before, 0, limit)]
+
+    def settle_batch(self, batch_id: str) -> None:
+        """The ended batch's event is made (or none is wanted after all)."""
+        self.redis.zrem(BATCH_WEBHOOK_OWED_KEY, batch_id)
+
+    def owed_batches(self, *, before: float, limit: int) -> list[str]:
+        """Ended batches owed an event since before ``before`` (recorded by the move that ended
+        them, workers/batches/store.py), oldest first."""
+        return [item.decode() for item in self.redis.zrangebyscore(BATCH_WEBHOOK_OWED_KEY, "-inf", before, 0, limit)]
 
     def overdue(self, *, before: float, limit: int) -> list[str]:
         """Events not final whose next attempt was due before ``before``, oldest first."""
