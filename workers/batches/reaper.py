@@ -20,7 +20,9 @@ the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_
 
 And a job of a batch that ended ``stall_s`` ago with its line still not counted (the worker that
 ended it died, or a failover took the count but kept the end: ``JobStore.uncounted_lines``) has its
-line counted here. Counting is idempotent, so no search first.
+line counted here; and a batch that ended ``stall_s`` ago still owed its webhook event (the worker
+that ended it died before making it: ``WebhookStore.owed_batches``, recorded by the move that
+ended it) gets it. Counting and making an event are idempotent, so no search first.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 
 from workers.batches.messages import send_chunk, send_score_lines
 from workers.batches.progress import finish, record_job_lines
-from workers.batches.store import TERMINAL
+from workers.batches.store import TERMINAL, public_batch
 from workers.infra.lost_messages import Suspects, start_sweeping, sweep_every, task_calls_in_messages
 from workers.names import (
     BATCHES_QUEUE,
@@ -40,6 +42,7 @@ from workers.names import (
     SCORE_LINES_TASK,
     SHARED_GENERATE_QUEUE,
 )
+from workers.webhooks.emit import emit_batch_event
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class BatchReaper:
         """One sweep; the (task, batch id, chunk) sent again (chunk -1 for an expiry check)."""
         store, now = self.rt.batches, time.time()
         self.count_lost_lines(before=now - self.stall_s)
+        self.emit_owed_events(before=now - self.stall_s)
         candidates = store.open_batches(before=now - self.stall_s, limit=MAX_CANDIDATES)
         if not candidates:
             self.suspects.clear()
@@ -109,6 +113,21 @@ class BatchReaper:
         log.warning("batch lines of ended jobs still uncounted were counted: %s",
                     ", ".join(job["id"] for job in ended))
         return [job["id"] for job in ended]
+
+    def emit_owed_events(self, *, before: float) -> list[str]:
+        """Make the webhook events of the batches that ended before ``before`` and are still owed
+        one; their ids."""
+        batch_ids = self.rt.webhooks.owed_batches(before=before, limit=MAX_CANDIDATES)
+        emitted = []
+        for batch_id, batch in zip(batch_ids, self.rt.batches.get_many(batch_ids), strict=True):
+            if batch is None or batch["status"] not in TERMINAL:
+                self.rt.webhooks.settle_batch(batch_id)  # expired: nothing left to report
+                continue
+            emit_batch_event(self.rt, public_batch(batch), f"batch.{batch['status']}")
+            emitted.append(batch_id)
+        if emitted:
+            log.warning("batches whose end made no webhook event got it: %s", ", ".join(emitted))
+        return emitted
 
     def _owed(self, batch: dict) -> list[tuple[str, str, int]]:
         submitted, scoring = self.rt.batches.chunk_progress(batch["id"])

@@ -68,6 +68,7 @@ from workers.infra.redis_records import (
     page_by_creation,
     plausible_id,
 )
+from workers.webhooks.store import BATCH_OWED_KEY  # ended batches whose webhook event is not made yet
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
             "cancelled", "expired")
@@ -78,9 +79,6 @@ _JSON_FIELDS = ("metadata", "webhook", "validation_errors")
 _INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completion_window", "invalid_lines",
                "keys_expire_at")
 PAGE = 1000
-
-# Ended batches whose webhook event is not made yet (the webhook store's, workers/webhooks/reaper.py).
-BATCH_WEBHOOK_OWED_KEY = "rq:webhook:owed:batches"
 
 # KEYS: batch hash, webhook debts. ARGV: new status, allowed current statuses (comma separated),
 # now, the timestamp field ('' for none), then the owners with a key-wide webhook. An end that owes
@@ -328,7 +326,7 @@ class BatchStore:
     def move(self, batch_id: str, status: str, *, from_: Iterable[str], **fields: Any) -> bool:
         """Compare-and-set the status (stamping ``<status>_at``); False if it was not in ``from_``."""
         args = [status, ",".join(from_), time.time(), STATUS_TIMESTAMPS.get(status, ""), *sorted(self.hooked_owners)]
-        moved = self._transition(keys=[batch_key(batch_id), BATCH_WEBHOOK_OWED_KEY], args=args) == 1
+        moved = self._transition(keys=[batch_key(batch_id), BATCH_OWED_KEY], args=args) == 1
         if moved and fields:
             self.redis.hset(batch_key(batch_id), mapping={k: _encode(k, v) for k, v in fields.items()})
         if moved and status in TERMINAL:

@@ -10,10 +10,8 @@ their next attempt is due). Those older than
 waiting for its countdown sits) and the webhook share's parked and waking entries. One lost gets
 its message again: ``job_ended`` for an owed job, ``deliver`` of the next attempt for an event
 (the lost message's claim on that attempt is released first, or the new message could not take
-it). A batch's event is covered once made; a batch whose end made no event (the worker that
-ended it died first) is owed one by the move that ended it (``WebhookStore.owed_batches``), and
-gets it here once that debt is ``stall_s`` old. Making an event is idempotent (one per end), so
-that needs no search first.
+it). A batch's event is covered once made; a batch whose end made no event is owed one by the
+move that ended it, and the batches worker's sweep makes it (``workers/batches/reaper.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +21,10 @@ import re
 import threading
 import time
 
-from workers.batches.store import TERMINAL as BATCH_TERMINAL
-from workers.batches.store import public_batch
 from workers.infra.lost_messages import Suspects, ids_in_messages, start_sweeping, sweep_every
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.webhooks import FINAL_STATES
-from workers.webhooks.emit import emit_batch_event, queue_attempt
+from workers.webhooks.emit import queue_attempt
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +46,6 @@ class WebhookReaper:
         """One sweep; the jobs whose ``job_ended`` and the events whose next attempt were sent again."""
         store = self.rt.webhooks
         before = time.time() - self.stall_s
-        self.emit_owed_batch_events(before=before)
         owed = store.owed(before=before, limit=MAX_CANDIDATES)
         overdue = store.overdue(before=before, limit=MAX_CANDIDATES)
         if not owed and not overdue:
@@ -88,21 +83,6 @@ class WebhookReaper:
             log.warning("webhooks no message carried were sent again: jobs %s, events %s",
                         ", ".join(lost_jobs) or "-", ", ".join(lost_events) or "-")
         return lost_jobs, lost_events
-
-
-    def emit_owed_batch_events(self, *, before: float) -> list[str]:
-        """Make the events of the batches that ended before ``before`` and are still owed one; their ids."""
-        batch_ids = self.rt.webhooks.owed_batches(before=before, limit=MAX_CANDIDATES)
-        emitted = []
-        for batch_id, batch in zip(batch_ids, self.rt.batches.get_many(batch_ids), strict=True):
-            if batch is None or batch["status"] not in BATCH_TERMINAL:
-                self.rt.webhooks.settle_batch(batch_id)  # expired: nothing left to report
-                continue
-            emit_batch_event(self.rt, public_batch(batch), f"batch.{batch['status']}")
-            emitted.append(batch_id)
-        if emitted:
-            log.warning("batches whose end made no webhook event got it: %s", ", ".join(emitted))
-        return emitted
 
 
 def start_webhook_reaper(rt, *, stall_s: float) -> threading.Event:

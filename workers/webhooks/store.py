@@ -10,7 +10,6 @@ from typing import Any
 
 import redis
 
-from workers.batches.store import BATCH_WEBHOOK_OWED_KEY
 from workers.infra.redis_records import decode_record
 from workers.jobs.store import WEBHOOK_OWED_KEY
 from workers.webhooks.attempts import Outcome
@@ -38,6 +37,7 @@ def once_key(object_kind: str, object_id: str, event_type: str) -> str:
 
 OPEN_KEY = "rq:webhook:open"
 OWED_KEY = WEBHOOK_OWED_KEY  # written by the script that ends a job (workers/jobs/store.py)
+BATCH_OWED_KEY = "rq:webhook:owed:batches"  # written by the move that ends a batch (workers/batches/store.py)
 
 
 def new_event_id() -> str:
@@ -148,12 +148,11 @@ class WebhookStore:
 
     def settle_batch(self, batch_id: str) -> None:
         """The ended batch's event is made (or none is wanted after all)."""
-        self.redis.zrem(BATCH_WEBHOOK_OWED_KEY, batch_id)
+        self.redis.zrem(BATCH_OWED_KEY, batch_id)
 
     def owed_batches(self, *, before: float, limit: int) -> list[str]:
-        """Ended batches owed an event since before ``before`` (recorded by the move that ended
-        them, workers/batches/store.py), oldest first."""
-        return [item.decode() for item in self.redis.zrangebyscore(BATCH_WEBHOOK_OWED_KEY, "-inf", before, 0, limit)]
+        """Ended batches owed an event since before ``before``, oldest first."""
+        return [item.decode() for item in self.redis.zrangebyscore(BATCH_OWED_KEY, "-inf", before, 0, limit)]
 
     def overdue(self, *, before: float, limit: int) -> list[str]:
         """Events not final whose next attempt was due before ``before``, oldest first."""

@@ -15,14 +15,17 @@ from workers.batches.creation import ParsedBatch, create_batch
 from workers.batches.keys import OPEN_KEY
 from workers.batches.messages import send_chunk
 from workers.batches.reaper import BatchReaper
+from workers.batches.store import BatchStore
 from workers.batches.sweeps import expire
 from workers.celery_app import create_celery
 from workers.names import (
     BATCHES_QUEUE,
+    DELIVER_TASK,
     ENQUEUE_CHUNK_TASK,
     EXPIRE_BATCH_TASK,
     SCORE_LINES_TASK,
     SHARED_GENERATE_QUEUE,
+    WEBHOOKS_QUEUE,
 )
 from workers.runtime import runtime
 from workers.settings import Settings
@@ -146,3 +149,34 @@ def test_a_batch_whose_last_line_was_counted_but_which_never_ended_is_ended(rt, 
     assert rt.batches.get(batch_id)["status"] == "completed"
     assert rt.redis.zscore(OPEN_KEY, batch_id) is None
     assert reaper.sweep() == []
+
+
+def ended_batch(rt, *, webhook) -> str:
+    """A cancelled batch: its move alone, as a worker that died before making its event leaves it."""
+    parsed = ParsedBatch(total=1)
+    parsed.valid.append(json.dumps({"line": 1, "custom_id": "c1", "request": stored_request(token_ids=[1, 2])}))
+    batch_id = create_batch(rt, OWNER, parsed, completion_window=3600, metadata=None, webhook=webhook)["id"]
+    assert rt.batches.move(batch_id, "cancelled", from_=("in_progress",))
+    return batch_id
+
+
+def test_a_batch_whose_end_made_no_webhook_event_gets_it_once(rt, reaper):
+    hooked = ended_batch(rt, webhook={"url": "https://hooks.example.com/batches"})
+    ended_batch(rt, webhook=None)  # owes nothing
+    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == [hooked]  # the move recorded the debt
+    assert reaper.emit_owed_events(before=0) == []  # not stalled yet
+    assert reaper.emit_owed_events(before=float("inf")) == [hooked]
+    (event_id,) = [args[0] for task, *args in queued(rt, WEBHOOKS_QUEUE) if task == DELIVER_TASK]
+    event = rt.webhooks.get(event_id)
+    assert (event["type"], event["object_id"]) == ("batch.cancelled", hooked)
+    assert reaper.emit_owed_events(before=float("inf")) == []  # settled
+    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == []
+
+
+def test_a_batch_of_an_owner_with_a_key_wide_webhook_owes_an_event_at_its_end(rt):
+    batch_id = new_batch(rt, 1)
+    keywide = BatchStore(rt.redis, result_ttl=600, hooked_owners=frozenset({OWNER}))
+    assert keywide.move(batch_id, "cancelling", from_=("in_progress",))
+    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == []  # not an end
+    assert keywide.move(batch_id, "cancelled", from_=("cancelling",))
+    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == [batch_id]

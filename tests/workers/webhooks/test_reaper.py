@@ -9,9 +9,6 @@ import json
 import pytest
 
 from tests.conftest import empty_db_url
-from tests.workers.bad_rows import stored_request
-from workers.batches.creation import ParsedBatch, create_batch
-from workers.batches.store import BatchStore
 from workers.celery_app import create_celery
 from workers.lifecycle import end_job
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
@@ -105,34 +102,3 @@ def test_a_final_event_leaves_the_open_index(rt, reaper):
     assert rt.redis.zscore(OPEN_KEY, event_id) is None
     assert reaper.sweep() == ([], []) and reaper.sweep() == ([], []) and queued(rt) == []
 
-
-def ended_batch(rt, *, webhook) -> str:
-    """A batch that ended (its move alone: the worker died before it made the batch's event)."""
-    parsed = ParsedBatch(total=1)
-    parsed.valid.append(json.dumps({"line": 1, "custom_id": "c1", "request": stored_request(token_ids=[1, 2])}))
-    batch = create_batch(rt, OWNER, parsed, completion_window=3600, metadata=None, webhook=webhook)
-    assert rt.batches.move(batch["id"], "cancelled", from_=("in_progress",))
-    return batch["id"]
-
-
-def test_a_batch_whose_end_made_no_event_gets_it_once(rt, reaper):
-    hooked = ended_batch(rt, webhook=HOOK)
-    ended_batch(rt, webhook=None)  # owes nothing
-    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == [hooked]  # the move recorded the debt
-    assert reaper.emit_owed_batch_events(before=0) == []  # not stalled yet
-    assert reaper.emit_owed_batch_events(before=float("inf")) == [hooked]
-    (event_id,) = [args[0] for task, args, _ in queued(rt) if task == DELIVER_TASK]
-    assert rt.webhooks.get(event_id)["type"] == "batch.cancelled" and rt.webhooks.get(event_id)["object_id"] == hooked
-    assert reaper.emit_owed_batch_events(before=float("inf")) == []  # settled
-    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == []
-
-
-def test_a_batch_of_an_owner_with_a_key_wide_webhook_owes_an_event_at_its_end(rt):
-    parsed = ParsedBatch(total=1)
-    parsed.valid.append(json.dumps({"line": 1, "custom_id": "c1", "request": stored_request(token_ids=[1, 2])}))
-    batch_id = create_batch(rt, OWNER, parsed, completion_window=3600, metadata=None, webhook=None)["id"]
-    keywide = BatchStore(rt.redis, result_ttl=600, hooked_owners=frozenset({OWNER}))
-    assert keywide.move(batch_id, "cancelling", from_=("in_progress",))
-    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == []  # not an end
-    assert keywide.move(batch_id, "cancelled", from_=("cancelling",))
-    assert rt.webhooks.owed_batches(before=float("inf"), limit=10) == [batch_id]
