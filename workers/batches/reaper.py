@@ -13,8 +13,7 @@ the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_
   batches queue, the shared generate queue or kombu's unacknowledged messages carries, in two
   sweeps running, gets its message again;
 - one past its completion window: the expiry check is sent again. No search first: a check that
-  finds the batch ended does nothing, so a duplicate costs one no-op per stall period.
-
+  finds the batch ended does nothing, so a duplicate costs one no-op per stall period;
 - one whose lines are all counted (``settled``) but which has not ended: the worker that counted
   its last line died before ending it. It is ended here (``finish`` is idempotent).
 

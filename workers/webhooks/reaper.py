@@ -5,9 +5,9 @@ in kombu's pop-before-record gap: the job's ``job_ended`` (which makes the event
 1), and each later ``deliver`` (a retry, or an attempt parked by the key's delivery share). The
 webhook store indexes both debts (``WebhookStore.owed``: ended jobs whose event is not made yet,
 recorded by the script that ends the job; ``WebhookStore.overdue``: events not final, by when
-their next attempt is due). Those older than
-``stall_s`` are looked for in the webhooks queue, kombu's unacknowledged messages (where a retry
-waiting for its countdown sits) and the webhook share's parked and waking entries. One lost gets
+their next attempt is due). Those older than ``stall_s`` are looked for in the webhooks queue,
+kombu's unacknowledged messages (where a retry waiting for its countdown sits) and the webhook
+share's parked and waking entries. One lost gets
 its message again: ``job_ended`` for an owed job, ``deliver`` of the next attempt for an event
 (the lost message's claim on that attempt is released first, or the new message could not take
 it). A batch's event is covered once made; a batch whose end made no event is owed one by the
