@@ -1,17 +1,17 @@
 """Webhooks whose message a crash lost, sent again (how: ``workers/infra/lost_messages.py``).
 
-A job's end reaches its receiver through two kinds of messages, either of which a crash can lose
-in kombu's pop-before-record gap: the job's ``job_ended`` (which makes the event and runs attempt
-1), and each later ``deliver`` (a retry, or an attempt parked by the key's delivery share). The
-webhook store indexes both debts (``WebhookStore.owed``: ended jobs whose event is not made yet,
-recorded by the script that ends the job; ``WebhookStore.overdue``: events not final, by when
-their next attempt is due). Those older than ``stall_s`` are looked for in the webhooks queue,
-kombu's unacknowledged messages (where a retry waiting for its countdown sits) and the webhook
-share's parked and waking entries. One lost gets
-its message again: ``job_ended`` for an owed job, ``deliver`` of the next attempt for an event
-(the lost message's claim on that attempt is released first, or the new message could not take
-it). A batch's event is covered once made; a batch whose end made no event is owed one by the
-move that ended it, and the batches worker's sweep makes it (``workers/batches/reaper.py``).
+A job's end reaches its receiver through two kinds of messages, either of which a crash can lose in
+kombu's pop-before-record gap: the job's ``job_ended`` (which makes the event and runs attempt 1),
+and each later ``deliver`` (a retry, or an attempt parked by the key's delivery share). The webhook
+store indexes both debts (``WebhookStore.owed``: ended jobs whose event is not made yet, recorded by
+the script that ends the job; ``WebhookStore.overdue``: events not final, by when their next attempt
+is due). Those older than ``stall_s`` are looked for in the webhooks queue, kombu's unacknowledged
+messages (where a retry waiting for its countdown sits) and the webhook share's parked and waking
+entries. One lost gets its message again: ``job_ended`` for an owed job, ``deliver`` of the next
+attempt for an event (the lost message's claim on that attempt is released first, or the new message
+could not take it). A batch's event is covered once made; a batch whose end made no event is owed
+one by the move that ended it, and the batches worker's sweep makes it
+(``workers/batches/reaper.py``).
 """
 
 from __future__ import annotations
