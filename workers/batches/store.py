@@ -68,6 +68,7 @@ from workers.infra.redis_records import (
     page_by_creation,
     plausible_id,
 )
+from workers.jobs.store import OWN_WEBHOOK_LUA
 from workers.webhooks.store import BATCH_OWED_KEY  # ended batches whose webhook event is not made yet
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -94,10 +95,9 @@ end
 if not allowed then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], ARGV[4], ARGV[3]) end
-local ends = {completed=true, failed=true, cancelled=true, expired=true}
+local ends = {""" + ", ".join(f"{status}=true" for status in sorted(TERMINAL)) + """}
 if ends[ARGV[1]] then
-  local hook = redis.call('HGET', KEYS[1], 'webhook')
-  local owed = hook and hook ~= '' and hook ~= 'null' and hook ~= '{}'
+  local owed = """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """
   local owner = redis.call('HGET', KEYS[1], 'owner')
   for i = 5, #ARGV do owed = owed or ARGV[i] == owner end
   if owed then redis.call('ZADD', KEYS[2], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end

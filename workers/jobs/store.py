@@ -40,6 +40,9 @@ DONE_TTL_S = 300  # how long a job's wake-up for its waiters stays
 UNFINISHED_KEY = "rq:unfinished"
 WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
 UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
+# Lua, an expression: whether the record hash at {key} names a webhook of its own (a JSON field,
+# ``null`` when it has none). The scripts that end a job or a batch record its debt on it.
+OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
 # unfinished index, webhook debts, uncounted batch lines.
@@ -70,8 +73,7 @@ if to == 3 then
   redis.call('EXPIRE', KEYS[4], """ + str(DONE_TTL_S) + """)
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
-  local hook = redis.call('HGET', KEYS[1], 'webhook')
-  if ARGV[6] == '1' or (hook and hook ~= '' and hook ~= 'null' and hook ~= '{}') then
+  if ARGV[6] == '1' or """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """ then
     redis.call('ZADD', KEYS[9], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id'))
   end
   local batch = redis.call('HGET', KEYS[1], 'batch_id')

@@ -112,16 +112,16 @@ def test_cancel_flags_are_per_job_and_cleared_at_the_end(store):
 
 def test_the_end_of_a_job_with_a_webhook_records_its_debt_in_the_same_move(store):
     """The job's own webhook, or its owner's key-wide one; none for the rest, and none before the end."""
-    hooked_owners = JobStore(store.redis, store.limits, hooked_owners=frozenset({OTHER}))
+    keywide_store = JobStore(store.redis, store.limits, hooked_owners=frozenset({OTHER}))
     own, keywide, plain = create(store, webhook={"url": "https://hooks.example.com/a"}), create(store, OTHER), create(store)
     for job in (own, keywide, plain):
-        assert hooked_owners.advance(job["id"], "generating", owner=job["owner"])
+        assert keywide_store.advance(job["id"], "generating", owner=job["owner"])
     assert store.redis.zcard(WEBHOOK_OWED_KEY) == 0
     for job in (own, keywide, plain):
-        assert hooked_owners.advance(job["id"], "succeeded", owner=job["owner"], result={})
+        assert keywide_store.advance(job["id"], "succeeded", owner=job["owner"], result={})
     assert {member.decode() for member in store.redis.zrange(WEBHOOK_OWED_KEY, 0, -1)} == {own["id"], keywide["id"]}
     store.redis.zrem(WEBHOOK_OWED_KEY, own["id"])  # its event was made (WebhookStore.settle)
-    assert not hooked_owners.advance(own["id"], "failed", owner=OWNER)  # a second end moves nothing
+    assert not keywide_store.advance(own["id"], "failed", owner=OWNER)  # a second end moves nothing
     assert store.redis.zscore(WEBHOOK_OWED_KEY, own["id"]) is None
 
 
