@@ -123,13 +123,21 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         rt = fresh_runtime(app)  # a forked process must not use what its parent built
         if kind != "cpu":
             return
+        from engine.errors import TransportError
         from engine.transport import sweep_orphaned_segments
 
         # A pool process preprocesses with its own processor and makes handles from its own
-        # transport memory. Load the processor now, not on the first job (within
-        # worker_proc_alive_timeout, raised for this in workers/celery_app.py).
+        # transport memory. Load the processor, read the model's limits and reserve the transport
+        # pool now, not on the first job (within worker_proc_alive_timeout, raised for this in
+        # workers/celery_app.py): reserving the default 1 GiB pool alone took 0.5-1.7 s of the
+        # first image job here.
         sweep_orphaned_segments()  # what a pool process killed before this one left behind
-        _ = rt.processor
+        _ = rt.processor, rt.processing_limits
+        try:
+            _ = rt.transport
+        except TransportError:
+            # /dev/shm too small: logged now; each job that needs the pool fails with this error.
+            log.exception("this pool process has no feature transport")
 
     @signals.worker_process_shutdown.connect(weak=False)
     @signals.worker_shutdown.connect(weak=False)
