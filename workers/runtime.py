@@ -218,14 +218,20 @@ class Runtime:
         self.celery.send_task(task, args=args, kwargs=kwargs, queue=queue)
 
     @cached_property
-    def transport(self):
-        """The producer side of feature transport (CPU workers): CUDA IPC with a GPU, else shm."""
+    def transport_kind(self) -> str:
+        """Which feature transport this process produces with: CUDA IPC with a GPU, else shm."""
         import torch
 
-        from engine.transport import choose_transport, make_transport
+        from engine.transport import choose_transport
 
-        kind = choose_transport(self.settings.transport, cuda_available=torch.cuda.is_available())
-        return make_transport(kind, client=self.redis, capacity_bytes=self.settings.shm_pool_bytes,
+        return choose_transport(self.settings.transport, cuda_available=torch.cuda.is_available())
+
+    @cached_property
+    def transport(self):
+        """The producer side of feature transport (CPU workers), of ``transport_kind``."""
+        from engine.transport import make_transport
+
+        return make_transport(self.transport_kind, client=self.redis, capacity_bytes=self.settings.shm_pool_bytes,
                               ack_timeout=self.settings.handle_ack_timeout)
 
     def load_model(self) -> None:

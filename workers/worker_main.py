@@ -127,14 +127,16 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         from engine.transport import sweep_orphaned_segments
 
         # A pool process preprocesses with its own processor and makes handles from its own
-        # transport memory. Load the processor, read the model's limits and reserve the transport
-        # pool now, not on the first job (within worker_proc_alive_timeout, raised for this in
-        # workers/celery_app.py): reserving the default 1 GiB pool alone took 0.5-1.7 s of the
-        # first image job here.
+        # transport memory. Load the processor and read the model's limits now, not on the first
+        # job (within worker_proc_alive_timeout, raised for this in workers/celery_app.py); and
+        # reserve a shm pool now: the default 1 GiB took 0.45 s of a first image job alone here,
+        # up to 1.7 s beside another pool process. A CUDA IPC pool stays for the first job that
+        # needs it: GPU memory is the engine's, and a node serving token prompts never needs one.
         sweep_orphaned_segments()  # what a pool process killed before this one left behind
         _ = rt.processor, rt.processing_limits
         try:
-            _ = rt.transport
+            if rt.transport_kind == "shm":
+                _ = rt.transport
         except TransportError:
             # /dev/shm too small: logged now; each job that needs the pool fails with this error.
             log.exception("this pool process has no feature transport")
