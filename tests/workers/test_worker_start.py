@@ -39,7 +39,7 @@ def test_a_batches_worker_whose_model_config_is_unreadable_exits_and_says_why(re
 
 @pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")
 def test_a_cpu_pool_process_reserves_its_transport_pool_before_any_job(redis_url, demo_model_dir, tmp_path):
-    # Reserving the pool is the slow part of a first image job (0.5-1.7 s for the default 1 GiB
+    # Reserving the pool is the slow part of a first image job (0.45-1.7 s for the default 1 GiB
     # here); each pool process does it at start, so no job waits for it.
     env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_CPU_CONCURRENCY="1", ROLLOUT_TRANSPORT="shm",
                      ROLLOUT_SHM_POOL_BYTES=str(8 * 1024 * 1024))
