@@ -241,7 +241,9 @@ def test_streamed_text_adds_up_to_the_result_text_cut_at_a_stop_string(stack, se
     # Long enough to span several tokens: its first ones are decoded before the match is known.
     stop = free[len(free) // 2:len(free) // 2 + 12]
     assert len(stop) == 12
-    job = stack.submit({**body, "sampling_params": {**body["sampling_params"], "stop": [stop]}})
+    # stream_events: tokens are written only for a job someone reads, and this one may end before
+    # the GPU worker sees a reader that opens after the POST.
+    job = stack.submit({**body, "stream_events": True, "sampling_params": {**body["sampling_params"], "stop": [stop]}})
     events = follow(server, job["id"])
     [choice] = events[-1].json()["result"]["choices"]
     assert choice["finish_reason"] == "stop" and stop not in choice["text"]

@@ -47,11 +47,11 @@ def test_a_cpu_pool_process_reserves_its_transport_pool_before_any_job(redis_url
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
-        while not (segments := _segments_of(_children(worker.pid))) and time.monotonic() < deadline:
+        while not (segments := _reserved(_segments_of(_children(worker.pid)), 8 * 1024 * 1024)):
             assert worker.poll() is None, worker.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "no pool process reserved its pool"
             time.sleep(0.2)
         assert len(segments) == 1
-        assert segments[0].stat().st_blocks * 512 >= 8 * 1024 * 1024  # reserved, not just created
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.communicate(timeout=60)
@@ -68,6 +68,11 @@ def _children(pid: int) -> set[int]:
 def _segments_of(pids: set[int]) -> list[Path]:
     """The transport segments of the processes ``pids`` (engine/transport/shm.py names them rqt_<pid>_<pool>)."""
     return [path for path in SHM.glob("rqt_*") if _pid_of(path) in pids]
+
+
+def _reserved(segments: list[Path], size: int) -> list[Path]:
+    """The segments whose pages are allocated (created first, then reserved: the pool's constructor)."""
+    return [path for path in segments if path.stat().st_blocks * 512 >= size]
 
 
 def _pid_of(segment: Path) -> int:
