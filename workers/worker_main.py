@@ -137,8 +137,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         try:
             if rt.transport_kind == "shm":
                 _ = rt.transport
-        except TransportError:
-            # /dev/shm too small: logged now; each job that needs the pool fails with this error.
+        except (TransportError, ValueError):
+            # /dev/shm too small, or a transport this machine cannot make (cuda_ipc without CUDA):
+            # logged now, and the process serves on (one that raised here would be restarted in a
+            # loop); each job that needs the transport fails as it did before.
             log.exception("this pool process has no feature transport")
 
     @signals.worker_process_shutdown.connect(weak=False)

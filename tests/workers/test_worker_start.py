@@ -58,6 +58,31 @@ def test_a_cpu_pool_process_reserves_its_transport_pool_before_any_job(redis_url
     assert not _segments_of({_pid_of(segment) for segment in segments})  # released at shutdown
 
 
+def test_a_cpu_pool_process_that_cannot_make_its_transport_serves_on_and_says_why(redis_url, demo_model_dir,
+                                                                                   tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("cuda_ipc can be made here")
+    env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_CPU_CONCURRENCY="1", ROLLOUT_TRANSPORT="cuda_ipc")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", "cpu"], cwd=ROOT, env=env,
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while "has no feature transport" not in log.read_text(errors="replace"):
+            assert worker.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.2)
+        children = _children(worker.pid)
+        time.sleep(3)
+        assert children and _children(worker.pid) == children  # not restarted in a loop
+        assert "needs CUDA" in log.read_text(errors="replace")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+
+
 def _children(pid: int) -> set[int]:
     try:
         return {int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
