@@ -14,7 +14,7 @@ script leaves no moment where a message is held by nobody (kombu's BRPOP path ha
 
 The messages are then delivered one by one through kombu's own callback; their QoS entry skips the
 Redis write the script already made. Everything else (acks, rejects, restores, the visibility
-timeout, ``workers/gpu/held_messages.py``) reads the records as kombu wrote them.
+timeout, ``workers/infra/held_messages.py``) reads the records as kombu wrote them.
 ``tests/workers/test_celery_transport.py`` pins the kombu internals this relies on. (A connection
 that fails over to another of a Sentinel broker's URLs gets that URL's stock transport from kombu,
 and takes one message per wake-up from then on, as before.)

@@ -13,7 +13,9 @@ from workers.infra.heartbeats import start_heartbeat
 from workers.infra.logs import configure_logging
 from workers.names import (
     BATCHES_QUEUE,
+    DELIVER_TASK,
     GENERATE_TASK,
+    JOB_ENDED_TASK,
     PREPROCESS_QUEUE,
     SHARED_GENERATE_QUEUE,
     WEBHOOKS_QUEUE,
@@ -71,9 +73,9 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         configure_logging(settings.log_level)
 
     @signals.worker_ready.connect(weak=False)
-    def on_ready(**_):
+    def on_ready(sender=None, **_):
         try:
-            start_parts()
+            start_parts(sender)
         except Exception:
             # Celery logs a signal handler that raises and runs on: a worker whose sweeps and
             # heartbeat never started would take work yet look dead. Exit, so that a supervisor
@@ -82,7 +84,8 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             logging.shutdown()  # flush the log: os._exit skips it
             os._exit(3)
 
-    def start_parts() -> None:
+    def start_parts(consumer) -> None:
+        from workers.infra.held_messages import celery_held_tags, start_held_message_sweep
         from workers.runtime import runtime
 
         rt = runtime(app)
@@ -97,12 +100,11 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         if kind in ("cpu", "gpu"):
-            from workers.gpu.held_messages import start_held_message_sweep
             from workers.jobs.reaper import start_after_death_reaper, start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
             start_after_death_reaper(rt)  # ... looked for at once when a worker dies
-            start_held_message_sweep(rt)  # messages a dead GPU worker held, back at once
+            start_held_message_sweep(rt, "gpu", (GENERATE_TASK,))  # messages a dead GPU worker held, back at once
         if kind == "batches":
             from workers.batches.reaper import start_batch_reaper
 
@@ -112,8 +114,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             from workers.webhooks.reaper import start_webhook_reaper
 
             start_webhook_reaper(rt, stall_s=settings.stalled_job_after)  # webhooks whose message a crash lost
-        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}",
-                        lambda: _gpu_status(rt) if kind == "gpu" else {})
+            # ... and those a dead or cut-off webhooks worker held, back at once, not in an hour
+            start_held_message_sweep(rt, "webhooks", (JOB_ENDED_TASK, DELIVER_TASK))
+        status = {"gpu": lambda: _gpu_status(rt), "webhooks": lambda: {"held": celery_held_tags(consumer)}}
+        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}", status.get(kind, dict))
 
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
@@ -174,7 +178,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
 def _gpu_status(rt) -> dict:
     # The weight version a GPU worker serves (what SGLang-style /get_model_info reports), and the
-    # messages it holds: a dead worker's go back to their queues at once (workers/gpu/held_messages.py).
+    # messages it holds: a dead worker's go back to their queues at once (workers/infra/held_messages.py).
     ready = rt.model_ready
     return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
             "held": rt.celery.tasks[GENERATE_TASK].held_delivery_tags()}

@@ -3,7 +3,7 @@
 This module runs its own stack (its own persistent Redis on a fixed port, its own workers), so the
 shared session stack is never disturbed. Its Celery limits are small, so redelivery is quick:
 a message a dead worker held comes back after ROLLOUT_VISIBILITY_TIMEOUT (30 s; a dead GPU
-worker's at once, workers/gpu/held_messages.py); the hard and soft task limits are 24 s and 20 s,
+worker's at once, workers/infra/held_messages.py); the hard and soft task limits are 24 s and 20 s,
 and the time-limit test restarts its workers under 8 s and 6 s (settings refuse visibility <= hard
 <= soft).
 

@@ -1,6 +1,6 @@
 """A killed GPU worker's jobs end soon after a restart, at the default visibility timeout (an hour)
 and stall period (two minutes): its held messages go back to their queues once its heartbeat is
-gone (workers/gpu/held_messages.py), not when kombu's visibility timeout would give them back, and a
+gone (workers/infra/held_messages.py), not when kombu's visibility timeout would give them back, and a
 message it had popped but not yet recorded is sent again then too (workers/jobs/reaper.py), not
 when the job has stalled."""
 

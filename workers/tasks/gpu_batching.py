@@ -128,7 +128,7 @@ class GenerateBatches(Batches):
 
     def held_delivery_tags(self) -> list[str]:
         """The delivery tags of every message this worker holds unsettled (buffered, or taken by the
-        running session): what its heartbeat reports (``workers/gpu/held_messages.py``). Read from the
+        running session): what its heartbeat reports (``workers/infra/held_messages.py``). Read from the
         heartbeat thread: the buffer under its own mutex, the in-flight map as one atomic copy."""
         with self._buffer.mutex:
             buffered = list(self._buffer.queue)
