@@ -15,8 +15,8 @@ import pytest
 from kombu.transport.redis import Channel
 
 from tests.conftest import empty_db_url
-from workers.infra.held_messages import MARGIN_S, orphaned_messages
 from workers.infra.heartbeats import beat
+from workers.infra.held_messages import MARGIN_S, orphaned_messages
 from workers.names import DELIVER_TASK, GENERATE_TASK, JOB_ENDED_TASK, PREPROCESS_TASK
 
 
