@@ -19,9 +19,20 @@ from workers.settings import Settings
 QUEUE = Queue("bulk-take-test", Exchange("bulk-take-test"), routing_key="bulk-take-test", max_priority=9)
 
 
+@pytest.fixture(scope="module")
+def private_redis(tmp_path_factory):
+    # Its own server: the tests count commands in INFO commandstats, which is server-wide, and any
+    # other client of the suite's shared server (a worker an earlier test left draining) counts there.
+    from workers.infra.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis-transport"), persistent=False).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def url(redis_url):
-    return empty_db_url(redis_url, 23)
+def url(private_redis):
+    return empty_db_url(private_redis.url, 23)
 
 
 @pytest.fixture
