@@ -11,6 +11,7 @@ import inspect
 import re
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,12 @@ class LoadedModel:
     # generate() keeps per-call state on the model (Qwen-VL's rope_deltas): one call at a time.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
         """Token ids the model can take and score: rows of its input embedding (and of its output
-        head, when that has its own size)."""
+        head, when that has its own size). Cached: weight updates copy into the same tensors
+        (engine/weights.py), and transformers' ``get_input_embeddings`` walks the module tree, which
+        cost ~5 % of the GPU worker's bulk scoring when read per row (py-spy, bench.service)."""
         size = self.model.get_input_embeddings().num_embeddings
         head = self.model.get_output_embeddings()
         return min(size, head.out_features) if head is not None and hasattr(head, "out_features") else size

@@ -13,6 +13,7 @@ from engine.capacity import (
     check_capacity,
     fits_kv_pool,
     peak_blocks,
+    request_peak_blocks,
     request_rows,
 )
 from engine.errors import CapacityError
@@ -39,6 +40,14 @@ def test_peak_blocks_matches_a_step_by_step_simulation():
             rows += [RowFuture(prompt + rng.randint(0, 5), rng.randint(0, 40), group, prompt // size)
                      for _ in range(rng.randint(1, 3))]
         assert peak_blocks(rows, size) == simulate(rows, size)
+
+
+def test_one_requests_peak_in_closed_form_is_the_simulated_peak():
+    rng = random.Random(1)
+    for _ in range(300):
+        size, prompt, new, n = rng.choice([1, 4, 16]), rng.randint(1, 80), rng.randint(0, 60), rng.randint(1, 6)
+        expected = simulate(request_rows(prompt, new, n, "job", size), size)
+        assert request_peak_blocks(prompt, new, n, size) == expected
 
 
 def test_the_samples_of_a_prompt_count_its_full_blocks_once():
