@@ -110,18 +110,41 @@ def teacher_forced(
     # return every position. Take the last ``keep`` columns of whatever came back.
     if logits.shape[1] < keep:
         raise RuntimeError(f"the model returned {logits.shape[1]} positions of logits, fewer than the {keep} scored")
-    logits = logits[:, -keep:]
+    return scored_logprobs(logits[:, -keep:], rows, scored, top_k=top_k)
 
-    out = []
-    for i, (row, n) in enumerate(zip(rows, scored, strict=True)):
-        # Column keep-1 predicts nothing we score; the n columns before it predict the last n tokens.
-        row_logprobs = torch.log_softmax(logits[i, keep - 1 - n : keep - 1].float(), dim=-1)
-        targets = torch.as_tensor(list(row.token_ids[len(row.token_ids) - n:]), device=row_logprobs.device)
-        chosen = row_logprobs.gather(1, targets[:, None])[:, 0].cpu().tolist()
+
+def scored_logprobs(
+    logits: torch.Tensor, rows: Sequence[Row], scored: Sequence[int], *, top_k: int = 0
+) -> list[tuple[list[float], list[list[list]] | None]]:
+    """``teacher_forced``'s answer from the forward's last ``max(scored) + 1`` columns of logits.
+
+    Every scored position of every row is gathered into one (positions, vocab) matrix: one
+    log-softmax, one gather, one top-k and one device-to-host copy for the whole batch, not one
+    per row (each a kernel launch and a sync on a GPU). Column keep-1 predicts nothing we score;
+    the n columns before it predict the row's last n tokens.
+    """
+    keep = logits.shape[1]
+    device = logits.device
+    row_index = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(scored)]).to(device)
+    column = torch.cat([torch.arange(keep - 1 - n, keep - 1) for n in scored]).to(device)
+    targets = torch.as_tensor([t for row, n in zip(rows, scored, strict=True) for t in row.token_ids[len(row.token_ids) - n:]],
+                              dtype=torch.long, device=device)
+    logprobs = torch.log_softmax(logits[row_index, column].float(), dim=-1)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0]
+    if top_k:
+        values, ids = torch.topk(logprobs, top_k, dim=-1)
+        # One copy: ids travel as float32 beside the logprobs (exact: every vocabulary is < 2**24).
+        chosen_host, values_host, ids_host = torch.cat([chosen[:, None], values, ids.to(values.dtype)], dim=1).cpu().split(
+            [1, top_k, top_k], dim=1)
+        chosen_list, top_values, top_ids = chosen_host[:, 0].tolist(), values_host.tolist(), ids_host.long().tolist()
+    else:
+        chosen_list = chosen.cpu().tolist()
+    out, at = [], 0
+    for n in scored:
         top = None
         if top_k:
-            values, ids = torch.topk(row_logprobs, top_k, dim=-1)
             top = [[[t, v] for t, v in zip(step_ids, step_values, strict=True)]
-                   for step_ids, step_values in zip(ids.tolist(), values.tolist(), strict=True)]
-        out.append((chosen, top))
+                   for step_ids, step_values in zip(top_ids[at:at + n], top_values[at:at + n], strict=True)]
+        out.append((chosen_list[at:at + n], top))
+        at += n
     return out

@@ -115,3 +115,29 @@ def test_scoring_on_cuda_matches_cpu(demo_model_dir, engine, prompts):
                              mm_kwargs=image)]
     torch.testing.assert_close(cuda.score(requests)[0].logprobs, engine.score(requests)[0].logprobs,
                                atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_scored_logprobs_on_cuda_copy_to_the_host_once():
+    """After the forward, a batch's logprobs and top-k come to the host in one copy, however many
+    rows (torch's sync debug mode counts the synchronizing calls)."""
+    import warnings
+
+    from engine.batch_inputs import Row
+    from engine.scoring import scored_logprobs
+
+    rows = [Row(token_ids=list(range(10, 30 + i)), features={}) for i in range(8)]
+    scored = [3 + i for i in range(8)]
+    logits = torch.randn(8, max(scored) + 1, 640, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on_device = scored_logprobs(logits, rows, scored, top_k=5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum("synchroniz" in str(w.message) for w in caught) <= 1
+    on_host = scored_logprobs(logits.cpu(), rows, scored, top_k=5)
+    for (device_lps, _), (host_lps, _) in zip(on_device, on_host, strict=True):
+        assert device_lps == pytest.approx(host_lps, abs=1e-4)
