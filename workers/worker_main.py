@@ -13,16 +13,31 @@ from workers.infra.heartbeats import start_heartbeat
 from workers.infra.logs import configure_logging
 from workers.names import (
     BATCHES_QUEUE,
+    CANCEL_BATCH_TASK,
     DELIVER_TASK,
+    ENQUEUE_CHUNK_TASK,
+    EXPIRE_BATCH_TASK,
     GENERATE_TASK,
     JOB_ENDED_TASK,
     PREPROCESS_QUEUE,
+    PREPROCESS_TASK,
+    RENDER_TASK,
+    SCORE_LINES_TASK,
     SHARED_GENERATE_QUEUE,
     WEBHOOKS_QUEUE,
 )
 from workers.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# The tasks whose messages each kind's workers hold: what a dead one held goes back to the queue
+# once its heartbeat expires, not after the visibility timeout (workers/infra/held_messages.py).
+TASKS_HELD_BY = {
+    "cpu": (PREPROCESS_TASK, RENDER_TASK),
+    "gpu": (GENERATE_TASK, SCORE_LINES_TASK),
+    "webhooks": (JOB_ENDED_TASK, DELIVER_TASK),
+    "batches": (ENQUEUE_CHUNK_TASK, CANCEL_BATCH_TASK, EXPIRE_BATCH_TASK),
+}
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,8 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
             start_after_death_reaper(rt)  # ... looked for at once when a worker dies
-            start_held_message_sweep(rt, "gpu", (GENERATE_TASK,))  # messages a dead GPU worker held, back at once
+            if kind == "cpu":  # a CPU worker sweeps for the GPU workers too: a node's only one may be dead
+                start_held_message_sweep(rt, "gpu", TASKS_HELD_BY["gpu"])
         if kind == "batches":
             from workers.batches.reaper import start_batch_reaper
 
@@ -114,10 +130,17 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             from workers.webhooks.reaper import start_webhook_reaper
 
             start_webhook_reaper(rt, stall_s=settings.stalled_job_after)  # webhooks whose message a crash lost
-            # ... and those a dead or cut-off webhooks worker held, back at once, not in an hour
-            start_held_message_sweep(rt, "webhooks", (JOB_ENDED_TASK, DELIVER_TASK))
-        status = {"gpu": lambda: _gpu_status(rt), "webhooks": lambda: {"held": celery_held_tags(consumer)}}
-        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}", status.get(kind, dict))
+        # Messages a dead or cut-off worker of this kind held, back in seconds, not in an hour; its
+        # heartbeat lists what it holds (a prefork worker's main process tracks its children's too).
+        start_held_message_sweep(rt, kind, TASKS_HELD_BY[kind])
+
+        def status() -> dict:
+            held = celery_held_tags(consumer)
+            if kind == "gpu":
+                return {**_gpu_status(rt), "held": held + _held_generate_tags(rt)}
+            return {"held": held}
+
+        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}", status)
 
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
@@ -177,8 +200,11 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
 
 def _gpu_status(rt) -> dict:
-    # The weight version a GPU worker serves (what SGLang-style /get_model_info reports), and the
-    # messages it holds: a dead worker's go back to their queues at once (workers/infra/held_messages.py).
+    # The weight version a GPU worker serves (what SGLang-style /get_model_info reports).
     ready = rt.model_ready
-    return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
-            "held": rt.celery.tasks[GENERATE_TASK].held_delivery_tags()}
+    return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None}
+
+
+def _held_generate_tags(rt) -> list[str]:
+    # celery-batches keeps the generate messages it buffers out of Celery's own state.
+    return rt.celery.tasks[GENERATE_TASK].held_delivery_tags()

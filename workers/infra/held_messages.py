@@ -7,10 +7,12 @@ worker killed with a batch in flight left its jobs ``generating`` for up to that
 restarted worker sat idle; a webhooks worker killed (or cut off from Redis) holding a job's end
 left its webhook an hour late.
 
-So the heartbeat of each worker of a swept kind lists the delivery tags it holds (a GPU worker:
-buffered, or in its running session, :meth:`workers.tasks.gpu_batching.GenerateBatches.held_delivery_tags`;
-any other worker: what its Celery consumer holds, :func:`celery_held_tags`), and a sweep (every few
-seconds, in one worker at a time) restores each message of the kind's tasks in ``unacked`` that no
+So the heartbeat of every worker lists the delivery tags it holds: what its Celery consumer holds
+(:func:`celery_held_tags`; a prefork worker's main process tracks what its pool processes run) and,
+on a GPU worker, the generate messages celery-batches buffers or its running session holds
+(:meth:`workers.tasks.gpu_batching.GenerateBatches.held_delivery_tags`). A sweep per kind (every few
+seconds, in one worker at a time; the kinds' tasks: ``workers.worker_main.TASKS_HELD_BY``) restores
+each message of the kind's tasks in ``unacked`` that no
 live worker of the kind lists, once every live one has beaten since the message was reserved (plus
 a margin): a message a live worker has just taken is never restored under it, and a dead worker's
 tags are freed when its heartbeat expires. The restore is kombu's own ``QoS.restore_by_tag`` (one

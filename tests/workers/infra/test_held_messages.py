@@ -1,7 +1,7 @@
 """Which unacknowledged messages no live worker of their kind holds (workers/infra/held_messages.py), on a
-real Redis laid out as kombu's Redis transport lays it out (``unacked`` hash, ``unacked_index``); and a
-real webhooks worker's heartbeat lists a countdown retry it holds, which a sweep leaves to it and gives
-back at once when the worker is killed."""
+real Redis laid out as kombu's Redis transport lays it out (``unacked`` hash, ``unacked_index``); and,
+for each kind of worker, a real worker's heartbeat lists a countdown retry it holds, which a sweep
+leaves to it and gives back at once when the worker is killed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,18 @@ from kombu.transport.redis import Channel
 from tests.conftest import empty_db_url
 from workers.infra.heartbeats import beat
 from workers.infra.held_messages import MARGIN_S, orphaned_messages
-from workers.names import DELIVER_TASK, GENERATE_TASK, JOB_ENDED_TASK, PREPROCESS_TASK
+from workers.names import (
+    BATCHES_QUEUE,
+    DELIVER_TASK,
+    ENQUEUE_CHUNK_TASK,
+    GENERATE_TASK,
+    JOB_ENDED_TASK,
+    PREPROCESS_QUEUE,
+    PREPROCESS_TASK,
+    SCORE_LINES_TASK,
+    SHARED_GENERATE_QUEUE,
+    WEBHOOKS_QUEUE,
+)
 
 
 @pytest.fixture
@@ -86,23 +97,37 @@ def _wait(what: str, predicate, workers, timeout: float = 60.0):
     return found
 
 
-def test_a_killed_webhooks_workers_countdown_retry_goes_back_at_once_to_a_live_worker(redis_url, demo_model_dir,
-                                                                                        tmp_path):
+# (kind, a task its workers take, its args, its queue, what the workers need for the test). Each is
+# sent with a countdown: Celery holds it in the consumer's timer, not as reserved, until it is due.
+KILLED_HOLDERS = [
+    pytest.param("webhooks", DELIVER_TASK, ["msg_nosuchevent"], WEBHOOKS_QUEUE,
+                 {"ROLLOUT_WEBHOOK_CONCURRENCY": "2"}, id="webhooks"),
+    pytest.param("batches", ENQUEUE_CHUNK_TASK, ["batch_nosuchbatch", 0], BATCHES_QUEUE, {}, id="batches"),
+    # A prefork worker: its main process holds the message, and must list it.
+    pytest.param("cpu", PREPROCESS_TASK, ["job_nosuchjob"], PREPROCESS_QUEUE,
+                 {"ROLLOUT_CPU_CONCURRENCY": "1", "ROLLOUT_SHM_POOL_BYTES": str(8 * 1024 * 1024)}, id="cpu"),
+    # A GPU worker's scoring runs are Celery's own requests, beside the generate messages it batches.
+    pytest.param("gpu", SCORE_LINES_TASK, ["batch_nosuchbatch", 0], SHARED_GENERATE_QUEUE,
+                 {"ROLLOUT_TORCH_THREADS": "1", "ROLLOUT_KV_CACHE_TOKENS": "4096"}, id="gpu"),
+]
+
+
+@pytest.mark.parametrize(("kind", "task", "args", "queue", "extra_env"), KILLED_HOLDERS)
+def test_a_killed_workers_countdown_retry_goes_back_at_once_to_a_live_worker(kind, task, args, queue, extra_env,
+                                                                            redis_url, demo_model_dir, tmp_path):
     import redis
 
     from tests.workers.test_worker_start import ROOT, worker_env
     from workers.celery_app import create_celery
-    from workers.names import WEBHOOKS_QUEUE
     from workers.settings import Settings
 
     # A visibility timeout far beyond the test: only the sweep can give the message back in time.
-    env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_VISIBILITY_TIMEOUT="3600",
-                     ROLLOUT_WEBHOOK_CONCURRENCY="2")
+    env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_VISIBILITY_TIMEOUT="3600", **extra_env)
     url = env["ROLLOUT_REDIS_URL"]
     workers = []
 
     def start() -> subprocess.Popen:
-        worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", "webhooks"], cwd=ROOT, env=env,
+        worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", kind], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         workers.append(worker)
         return worker
@@ -110,25 +135,23 @@ def test_a_killed_webhooks_workers_countdown_retry_goes_back_at_once_to_a_live_w
     with redis.Redis.from_url(url) as db:
         try:
             first = start()
-            _wait("the first worker's heartbeat", lambda: _heartbeats(db, "webhooks"), workers)
-            # A retry waiting for its countdown: Celery holds it in the consumer's timer, not as reserved.
-            create_celery(Settings(), url).send_task(DELIVER_TASK, args=["msg_nosuchevent"], kwargs={"attempt": 2},
-                                                  queue=WEBHOOKS_QUEUE, countdown=600)
+            _wait("the first worker's heartbeat", lambda: _heartbeats(db, kind), workers)
+            create_celery(Settings(), url).send_task(task, args=args, queue=queue, countdown=600)
             tag = _wait("the retry to be held", lambda: [t.decode() for t in db.hkeys(Channel.unacked_key)], workers)[0]
             _wait("the holder's heartbeat to list it",
-                  lambda: any(tag in beat.get("held", ()) for beat in _heartbeats(db, "webhooks").values()), workers)
+                  lambda: any(tag in beat.get("held", ()) for beat in _heartbeats(db, kind).values()), workers)
             second = start()
-            _wait("two heartbeats", lambda: len(_heartbeats(db, "webhooks")) == 2, workers)
+            _wait("two heartbeats", lambda: len(_heartbeats(db, kind)) == 2, workers, timeout=90)
             time.sleep(MARGIN_S + 2)  # sweeps ran past the margin: a held message stays where it is
-            holders = [key for key, beat in _heartbeats(db, "webhooks").items() if tag in beat.get("held", ())]
+            holders = [key for key, beat in _heartbeats(db, kind).items() if tag in beat.get("held", ())]
             assert len(holders) == 1
             assert str(first.pid) in holders[0]
-            first.kill()
+            first.kill()  # a prefork worker's pool process outlives it: the message is the main process's
             first.wait(timeout=30)
             # Its heartbeat expires (10 s), then a sweep gives the message back, and the live worker takes it.
             _wait("the live worker to hold the dead one's retry",
                   lambda: any(tag in beat.get("held", ()) and str(second.pid) in key
-                              for key, beat in _heartbeats(db, "webhooks").items()), workers[1:], timeout=45)
+                              for key, beat in _heartbeats(db, kind).items()), workers[1:], timeout=45)
         finally:
             for worker in workers:
                 if worker.poll() is None:
