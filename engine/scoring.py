@@ -92,6 +92,10 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
     return results
 
 
+# Float32 logprob elements computed at once by ``scored_logprobs`` (256 MiB).
+_LOGPROB_ELEMENTS = 2**26
+
+
 def teacher_forced(
     loaded: LoadedModel, rows: Sequence[Row], scored: Sequence[int], *, top_k: int = 0
 ) -> list[tuple[list[float], list[list[list]] | None]]:
@@ -118,10 +122,11 @@ def scored_logprobs(
 ) -> list[tuple[list[float], list[list[list]] | None]]:
     """``teacher_forced``'s answer from the forward's last ``max(scored) + 1`` columns of logits.
 
-    Every scored position of every row is gathered into one (positions, vocab) matrix: one
-    log-softmax, one gather, one top-k and one device-to-host copy for the whole batch, not one
-    per row (each a kernel launch and a sync on a GPU). Column keep-1 predicts nothing we score;
-    the n columns before it predict the row's last n tokens.
+    Every scored position of every row is gathered into (positions, vocab) matrices of at most
+    ``_LOGPROB_ELEMENTS``: a log-softmax, a gather and a top-k per matrix (one for a usual batch)
+    and one device-to-host copy for the whole batch, not one of each per row (each a kernel launch
+    and a sync on a GPU). Column keep-1 predicts nothing we score; the n columns before it predict
+    the row's last n tokens.
     """
     keep = logits.shape[1]
     device = logits.device
@@ -129,16 +134,23 @@ def scored_logprobs(
     column = torch.cat([torch.arange(keep - 1 - n, keep - 1) for n in scored]).to(device)
     targets = torch.as_tensor([t for row, n in zip(rows, scored, strict=True) for t in row.token_ids[len(row.token_ids) - n:]],
                               dtype=torch.long, device=device)
-    logprobs = torch.log_softmax(logits[row_index, column].float(), dim=-1)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0]
+    # In slices of positions, so the float32 copy stays bounded (8k scored tokens of a 152k
+    # vocabulary would be 5 GB at once); what each slice keeps is small and stays on the device.
+    step = max(1, _LOGPROB_ELEMENTS // logits.shape[-1])
+    chosen_parts, top_parts = [], []
+    for start in range(0, len(targets), step):
+        part = slice(start, start + step)
+        logprobs = torch.log_softmax(logits[row_index[part], column[part]].float(), dim=-1)
+        chosen_parts.append(logprobs.gather(1, targets[part, None]))
+        if top_k:
+            values, ids = torch.topk(logprobs, top_k, dim=-1)
+            top_parts.append(torch.cat([values, ids.to(values.dtype)], dim=1))
+    # One copy for everything: top-k ids travel as float32 beside the logprobs (exact: every
+    # vocabulary is < 2**24).
+    host = torch.cat([torch.cat(chosen_parts), *([torch.cat(top_parts)] if top_k else [])], dim=1).cpu()
+    chosen_list = host[:, 0].tolist()
     if top_k:
-        values, ids = torch.topk(logprobs, top_k, dim=-1)
-        # One copy: ids travel as float32 beside the logprobs (exact: every vocabulary is < 2**24).
-        chosen_host, values_host, ids_host = torch.cat([chosen[:, None], values, ids.to(values.dtype)], dim=1).cpu().split(
-            [1, top_k, top_k], dim=1)
-        chosen_list, top_values, top_ids = chosen_host[:, 0].tolist(), values_host.tolist(), ids_host.long().tolist()
-    else:
-        chosen_list = chosen.cpu().tolist()
+        top_values, top_ids = host[:, 1:1 + top_k].tolist(), host[:, 1 + top_k:].long().tolist()
     out, at = [], 0
     for n in scored:
         top = None

@@ -117,6 +117,21 @@ def test_scoring_on_cuda_matches_cpu(demo_model_dir, engine, prompts):
                                atol=1e-3, rtol=0)
 
 
+def test_scored_logprobs_in_slices_equal_them_in_one(monkeypatch):
+    """A batch too large for one float32 matrix is taken in slices of positions, with the same answer."""
+    from engine import scoring
+    from engine.batch_inputs import Row
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [Row(token_ids=list(range(10, 30 + i)), features={}) for i in range(5)]
+    scored = [1, 4, 7, 2, 9]
+    logits = torch.randn(5, max(scored) + 1, 64, generator=generator)
+    whole = scoring.scored_logprobs(logits, rows, scored, top_k=3)
+    monkeypatch.setattr(scoring, "_LOGPROB_ELEMENTS", 64 * 3)  # three positions per slice
+    assert scoring.scored_logprobs(logits, rows, scored, top_k=3) == whole
+    assert [len(lps) for lps, _ in whole] == scored and all(len(step) == 3 for _, top in whole for step in top)
+
+
 @pytest.mark.gpu
 def test_scored_logprobs_on_cuda_copy_to_the_host_once():
     """After the forward, a batch's logprobs and top-k come to the host in one copy, however many
