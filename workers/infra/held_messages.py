@@ -67,12 +67,13 @@ def orphaned_messages(client: redis.Redis, kind: str, tasks: Collection[str], *,
     beats = statuses(client, kind)
     held = {tag for beat in beats for tag in beat.get("held") or ()}
     reported_since = min((beat.get("at", now) for beat in beats), default=now) - MARGIN_S
+    candidates = [tag for tag in (raw.decode() for raw in client.zrangebyscore(
+        Channel.unacked_index_key, "-inf", reported_since)) if tag not in held]
+    if not candidates:
+        return []
     orphans = []
-    for raw_tag, _ in client.zrangebyscore(Channel.unacked_index_key, "-inf", reported_since, withscores=True):
-        tag = raw_tag.decode()
-        if tag in held:
-            continue
-        raw = client.hget(Channel.unacked_key, tag)
+    # One HMGET: every other kind's held messages are candidates too, until their task is read.
+    for tag, raw in zip(candidates, client.hmget(Channel.unacked_key, candidates), strict=True):
         if raw is None:  # acknowledged meanwhile
             continue
         try:
