@@ -119,8 +119,6 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
             start_after_death_reaper(rt)  # ... looked for at once when a worker dies
-            if kind == "cpu":  # a CPU worker sweeps for the GPU workers too: a node's only one may be dead
-                start_held_message_sweep(rt, "gpu", TASKS_HELD_BY["gpu"])
         if kind == "batches":
             from workers.batches.reaper import start_batch_reaper
 
