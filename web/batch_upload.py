@@ -7,6 +7,7 @@ import codecs
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from engine.errors import InvalidRequestError, RolloutError
 from engine.request_rules import check_metadata
 from web.auth import current_owner
 from web.batch_schemas import BatchLineSchema, BatchParamsSchema, FileBatchSchema
+from web.dialects.common import tokenizer
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
 from web.openai_batch_lines import (
     JOBS_URL,
@@ -70,17 +72,16 @@ def validate_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) 
         raise BatchTooLargeError(f"the file has {len(numbered)} lines; at most {max_lines} are accepted")
     parsed = ParsedBatch(total=len(numbered))
     seen: set[str] = set()
-    for start in range(0, len(numbered), LINES_PER_CHUNK):
-        for line in _read_chunk(numbered[start:start + LINES_PER_CHUNK], endpoint):
-            if line.error is not None:
-                parsed.invalid.append(line.error)
-            # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
-            elif line.custom_id in seen:
-                parsed.invalid.append(_line_error(line.number, line.custom_id, "duplicate_custom_id",
-                                                  "custom_id is used by an earlier valid line"))
-            else:
-                seen.add(line.custom_id)
-                parsed.valid.append(line.stored())
+    for line in _read_lines(numbered, endpoint):
+        if line.error is not None:
+            parsed.invalid.append(line.error)
+        # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
+        elif line.custom_id in seen:
+            parsed.invalid.append(_line_error(line.number, line.custom_id, "duplicate_custom_id",
+                                              "custom_id is used by an earlier valid line"))
+        else:
+            seen.add(line.custom_id)
+            parsed.valid.append(line.stored())
     return parsed
 
 
@@ -102,12 +103,29 @@ class _Line:
         return json.dumps(stored, separators=(",", ":"))
 
 
-def _read_chunk(chunk: list[tuple[int, bytes]], endpoint: str | None) -> list[_Line]:
-    """The chunk's lines checked, in order. Chat lines are read in two steps around one tokenizer
-    call for the whole chunk (web.openai_batch_lines.chat_token_ids); a line's error is its own."""
-    lines = [_begin(number, raw, endpoint) for number, raw in chunk]
-    pending = [line for line in lines if line.pending is not None]
-    for line, token_ids in zip(pending, chat_token_ids([line.pending for line in pending]), strict=True):
+def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[_Line]:
+    """Every line checked, in order, a chunk at a time; a line's error is its own. Chat lines are
+    read in two steps around one tokenizer call for their chunk
+    (web.openai_batch_lines.chat_token_ids). That call runs in a thread while this one begins the
+    next chunk and finishes the last: the Rust tokenizer lets go of the GIL, and on chat lines
+    it is as long as the Python steps (bench/batch_submit.py), so the two overlap."""
+    with ThreadPoolExecutor(1, thread_name_prefix="batch-tokenizer") as tokenizing:
+        previous = None
+        for start in range(0, len(numbered), LINES_PER_CHUNK):
+            lines = [_begin(number, raw, endpoint) for number, raw in numbered[start:start + LINES_PER_CHUNK]]
+            pending = [line for line in lines if line.pending is not None]
+            # The tokenizer is fetched here, in the request's context, and only for a file with chat lines.
+            tokenized = tokenizing.submit(chat_token_ids, [line.pending for line in pending],
+                                          tokenizer() if pending else None)
+            if previous is not None:
+                yield from _finish(*previous)
+            previous = lines, pending, tokenized
+        if previous is not None:
+            yield from _finish(*previous)
+
+
+def _finish(lines: list[_Line], pending: list[_Line], tokenized: Future) -> list[_Line]:
+    for line, token_ids in zip(pending, tokenized.result(), strict=True):
         with _refusals(line):
             line.custom_id, body, line.reply = finish_line(line.pending, token_ids)
             line.body = check_limits(body)

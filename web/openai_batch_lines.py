@@ -96,12 +96,12 @@ class PendingLine:
     prompt: openai.ChatPrompt | None = None
 
 
-def chat_token_ids(pendings: list[PendingLine]) -> list[list[int] | None]:
-    """The token ids of each chat line among ``pendings`` (None for the others), from one tokenizer
-    call for them all: what ``finish_line`` takes."""
+def chat_token_ids(pendings: list[PendingLine], tok) -> list[list[int] | None]:
+    """The token ids of each chat line among ``pendings`` (None for the others), from one call of
+    ``tok`` (the API's tokenizer; this runs in any thread) for them all: what ``finish_line`` takes."""
     chats = [i for i, pending in enumerate(pendings) if pending.prompt is not None]
     token_ids: list[list[int] | None] = [None] * len(pendings)
-    for i, ids in zip(chats, openai.chat_prompts_token_ids([pendings[i].prompt for i in chats]), strict=True):
+    for i, ids in zip(chats, openai.chat_prompts_token_ids([pendings[i].prompt for i in chats], tok), strict=True):
         token_ids[i] = ids
     return token_ids
 

@@ -279,15 +279,15 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     return ChatPrompt(body, text, parts)
 
 
-def chat_prompts_token_ids(prompts: list[ChatPrompt]) -> list[list[int]]:
+def chat_prompts_token_ids(prompts: list[ChatPrompt], tok=None) -> list[list[int]]:
     """Each prompt's token ids as ``chat_request`` tokenizes one, in one tokenizer call per
-    ``add_special_tokens`` value."""
+    ``add_special_tokens`` value (with ``tok``, ``tokenizer()``, from any thread)."""
     ids: list[list[int]] = [[] for _ in prompts]
     groups: dict[bool, list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt.add_special_tokens, []).append(i)
     for special, at in groups.items():
-        encoded = token_ids_of([prompts[i].text for i in at], add_special_tokens=special)
+        encoded = token_ids_of([prompts[i].text for i in at], add_special_tokens=special, tok=tok)
         for i, token_ids in zip(at, encoded, strict=True):
             ids[i] = token_ids
     return ids
