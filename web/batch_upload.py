@@ -128,7 +128,8 @@ def _finish(lines: list[_Line], pending: list[_Line], tokenized: Future) -> list
     for line, token_ids in zip(pending, tokenized.result(), strict=True):
         with _refusals(line):
             line.custom_id, body, line.reply = finish_line(line.pending, token_ids)
-            line.body = check_limits(body)
+            # Chat and completions lines were built by the dialect's native_request, which checked their ids.
+            line.body = check_limits(body, vocabulary_checked=line.pending.url != JOBS_URL)
     return lines
 
 

@@ -21,14 +21,18 @@ from workers.jobs.request import JobRequest
 from workers.jobs.submission import submit_job
 
 
-def check_limits(request: dict[str, Any]) -> dict[str, Any]:
-    """Apply the configured limits and fill defaults; returns the request as it will be stored."""
+def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -> dict[str, Any]:
+    """Apply the configured limits and fill defaults; returns the request as it will be stored.
+    ``vocabulary_checked``: a dialect's ``native_request`` checked the token ids against the model's
+    vocabulary already (naming the dialect's fields); a batch file's thousands of lines skip the
+    second pass over every id."""
     svc = services()
     settings = svc.settings
     check_media_count(len(request.get("content_parts") or []), settings.max_content_parts)
     check_metadata(request.get("metadata"), settings.max_metadata_bytes)
     params = request["sampling_params"]
-    check_vocabulary(request, svc.model_facts.vocab_size)
+    if not vocabulary_checked:
+        check_vocabulary(request, svc.model_facts.vocab_size)
     params.setdefault("max_tokens", settings.default_max_tokens)
     if problems := sampling_knob_problems(params):  # again, now that max_tokens has its default
         raise InvalidRequestError("invalid sampling parameters", errors={

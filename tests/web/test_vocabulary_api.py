@@ -82,3 +82,20 @@ def test_batch_lines_with_ids_outside_the_vocabulary_are_line_errors(client):
     assert errors["bad"]["line"] == 2 and errors["bad"]["error"]["code"] == "token_id_out_of_range"
     assert errors["bad"]["error"]["errors"] == {"field": "completion_token_ids", "index": 1, "vocab_size": VOCAB}
     assert errors["bad-stop"]["error"]["errors"]["field"] == "sampling_params.stop_token_ids"
+
+
+def test_openai_format_batch_lines_with_ids_outside_the_vocabulary_are_line_errors(client):
+    """Each url's lines are checked by their own path (the dialect's or ours), none skipped."""
+    model = client.get("/v1/models", headers=auth()).get_json()["data"][0]["id"]
+    bodies = {"/v1/jobs": {"kind": "score", "token_ids": [1, 2], "completion_token_ids": [3, VOCAB]},
+              "/v1/completions": {"model": model, "prompt": [5, VOCAB], "max_tokens": 2},
+              "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 2, "stop_token_ids": [VOCAB]}}
+    lines = [{"custom_id": url, "method": "POST", "url": url, "body": body} for url, body in bodies.items()]
+    lines.append({"custom_id": "ok", "method": "POST", "url": "/v1/jobs", "body": {"token_ids": [1]}})
+    response = client.post("/v1/batches", data="\n".join(map(json.dumps, lines)), content_type="application/jsonl",
+                           headers=auth())
+    assert response.status_code == 202, response.get_json()
+    errors = {entry["custom_id"]: entry["error"] for entry in response.get_json()["errors"]["data"]}
+    assert sorted(errors) == sorted(bodies)
+    assert {url: error["code"] for url, error in errors.items()} == dict.fromkeys(bodies, "token_id_out_of_range")
