@@ -13,8 +13,12 @@ does: upload to ``/v1/files``, then ``POST /v1/batches`` naming the file; "accep
 chat template and tokenizer like the synchronous route) or ``jobs`` lines (``/v1/jobs``: the rows
 above as our own requests, a quarter scoring lines).
 
-Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200] [--format native openai]``
-from the repository root.
+``--overlap`` compares, in this process, checking a chat file with its tokenizer calls in a thread
+beside the Python steps (what ``web.batch_upload`` does) against the same steps with each chunk's
+call in line, alternated three times each; the ratio of the best times is the row.
+
+Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200] [--format native openai]
+[--overlap]`` from the repository root.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from werkzeug.serving import make_server  # noqa: E402
 
 from client import RolloutClient  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
-from web import batches  # noqa: E402
+from web import batch_upload, batches  # noqa: E402
 from web.app import create_app  # noqa: E402
 from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 from workers.settings import Settings  # noqa: E402
@@ -140,6 +144,46 @@ def run(lines: int, token_counts: list[int], create_jobs: bool, formats: tuple[s
     return rows
 
 
+def overlap(lines: int, tokens: int, rounds: int = 3) -> tuple[float, float]:
+    """Best seconds to check ``lines`` chat lines with the tokenizer overlapped, and in line."""
+    from concurrent.futures import Future
+
+    from web.dialects.common import served_model_name, tokenizer
+    from web.openai_batch_lines import CHAT_URL, chat_token_ids
+
+    def in_line(numbered, endpoint):  # web.batch_upload._read_lines without the thread
+        for start in range(0, len(numbered), batch_upload.LINES_PER_CHUNK):
+            chunk = [batch_upload._begin(number, raw, endpoint)
+                     for number, raw in numbered[start:start + batch_upload.LINES_PER_CHUNK]]
+            pending = [line for line in chunk if line.pending is not None]
+            done = Future()
+            done.set_result(chat_token_ids([line.pending for line in pending], tokenizer()))
+            yield from batch_upload._finish(chunk, pending, done)
+
+    overlapped = batch_upload._read_lines
+    best = {overlapped: float("inf"), in_line: float("inf")}
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp)
+        redis_server = EmbeddedRedis(state / "redis", persistent=False).start()
+        try:
+            app = create_app(Settings(state_dir=state, model=str(build_demo_model(state / "model")), api_keys=(KEY,)),
+                             redis_server.url)
+            with app.test_request_context("/"):
+                data = make_openai_file(lines, tokens, CHAT_URL, served_model_name())
+                batch_upload.validate_lines(data[:10_000].rsplit(b"\n", 1)[0], max_lines=lines)  # warm-up
+                for _ in range(rounds):
+                    for read in best:
+                        batch_upload._read_lines = read
+                        started = time.perf_counter()
+                        parsed = batch_upload.validate_lines(data, max_lines=lines)
+                        best[read] = min(best[read], time.perf_counter() - started)
+                        assert len(parsed.valid) == lines, parsed.invalid[:3]
+        finally:
+            batch_upload._read_lines = overlapped
+            redis_server.stop()
+    return best[overlapped], best[in_line]
+
+
 class _Based:
     """A session with the service's base URL (the bench's stand-in for the openai client)."""
 
@@ -156,7 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[50, 200], help="prompt token ids per line")
     parser.add_argument("--no-jobs", action="store_true", help="skip timing the job creation")
     parser.add_argument("--format", nargs="+", choices=["native", "openai"], default=["native", "openai"])
+    parser.add_argument("--overlap", action="store_true",
+                        help="only compare chat lines' tokenizer calls overlapped / in line, in-process")
     args = parser.parse_args(argv)
+    if args.overlap:
+        for tokens in args.tokens:
+            overlapped, in_line = overlap(args.lines, tokens)
+            print(f"{args.lines} chat lines of {tokens} words, checked: tokenizer overlapped {overlapped:.2f} s, "
+                  f"in line {in_line:.2f} s, ratio {overlapped / in_line:.2f}")
+        return 0
     rows = run(args.lines, args.tokens, not args.no_jobs, tuple(args.format))
     print(f"{'file':<28} {'lines':>7} {'tokens/line':>11} {'MiB':>6} {'accept s':>9} {'lines/s':>8} {'goal':>6} "
           f"{'jobs created s':>15} {'jobs/s':>7}")
