@@ -107,16 +107,17 @@ def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iter
     """Every line checked, in order, a chunk at a time; a line's error is its own. Chat lines are
     read in two steps around one tokenizer call for their chunk
     (web.openai_batch_lines.chat_token_ids). That call runs in a thread while this one begins the
-    next chunk and finishes the last: the Rust tokenizer lets go of the GIL, and on chat lines
-    it is as long as the Python steps (bench/batch_submit.py), so the two overlap."""
+    next chunk and finishes the last: the Rust tokenizer lets go of the GIL, and on chat lines it
+    takes about a third of the time, so the two overlap (bench/batch_submit.py ``--overlap``)."""
     with ThreadPoolExecutor(1, thread_name_prefix="batch-tokenizer") as tokenizing:
         previous = None
         for start in range(0, len(numbered), LINES_PER_CHUNK):
             lines = [_begin(number, raw, endpoint) for number, raw in numbered[start:start + LINES_PER_CHUNK]]
             pending = [line for line in lines if line.pending is not None]
-            # The tokenizer is fetched here, in the request's context, and only for a file with chat lines.
+            # The tokenizer is fetched here, in the request's context, and only for a chunk with chat lines.
+            chats = any(line.pending.prompt is not None for line in pending)
             tokenized = tokenizing.submit(chat_token_ids, [line.pending for line in pending],
-                                          tokenizer() if pending else None)
+                                          tokenizer() if chats else None)
             if previous is not None:
                 yield from _finish(*previous)
             previous = lines, pending, tokenized

@@ -133,7 +133,7 @@ def token_ids_of(texts: list[str], *, add_special_tokens: bool, tok=None) -> lis
     """Each text's ids as ``tokenizer()(text, add_special_tokens=...)["input_ids"]`` gives them, in
     one call: a fast tokenizer encodes a batch on all cores. Pass ``tok`` (``tokenizer()``) to call
     it outside the request's thread."""
-    tok = tok or tokenizer()
+    tok = tokenizer() if tok is None else tok
     if _wrapper_adds_nothing(tok):
         # transformers' batched call runs the Rust ``encode_batch``, which also tracks each token's
         # character offsets (a quarter of its time on chat prompts) only to drop them here;
