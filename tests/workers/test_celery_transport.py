@@ -153,6 +153,24 @@ def test_an_unbounded_window_takes_at_most_a_bounded_number(url, client):
         assert len(messages) == celery_transport.UNBOUNDED_TAKE + 1  # BRPOP's own, and a take's worth
 
 
+def test_a_channel_sends_through_one_client_until_its_pool_is_replaced(url, client):
+    """kombu builds a redis.Redis per publish or ack; ours keeps one, bound to the channel's pool."""
+    with Connection(url, transport=celery_transport.Transport) as connection:
+        channel = connection.default_channel
+        producer = Producer(channel, exchange=QUEUE.exchange, routing_key=QUEUE.routing_key)
+        QUEUE(channel).declare()
+        first = channel._create_client()
+        for n in range(3):
+            producer.publish({"n": n}, declare=[QUEUE])
+        assert channel._create_client() is first and first.connection_pool is channel.pool
+        assert channel._create_client(asynchronous=True) is not first  # the consumer's stays kombu's
+        channel._disconnect_pools()  # what kombu does after a fork: a new pool, so a new client
+        producer.publish({"n": 3}, declare=[QUEUE])
+        again = channel._create_client()
+        assert again is not first and again.connection_pool is channel.pool
+        assert [m.payload["n"] for m in consume(connection, prefetch=0, wakeups=1)] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("target", ["redis://127.0.0.1:6379/0", "redis+sentinel://127.0.0.1:26379/mymaster/0"])
 def test_every_celery_app_takes_in_bulk(target):
     app = create_celery(Settings(), target)
