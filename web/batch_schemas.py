@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, pre_load, validate
+from marshmallow import ValidationError, fields, pre_load, validate
 
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
 from web.openai_batch_lines import ENDPOINTS
 from web.openai_batch_object import VIEWS
+from web.schema_base import Schema
 from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
 from workers.batches.store import STATUSES
 from workers.webhooks import BATCH_EVENTS

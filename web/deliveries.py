@@ -5,10 +5,11 @@ and every delivery attempt (time, status code, latency, error code). Owners see 
 from __future__ import annotations
 
 from flask.views import MethodView
-from marshmallow import Schema, fields
+from marshmallow import fields
 
 from web.auth import current_owner
 from web.blueprint import Blueprint
+from web.schema_base import Schema
 from web.services import services
 
 blp = Blueprint("deliveries", __name__, url_prefix="/v1", description="Webhook deliveries")

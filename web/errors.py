@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
+from web.schema_base import Schema
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ _HTTP_CODES = {
 }
 
 
-class ErrorSchema(ma.Schema):
+class ErrorSchema(Schema):
     code = ma.fields.String(required=True, metadata={"description": "Stable machine-readable error code"})
     message = ma.fields.String(required=True)
     errors = ma.fields.Raw(metadata={"description": "Field errors, keyed by field name"})

@@ -18,7 +18,7 @@ from typing import Any
 
 from flask import Response, request, stream_with_context
 from flask.views import MethodView
-from marshmallow import Schema, fields, validate
+from marshmallow import fields, validate
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from engine.errors import InvalidRequestError, NotFoundError
@@ -28,6 +28,7 @@ from web.batch_upload import MULTIPART_OVERHEAD
 from web.blueprint import Blueprint
 from web.dialects.errors import install, openai_shape
 from web.openai_batch_lines import render_results
+from web.schema_base import Schema
 from web.services import services
 from workers.batches.creation import BatchTooLargeError
 from workers.batches.files import PURPOSES

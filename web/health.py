@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from flask.views import MethodView
-from marshmallow import Schema, fields
+from marshmallow import fields
 
 from web.blueprint import Blueprint
+from web.schema_base import Schema
 from web.services import services
 from workers.gpu.model_check import last_model_check
 from workers.infra.heartbeats import WORKER_KINDS, alive_workers

@@ -31,11 +31,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, validate
+from marshmallow import ValidationError, fields, validate
 
 from engine.errors import InvalidRequestError
 from web.dialects import openai
 from web.dialects.errors import openai_shape
+from web.schema_base import Schema
 from web.schemas import JobRequestSchema
 from workers.infra import finite_json
 

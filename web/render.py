@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from flask.views import MethodView
-from marshmallow import Schema, fields, validate
+from marshmallow import fields, validate
 
 from engine.errors import RateLimitedError
 from engine.request_rules import check_media_count
 from processors.chat_messages import template_messages
 from web.auth import current_owner
 from web.blueprint import Blueprint
+from web.schema_base import Schema
 from web.schemas import ContentPartSchema
 from web.services import services
 from workers.infra.fair_share import KeyShare

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, pre_load, validate, validates_schema
+from marshmallow import ValidationError, fields, pre_load, validate, validates_schema
 
 from engine.request_rules import prompt_input_problem, sampling_knob_problems
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from web.schema_base import Schema
 
 JOB_KINDS = ("generate", "score")
 JOB_STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")

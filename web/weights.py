@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from flask.views import MethodView
-from marshmallow import EXCLUDE, Schema, fields, validate
+from marshmallow import EXCLUDE, fields, validate
 
 from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import check_checkpoint, weight_version_of
 from web.auth import require_admin
 from web.blueprint import Blueprint
+from web.schema_base import Schema
 from web.services import services
 from workers.weights.paths import resolve_weights_dir
 from workers.weights.store import MODES, PAUSE_MODES

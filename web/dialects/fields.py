@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from marshmallow import Schema, ValidationError, fields, pre_load, validate
+from marshmallow import ValidationError, fields, pre_load, validate
 
+from web.schema_base import Schema
 from web.schemas import StrictBoolean, TokenIds
 
 

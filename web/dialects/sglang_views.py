@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from flask import jsonify
 from flask.views import MethodView
-from marshmallow import Schema, fields, validate
+from marshmallow import fields, validate
 
 from engine.errors import ServiceUnavailableError
 from web.auth import current_owner, require_admin
@@ -19,6 +19,7 @@ from web.dialects.common import native_request, run_jobs, served_model_name
 from web.dialects.errors import install, sglang_shape
 from web.dialects.sglang_stream import SglangChunks
 from web.dialects.streaming import dialect_stream
+from web.schema_base import Schema
 from web.schemas import StrictBoolean
 from web.services import services
 from workers.gpu.model_check import last_model_check

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flask import jsonify
 from flask.views import MethodView
-from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import EXCLUDE, ValidationError, fields, validate, validates_schema
 
 from engine.errors import InvalidRequestError
 from web.auth import current_owner, require_admin
@@ -18,6 +18,7 @@ from web.dialects.openai_stream import GenerateChunks
 from web.dialects.openai_views import documented
 from web.dialects.streaming import dialect_stream
 from web.render import render_on_worker
+from web.schema_base import Schema
 from web.schemas import StrictBoolean
 from web.services import services
 from web.weights import PAUSE_REPORT_SECONDS
