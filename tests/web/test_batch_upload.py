@@ -171,3 +171,14 @@ def test_batched_ids_are_the_tokenizers_own_call_whatever_is_left_set_on_it(app,
         tok.split_special_tokens = True
     batched = token_ids_of(texts, add_special_tokens=False)
     assert batched == [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def test_a_line_holding_an_integer_past_64_bits_is_stored_as_json_writes_it(app):
+    # orjson writes every line but refuses such an integer (web/batch_upload._compact_json).
+    huge = 2**70 + 1
+    obj = {"custom_id": "big", "kind": "generate",
+           "body": {"token_ids": [1, 2], "metadata": {"step": huge}, "sampling_params": {"max_tokens": 2}}}
+    parsed = validate_lines(jsonl(obj), max_lines=10)
+    assert parsed.invalid == []
+    (stored,) = parsed.valid
+    assert json.loads(stored)["request"]["metadata"] == {"step": huge}
