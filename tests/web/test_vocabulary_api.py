@@ -99,3 +99,11 @@ def test_openai_format_batch_lines_with_ids_outside_the_vocabulary_are_line_erro
     errors = {entry["custom_id"]: entry["error"] for entry in response.get_json()["errors"]["data"]}
     assert sorted(errors) == sorted(bodies)
     assert {url: error["code"] for url, error in errors.items()} == dict.fromkeys(bodies, "token_id_out_of_range")
+
+
+def test_prompt_ids_a_client_sends_to_completions_are_checked_per_id(client):
+    model = client.get("/v1/models", headers=auth()).get_json()["data"][0]["id"]
+    response = client.post("/v1/completions", json={"model": model, "prompt": [1, True], "max_tokens": 2},
+                           headers=auth())
+    assert response.status_code == 422, response.get_json()
+    assert response.get_json()["error"]["param"] == "prompt.1", response.get_json()

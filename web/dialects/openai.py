@@ -140,15 +140,17 @@ class ChatCompletionRequestSchema(_Common):
 
 def prompts_of(prompt: Any) -> tuple[list, bool]:
     """The prompts (each a string or a list of ids) and whether the body held a list of them."""
-    field = OneOrMany(fields.String())
     if isinstance(prompt, str):
         return [prompt], False
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        return [TokenIdsOrBatch().deserialize(prompt)], False
-    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        return TokenIdsOrBatch().deserialize(prompt), True
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return field.deserialize(prompt), True
+    try:
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            return [TokenIdsOrBatch().deserialize(prompt)], False
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            return TokenIdsOrBatch().deserialize(prompt), True
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return OneOrMany(fields.String()).deserialize(prompt), True
+    except ValidationError as exc:  # the item's errors, under the field's name (not a bare index)
+        raise ValidationError(exc.messages, "prompt") from None
     raise ValidationError("must be a string, a list of token ids, or a non-empty list of either", "prompt")
 
 
