@@ -101,6 +101,27 @@ def test_openai_format_batch_lines_with_ids_outside_the_vocabulary_are_line_erro
     assert {url: error["code"] for url, error in errors.items()} == dict.fromkeys(bodies, "token_id_out_of_range")
 
 
+def test_only_the_very_list_our_tokenizer_made_skips_the_per_id_check():
+    from marshmallow import ValidationError
+
+    from web.schemas import TOKENIZER_MADE, JobRequestSchema
+
+    made = [1, 2.5, True]  # no tokenizer makes these: here they show whose list is trusted
+    trusted = TOKENIZER_MADE.set(made)
+    try:
+        assert JobRequestSchema().load({"token_ids": made})["token_ids"] is made
+        with pytest.raises(ValidationError):  # the same values, sent in a request
+            JobRequestSchema().load({"token_ids": list(made)})
+    finally:
+        TOKENIZER_MADE.reset(trusted)
+    empty = TOKENIZER_MADE.set([])
+    try:
+        with pytest.raises(ValidationError):  # the length is checked whoever made the list
+            JobRequestSchema().load({"token_ids": TOKENIZER_MADE.get()})
+    finally:
+        TOKENIZER_MADE.reset(empty)
+
+
 def test_prompt_ids_a_client_sends_to_completions_are_checked_per_id(client):
     model = client.get("/v1/models", headers=auth()).get_json()["data"][0]["id"]
     response = client.post("/v1/completions", json={"model": model, "prompt": [1, True], "max_tokens": 2},

@@ -18,7 +18,7 @@ from engine.errors import InvalidRequestError, RolloutError, TokenIdOutOfRangeEr
 from web.auth import current_owner
 from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
-from web.schemas import JobRequestSchema
+from web.schemas import TOKENIZER_MADE, JobRequestSchema
 from web.services import services
 from web.submit import check_vocabulary, submit
 from workers.jobs.store import TERMINAL
@@ -52,15 +52,19 @@ def job_error(job: dict) -> RolloutError:
 
 
 def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
-                   vocab_size: int | None = None) -> dict[str, Any]:
+                   vocab_size: int | None = None, tokenized: bool = False) -> dict[str, Any]:
     """``body`` (native field names) validated and defaulted by the native schema, its token ids
     checked against ``vocab_size`` when given. ``names`` maps native field paths back to the
-    dialect's, so errors name what the client sent."""
+    dialect's, so errors name what the client sent. ``tokenized``: the body's ``token_ids`` are
+    the ids our tokenizer made (web.schemas.TOKENIZER_MADE)."""
+    made = TOKENIZER_MADE.set(body["token_ids"] if tokenized else None)
     try:
         request = _NATIVE.load(body)
     except ValidationError as exc:
         errors = _rename(exc.messages, names or {})
         raise InvalidRequestError("invalid fields: " + ", ".join(sorted(errors)), errors=errors) from None
+    finally:
+        TOKENIZER_MADE.reset(made)
     try:
         check_vocabulary(request, vocab_size)  # submit checks again, naming native fields
     except TokenIdOutOfRangeError as error:

@@ -188,7 +188,7 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
         names = {f"sampling_params.{n}": n for n in params} | _NAMES
         if batch:
             names["token_ids"] = f"prompt[{i}]"
-        requests.append(native_request(native, names, vocab_size=vocab_size()))
+        requests.append(native_request(native, names, vocab_size=vocab_size(), tokenized=ids is not prompt))
     return requests
 
 
@@ -312,7 +312,7 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
         native["request_id"] = body["request_id"]
     names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
                                                             "content_parts": "messages", "token_ids": "messages"}
-    return native_request(native, names, vocab_size=vocab_size())
+    return native_request(native, names, vocab_size=vocab_size(), tokenized=True)
 
 
 def checked_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
