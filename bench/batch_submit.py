@@ -132,7 +132,6 @@ def run(lines: int, token_counts: list[int], create_jobs: bool, formats: tuple[s
                     for index in range(chunks):
                         submit_chunk(svc, batch["id"], index)
                     created = time.perf_counter() - started
-                    # Every line has its job, or is marked for the GPU's direct scoring (no job).
                     # Every line (numbered from 1) has its job, or is marked for the GPU's direct
                     # scoring, which makes none.
                     assert len(svc.batches.line_jobs(batch["id"], list(range(1, lines + 1)))) == lines

@@ -25,7 +25,7 @@ load gives what marshmallow's own path gives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import marshmallow
@@ -36,20 +36,15 @@ from marshmallow.fields import Field
 # sends, so the sets are few in practice but not bounded by us; past this many they are rebuilt.
 MAX_NARROWED = 64
 _STOCK_DESERIALIZE = marshmallow.Schema._deserialize
-_DESERIALIZE_ON_MISSING = object()  # an absent field whose value Field.deserialize must give
-
-
-class _Absent(NamedTuple):
-    data_key: str
-    key: str  # where the loaded value goes (the field's attribute, or its name)
-    field: Field
-    default: Any  # the load_default, or _DESERIALIZE_ON_MISSING
 
 
 class _Narrowed(NamedTuple):
     schema: marshmallow.Schema  # only the fields present
-    absent: tuple[_Absent, ...]
-    order: tuple[str, ...]  # every loaded key, in declared order
+    # What the absent fields load as, by key (the field's attribute, or its name):
+    defaults: dict[str, Any]  # a load_default that is a value
+    factories: tuple[tuple[str, Callable[[], Any]], ...]  # a load_default to call
+    deserialized: tuple[tuple[str, str, Field], ...]  # (data key, key, field): Field.deserialize reads it
+    order: tuple[str, ...] | None  # the keys a load can give, declared order; None: nothing absent is added
 
 
 class _Plan(NamedTuple):
@@ -68,20 +63,21 @@ class Schema(marshmallow.Schema):
         present = frozenset(names[key] for key in data if key in names)
         narrowed = plan.narrowed.get(present) or self._narrow(plan, present)
         loaded = _STOCK_DESERIALIZE(narrowed.schema, data, error_store=error_store, unknown=unknown, index=index)
-        if not narrowed.absent:
+        if narrowed.order is None:
             return loaded
+        loaded.update(narrowed.defaults)
+        for key, make in narrowed.factories:
+            if (value := make()) is not missing:
+                loaded[key] = value
         index = index if self.opts.index_errors else None
-        for absent in narrowed.absent:
-            if absent.default is _DESERIALIZE_ON_MISSING:
-                try:
-                    value = absent.field.deserialize(missing, absent.data_key, data)
-                except ValidationError as error:
-                    error_store.store_error(error.messages, absent.data_key, index=index)
-                    continue
-            else:
-                value = absent.default() if callable(absent.default) else absent.default
+        for data_key, key, field in narrowed.deserialized:
+            try:
+                value = field.deserialize(missing, data_key, data)
+            except ValidationError as error:
+                error_store.store_error(error.messages, data_key, index=index)
+                continue
             if value is not missing:
-                loaded[absent.key] = value
+                loaded[key] = value
         return {key: loaded[key] for key in narrowed.order if key in loaded}
 
     def _make_plan(self) -> _Plan:
@@ -97,10 +93,23 @@ class Schema(marshmallow.Schema):
         # ``only`` in declared order: the narrowed copy loads its fields in the order it is given them.
         only = tuple(name for name in self.load_fields if name in present)
         schema = type(self)(only=only, load_only=self.load_only, dump_only=self.dump_only, unknown=self.unknown)
-        absent = tuple(_Absent(_data_key(name, field), field.attribute or name, field, _absent_default(field))
-                       for name, field in self.load_fields.items() if name not in present)
-        order = tuple(field.attribute or name for name, field in self.load_fields.items())
-        narrowed = plan.narrowed[present] = _Narrowed(schema, absent, order)
+        defaults, factories, deserialized, order = {}, [], [], []
+        for name, field in self.load_fields.items():
+            key = field.attribute or name
+            if name in present:
+                order.append(key)
+            elif field.required or not _reads_missing_as_marshmallow_does(field):
+                deserialized.append((_data_key(name, field), key, field))
+            elif field.load_default is missing:
+                continue  # absent and without a default: not in the result
+            elif callable(field.load_default):
+                factories.append((key, field.load_default))
+            else:
+                defaults[key] = field.load_default
+            order.append(key)
+        added = defaults or factories or deserialized
+        narrowed = _Narrowed(schema, defaults, tuple(factories), tuple(deserialized), tuple(order) if added else None)
+        plan.narrowed[present] = narrowed
         return narrowed
 
 
@@ -108,8 +117,8 @@ def _data_key(name: str, field: Field) -> str:
     return field.data_key if field.data_key is not None else name
 
 
-def _absent_default(field: Field) -> Any:
-    """What an absent ``field`` loads as, as ``Field.deserialize(missing)`` gives it."""
-    stock = (type(field).deserialize is Field.deserialize
-             and type(field)._validate_missing is Field._validate_missing)
-    return field.load_default if stock and not field.required else _DESERIALIZE_ON_MISSING
+def _reads_missing_as_marshmallow_does(field: Field) -> bool:
+    """Whether ``field`` gives an absent value as ``Field.deserialize(missing)`` does (its
+    ``load_default``): its class changes neither step."""
+    return (type(field).deserialize is Field.deserialize
+            and type(field)._validate_missing is Field._validate_missing)
