@@ -64,3 +64,20 @@ def test_render_refuses_what_it_does_not_honour(client, model, field):
     reply = client.post("/v1/chat/completions/render", json={"model": model, "messages": MESSAGES, **field},
                         headers=auth())
     assert reply.status_code == 422 and next(iter(field)) in str(reply.get_json()), reply.get_json()
+
+
+REFUSING = {"chat_template": "{{ raise_exception('roles must alternate user and assistant') }}"}
+BROKEN = {"chat_template": "{% if messages %}unclosed"}
+
+
+@pytest.mark.parametrize("kwargs", [REFUSING, BROKEN], ids=["raise_exception", "syntax_error"])
+def test_a_template_that_refuses_the_conversation_is_a_422_with_its_reason(make_app, kwargs):
+    client = make_app(trust_request_chat_template=True).test_client()
+    model = client.get("/v1/models", headers=auth()).get_json()["data"][0]["id"]
+    for path, body in _bodies(model, kwargs):
+        reply = client.post(path, json=body, headers=auth())
+        assert reply.status_code == 422, (path, reply.get_data(as_text=True)[:300])
+        error = reply.get_json()
+        error = error.get("error", error)
+        assert error["code"] == "chat_template_refused", error
+    assert "roles must alternate" in str(error) or kwargs is BROKEN

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import meta
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import InvalidRequestError
@@ -26,6 +26,25 @@ REQUEST_TEMPLATE = "chat_template"
 # Set by the service (the conversation, and what its own fields say) or by transformers.
 _SET_BY_SERVICE = frozenset({"messages", "conversation", "add_generation_prompt", "tools", "documents",
                              "raise_exception", "strftime_now"})
+
+
+class ChatTemplateRefusedError(InvalidRequestError):
+    """The chat template raised on the conversation: its ``raise_exception`` (many templates refuse
+    roles that do not alternate, or a system message where none is taken), or a request's own
+    template that does not parse. The client's conversation, not the service, is at fault."""
+
+    code = "chat_template_refused"
+
+
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
+    """The prompt text of ``messages`` through the tokenizer's chat template (``kwargs`` as
+    ``template_kwargs`` checked them)."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+    except TemplateError as exc:
+        raise ChatTemplateRefusedError(f"the chat template refused the conversation: {exc}",
+                                       errors={"messages": [str(exc)]}) from None
 
 
 def template_kwargs(body: Mapping[str, Any], tokenizer, *, trust_request_template: bool) -> dict[str, Any]:

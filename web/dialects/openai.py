@@ -20,7 +20,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.errors import InvalidRequestError, NotFoundError
-from web.dialects.chat_template import template_kwargs
+from web.dialects import chat_template
 from web.dialects.common import (
     TokenTexts,
     media_url,
@@ -275,9 +275,9 @@ def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     if tool_choice not in (None, "none", "auto"):
         raise InvalidRequestError("tool_choice: tools are not served", errors={"tool_choice": ["not supported"]})
     template_messages, parts = chat_messages(body["messages"])
-    text = tokenizer().apply_chat_template(template_messages, tokenize=False,
-                                           add_generation_prompt=body.get("add_generation_prompt", True),
-                                           **checked_template_kwargs(body))
+    text = chat_template.render(tokenizer(), template_messages,
+                                add_generation_prompt=body.get("add_generation_prompt", True),
+                                kwargs=checked_template_kwargs(body))
     return ChatPrompt(body, text, parts)
 
 
@@ -317,7 +317,7 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
 
 def checked_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """The body's ``chat_template_kwargs`` the served template reads (web/dialects/chat_template.py)."""
-    return template_kwargs(body, tokenizer(), trust_request_template=services().settings.trust_request_chat_template)
+    return chat_template.template_kwargs(body, tokenizer(), trust_request_template=services().settings.trust_request_chat_template)
 
 
 def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -10,7 +10,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.errors import InvalidRequestError
 from web.blueprint import Blueprint
-from web.dialects import openai
+from web.dialects import chat_template, openai
 from web.dialects.common import run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.fields import NullMeansDefault
@@ -107,9 +107,8 @@ class Tokenize(MethodView):
             ids = tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
         else:
             messages, _ = openai.chat_messages(body["messages"])
-            text = tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=body.get("add_generation_prompt", True),
-                                           **openai.checked_template_kwargs(body))
+            text = chat_template.render(tok, messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                                        kwargs=openai.checked_template_kwargs(body))
             ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
         return {"count": len(ids), "max_model_len": services().max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None}
