@@ -9,7 +9,8 @@ file of them (bench/batch_submit.py). Marshmallow has no option for this, so ``_
 one step that reads the fields (private API, pinned ``marshmallow<5``), is overridden:
 
 - the fields the body has go through marshmallow's own ``_deserialize``, on a copy of the schema
-  narrowed to them (``only=``, built once per set of fields present and kept);
+  narrowed to them (``only=``, built once per set of fields present and kept for every instance
+  of the class built with the same options);
 - a field the body lacks takes what marshmallow would give it: its ``load_default`` (called when
   callable) or nothing, and a required field, or a field class that changes how a missing value is
   read, goes through ``Field.deserialize`` as before;
@@ -32,7 +33,7 @@ import marshmallow
 from marshmallow import INCLUDE, RAISE, ValidationError, missing
 from marshmallow.fields import Field
 
-# Narrowed copies kept per schema instance: a request chooses which of the declared fields it
+# Narrowed copies kept per schema class and options: a request chooses which of the declared fields it
 # sends, so the sets are few in practice but not bounded by us; past this many they are rebuilt.
 MAX_NARROWED = 64
 _STOCK_DESERIALIZE = marshmallow.Schema._deserialize
@@ -51,6 +52,10 @@ class _Plan(NamedTuple):
     names_by_data_key: dict[str, str]
     narrowed: dict[frozenset[str], _Narrowed]
     eligible: bool  # False: this schema always takes marshmallow's path
+
+
+# Plans by schema class and construction options (classes are declared in code: a bounded set).
+_PLANS: dict[tuple, _Plan] = {}
 
 
 class Schema(marshmallow.Schema):
@@ -81,9 +86,15 @@ class Schema(marshmallow.Schema):
         return {key: loaded[key] for key in narrowed.order if key in loaded}
 
     def _make_plan(self) -> _Plan:
-        fields = self.load_fields.items()
-        eligible = all("." not in (field.attribute or name) for name, field in fields)
-        plan = _Plan({_data_key(name, field): name for name, field in fields}, {}, eligible)
+        # Shared by every instance of the class built with the same options: a schema built per
+        # request (as marshmallow's examples do) must not rebuild its narrowed copies each time.
+        key = (type(self), None if self.only is None else frozenset(self.only), frozenset(self.exclude),
+               frozenset(self.load_only), frozenset(self.dump_only), self.unknown)
+        plan = _PLANS.get(key)
+        if plan is None:
+            fields = self.load_fields.items()
+            eligible = all("." not in (field.attribute or name) for name, field in fields)
+            plan = _PLANS[key] = _Plan({_data_key(name, field): name for name, field in fields}, {}, eligible)
         self._load_plan = plan
         return plan
 

@@ -116,10 +116,23 @@ def test_a_narrowed_copy_is_kept_per_set_of_fields_sent_and_their_number_is_boun
 
     schema = SamplingParamsSchema()
     schema.load({"max_tokens": 3})
+    kept = dict(schema._load_plan.narrowed)
     schema.load({"max_tokens": 5})
-    assert len(schema._load_plan.narrowed) == 1
+    assert schema._load_plan.narrowed == kept and frozenset({"max_tokens"}) in kept
     knobs = ["temperature", "top_p", "min_p", "seed", "n", "ignore_eos", "logprobs", "min_tokens"]
     for mask in range(1, 2 ** len(knobs)):
         sent = {knob: schema.load({})[knob] for bit, knob in enumerate(knobs) if mask >> bit & 1}
         schema.load({**sent, "max_tokens": 3})
     assert len(schema._load_plan.narrowed) <= schema_base.MAX_NARROWED
+
+
+def test_a_schema_built_per_request_shares_the_narrowed_copies_of_its_class():
+    from web.schemas import JobRequestSchema
+
+    first, second = JobRequestSchema(), JobRequestSchema()
+    first.load({"token_ids": [1]})
+    second.load({"token_ids": [2]})
+    assert first._load_plan is second._load_plan
+    lenient = JobRequestSchema(unknown=marshmallow.EXCLUDE)  # other options: a plan of its own
+    assert lenient.load({"token_ids": [1], "x": 1}) == first.load({"token_ids": [1]})
+    assert lenient._load_plan is not first._load_plan
