@@ -4,7 +4,6 @@ parameters and completion window, and each line checked into valid lines and lin
 from __future__ import annotations
 
 import codecs
-import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from flask import request
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
@@ -36,6 +34,7 @@ from web.openai_batch_lines import (
 from web.services import services
 from web.submit import check_limits
 from workers.batches.creation import BatchTooLargeError, ParsedBatch
+from workers.infra import finite_json
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
 # Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
@@ -101,17 +100,8 @@ class _Line:
         stored = {"line": self.number, "custom_id": self.custom_id, "request": self.body}
         if self.reply is not None:
             stored["reply"] = self.reply
-        return _compact_json(stored)
+        return finite_json.compact(stored)  # orjson: 4 against 71 µs for a chat line's 564 ids
 
-
-def _compact_json(value: Any) -> str:
-    """``value`` as compact JSON. orjson writes a line's token ids about 20 times faster than
-    ``json.dumps`` (4 against 71 µs for 564 ids: a tenth of checking a chat line); it refuses an
-    integer past 64 bits, which a line's metadata may hold and ``json`` writes."""
-    try:
-        return orjson.dumps(value).decode()
-    except orjson.JSONEncodeError:
-        return json.dumps(value, separators=(",", ":"))
 
 
 def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[_Line]:

@@ -202,5 +202,5 @@ def render_reply(reply: dict[str, Any], job_id: str, result: dict[str, Any], cre
 def render_results(pages: Iterator[list[bytes]], *, batch_id: str, created: int) -> Iterator[bytes]:
     """Stored result pages (JSON bytes per line) as OpenAI JSONL, a page at a time."""
     for page in pages:
-        yield b"".join(finite_json.dumps(output_line(json.loads(raw), batch_id=batch_id, created=created),
-                                         separators=(",", ":")).encode() + b"\n" for raw in page)
+        yield b"".join(finite_json.compact(output_line(json.loads(raw), batch_id=batch_id, created=created)).encode()
+                       + b"\n" for raw in page)

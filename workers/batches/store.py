@@ -319,7 +319,7 @@ class BatchStore:
             return False
         args: list[Any] = []
         for line, ok, entry in entries:
-            args += [line, "completed" if ok else "failed", finite_json.dumps(entry, separators=(",", ":"))]
+            args += [line, "completed" if ok else "failed", finite_json.compact(entry)]
         keys = [batch_key(batch_id), ended_key(batch_id), output_key(batch_id), errors_key(batch_id)]
         return self._record(keys=keys, args=args) == 1
 

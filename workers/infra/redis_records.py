@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import redis
 
+from workers.infra import finite_json
+
 Record = TypeVar("Record")
 
 
@@ -32,7 +34,7 @@ def plausible_id(object_id: str) -> bool:
 
 def encode_field(name: str, value: Any, json_fields: Collection[str]) -> str:
     if name in json_fields:
-        return json.dumps(value, separators=(",", ":"))
+        return finite_json.compact(value)
     return "" if value is None else str(value)
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import redis
 
+from workers.infra import finite_json
 from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import plausible_id
 
@@ -139,7 +140,7 @@ class JobEvents:
             return
         pipe = self.redis.pipeline(transaction=False)
         for job_id, attempt, choices in deltas:
-            data = json.dumps({"attempt": attempt, "choices": choices}, separators=(",", ":"))
+            data = finite_json.compact({"attempt": attempt, "choices": choices})
             pipe.xadd(events_key(job_id), {"t": "tokens", "d": data}, maxlen=self.maxlen, approximate=True)
         pipe.execute()
 

@@ -20,7 +20,6 @@ line run twice; the batch counts whichever run ends first.
 
 from __future__ import annotations
 
-import json
 import logging
 
 from celery import shared_task
@@ -30,6 +29,7 @@ from workers.batches.messages import schedule_expiry, send_score_lines
 from workers.batches.progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
 from workers.batches.store import DIRECT_LINE
 from workers.batches.sweeps import cancel_lines, expire
+from workers.infra import finite_json
 from workers.infra.redis_client import REDIS_DOWN
 from workers.jobs.request import JobRequest
 from workers.jobs.store import TERMINAL as JOB_TERMINAL
@@ -110,7 +110,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
                 continue
             extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
             if line.get("reply"):  # how the API renders this line's result (OpenAI-format lines)
-                extra["reply"] = json.dumps(line["reply"], separators=(",", ":"))
+                extra["reply"] = finite_json.compact(line["reply"])
             job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=JobRequest.from_dict(line["request"]), extra=extra,
                              model=rt.model_facts)
             store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
