@@ -20,7 +20,7 @@ one step that reads the fields (private API, pinned ``marshmallow<5``), is overr
 Hooks (``pre_load``, ``validates``, ``validates_schema``, ``post_load``) run in ``load`` around this
 step, as before. Anything else marshmallow allows that this does not handle (``many``,
 ``partial``, ``unknown=INCLUDE``, dotted ``attribute``) takes marshmallow's path whole.
-``tests/web/test_schema_base.py`` checks, for every schema in marshmallow's class registry, that a
+``tests/web/test_schema_base.py`` checks, for every schema our packages define, that a
 load gives what marshmallow's own path gives.
 """
 
