@@ -103,7 +103,6 @@ class _Line:
         return finite_json.compact(stored)  # orjson: 4 against 71 µs for a chat line's 564 ids
 
 
-
 def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[_Line]:
     """Every line checked, in order, a chunk at a time; a line's error is its own. Chat lines are
     read in two steps around one tokenizer call for their chunk

@@ -174,7 +174,7 @@ def test_batched_ids_are_the_tokenizers_own_call_whatever_is_left_set_on_it(app,
 
 
 def test_a_line_holding_an_integer_past_64_bits_is_stored_as_json_writes_it(app):
-    # orjson writes every line but refuses such an integer (web/batch_upload._compact_json).
+    # orjson writes every line but refuses such an integer (workers/infra/finite_json.compact).
     huge = 2**70 + 1
     obj = {"custom_id": "big", "kind": "generate",
            "body": {"token_ids": [1, 2], "metadata": {"step": huge}, "sampling_params": {"max_tokens": 2}}}
