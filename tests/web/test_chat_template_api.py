@@ -81,3 +81,24 @@ def test_a_template_that_refuses_the_conversation_is_a_422_with_its_reason(make_
         error = error.get("error", error)
         assert error["code"] == "chat_template_refused", error
     assert "roles must alternate" in str(error) or kwargs is BROKEN
+
+
+def test_a_batch_line_the_template_refuses_is_refused_alone(make_app):
+    from tests.web.test_batches_api import jsonl
+    from web.batch_upload import validate_lines
+    from web.dialects.common import served_model_name
+    from web.openai_batch_lines import CHAT_URL
+
+    app = make_app(trust_request_chat_template=True)
+    with app.test_request_context():
+        def line(custom_id: str, **kwargs) -> dict:
+            return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL,
+                    "body": {"model": served_model_name(), "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 2, **kwargs}}
+
+        parsed = validate_lines(jsonl(line("ok"), line("refused", chat_template_kwargs=REFUSING), line("ok too")),
+                                max_lines=10, endpoint=CHAT_URL)
+    assert len(parsed.valid) == 2
+    (refused,) = parsed.invalid
+    assert refused["custom_id"] == "refused" and refused["status_code"] == 422
+    assert refused["error"]["code"] == "chat_template_refused" and "roles must alternate" in refused["error"]["message"]
