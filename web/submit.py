@@ -49,9 +49,9 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
 
 def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
     """Every token id of ``request`` (as the native schema loaded it) must be one the model has
-    (TokenIdOutOfRangeError, 422, names
-    the field and index), so a bad id never reaches a GPU batch shared with other keys' jobs. The
-    engine checks again (engine.batch_inputs), for jobs that come by other ways."""
+    (TokenIdOutOfRangeError, 422, names the field and index), so a bad id never reaches a GPU
+    batch shared with other keys' jobs. The engine checks again (engine.batch_inputs), for jobs
+    that come by other ways."""
     if vocab_size is None:  # a config without vocab_size: the engine's check alone holds
         return
     for field, token_ids in (("token_ids", request.get("token_ids")),
