@@ -7,10 +7,10 @@ A handle is a small JSON-safe dict. Every kind carries ``kind``, ``v`` (format v
 
 from __future__ import annotations
 
-import base64
 import binascii
 from typing import Any
 
+import pybase64
 import safetensors
 import torch
 from safetensors.torch import load as st_load
@@ -79,14 +79,14 @@ def layout(handle: dict[str, Any]) -> tuple[torch.dtype, tuple[int, ...], int]:
 def encode_inline(tensor: torch.Tensor) -> dict[str, Any]:
     handle = base_fields("inline", tensor)
     blob = st_save({_INLINE_KEY: tensor.detach().to("cpu").contiguous()})
-    handle["data"] = base64.b64encode(blob).decode("ascii")
+    handle["data"] = pybase64.b64encode_as_string(blob)  # SIMD: features run to megabytes
     return handle
 
 
 def decode_inline(handle: dict[str, Any]) -> torch.Tensor:
     dtype, shape, _ = layout(handle)
     try:
-        blob = base64.b64decode(field(handle, "data", str), validate=True)
+        blob = pybase64.b64decode(field(handle, "data", str), validate=True)
         tensor = st_load(blob)[_INLINE_KEY]
     except (binascii.Error, KeyError, safetensors.SafetensorError) as exc:
         raise TransportError("inline feature handle does not hold a valid tensor") from exc

@@ -6,8 +6,9 @@ size cap and also takes percent-encoded payloads, and no maintained library does
 
 from __future__ import annotations
 
-import base64
 import binascii
+
+import pybase64
 
 from .errors import MediaBlockedError, MediaDecodeError, MediaTooLargeError
 from .media import FetchedMedia
@@ -25,7 +26,9 @@ def read_data_url(raw: str, limit: int) -> FetchedMedia:
     if len(raw) - comma - 1 > 4 * -(-limit // 3):
         raise MediaTooLargeError(f"the data: URL holds more than {limit} bytes")
     try:
-        data = base64.b64decode(raw[comma + 1 :], validate=True)
+        # pybase64 (SIMD): the stdlib decoder took 5 of a cached 10 s clip's 8 ms (bench/media_cache.py).
+        # It is stricter only in refusing padding past a complete quantum.
+        data = pybase64.b64decode(raw[comma + 1 :], validate=True)
     except (binascii.Error, ValueError):
         raise MediaDecodeError("the data: URL's payload is not valid base64") from None
     if len(data) > limit:

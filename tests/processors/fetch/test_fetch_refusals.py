@@ -139,6 +139,8 @@ CATALOGUE = [
     Bad("data_not_base64", "data:text/plain,hello", B, "data_url", SCHEME),
     Bad("data_no_comma", "data:image/png;base64", B, "data_url", SCHEME),
     Bad("data_bad_base64", "data:image/png;base64,@@@@", MediaDecodeError, None, SCHEME),
+    Bad("data_base64_whitespace", "data:image/png;base64,QUJD QUJD", MediaDecodeError, None, SCHEME),
+    Bad("data_base64_padding_past_the_end", "data:image/png;base64,QUJD=", MediaDecodeError, None, SCHEME),
 ]
 
 
