@@ -79,18 +79,8 @@ class RolloutClient:
         Long polls (``GET /v1/jobs/{id}?wait=S``, at most :data:`LONG_POLL_S` a request): the
         service answers the moment the job ends, in one request where polling took one per
         ``poll_interval``; that interval now only paces the retry of a wait the service cut short."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            started = time.monotonic()
-            wait = LONG_POLL_S if deadline is None else round(min(LONG_POLL_S, max(deadline - started, 0.0)), 3)
-            job = self._request("GET", f"/v1/jobs/{job_id}", params={"wait": wait} if wait else None,
-                                timeout=(self.timeout, self.timeout + wait), idempotent=True).json()
-            if job["status"] in JOB_DONE:
-                return job
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeoutError(f"job {job_id} still {job['status']} when the wait ran out")
-            if time.monotonic() - started < wait / 2:  # answered early without an end: do not spin
-                _sleep_until_next(deadline, poll_interval, f"job {job_id} still {job['status']}")
+        return self._long_poll(f"/v1/jobs/{job_id}", JOB_DONE, f"job {job_id}", timeout=timeout,
+                               longest=LONG_POLL_S, retry=poll_interval)
 
     def stream(self, job: str | Mapping[str, Any], *, last_event_id: str | None = None) -> JobStream:
         """Follow a job's events (a job id, or a request to submit first): iterate the returned
@@ -157,15 +147,12 @@ class RolloutClient:
 
     def batch_wait(self, batch_id: str, *, timeout: float | None = None, poll_interval: float = 2.0,
                    progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Poll until the batch ends; ``progress(batch)`` is called after every poll."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            batch = self.batch_get(batch_id)
-            if progress is not None:
-                progress(batch)
-            if batch["status"] in BATCH_DONE:
-                return batch
-            _sleep_until_next(deadline, poll_interval, f"batch {batch_id} still {batch['status']}")
+        """Wait until the batch ends; ``progress(batch)`` is called after every answer.
+
+        Long polls (``GET /v1/batches/{id}?wait=S``, S = ``poll_interval``): the service answers the
+        moment the batch ends, else after S seconds with the counts so far."""
+        return self._long_poll(f"/v1/batches/{batch_id}", BATCH_DONE, f"batch {batch_id}", timeout=timeout,
+                               longest=poll_interval, retry=poll_interval, progress=progress)
 
     def batch_download(self, batch_id: str, output_path: str | os.PathLike | None = None,
                        errors_path: str | os.PathLike | None = None) -> dict[str, int]:
@@ -186,6 +173,27 @@ class RolloutClient:
                     yield json.loads(line)
 
     # --- HTTP -----------------------------------------------------------------------------------
+
+    def _long_poll(self, path: str, done: frozenset[str], what: str, *,
+                   timeout: float | None, longest: float, retry: float,
+                   progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """GET ``path?wait=S`` (S at most ``longest``) until the record's status is in ``done``;
+        WaitTimeoutError after ``timeout`` seconds. ``retry`` paces only the retry of a wait the
+        service cut short (its ROLLOUT_SYNC_TIMEOUT_MAX is below S)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            started = time.monotonic()
+            wait = longest if deadline is None else round(min(longest, max(deadline - started, 0.0)), 3)
+            record = self._request("GET", path, params={"wait": wait} if wait else None,
+                                   timeout=(self.timeout, self.timeout + wait), idempotent=True).json()
+            if progress is not None:
+                progress(record)
+            if record["status"] in done:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"{what} still {record['status']} when the wait ran out")
+            if time.monotonic() - started < wait / 2:  # answered early without an end: do not spin
+                _sleep_until_next(deadline, retry, f"{what} still {record['status']}")
 
     def _download(self, path: str, target: Path) -> int:
         lines = 0

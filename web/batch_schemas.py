@@ -8,6 +8,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, pre_load, validate
 
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
+from web.long_poll import wait_field
 from web.openai_batch_lines import ENDPOINTS
 from web.openai_batch_object import VIEWS
 from web.schema_base import Schema
@@ -107,6 +108,10 @@ class ViewQuerySchema(Schema):
     view = fields.String(validate=validate.OneOf(VIEWS), metadata={
         "description": "openai: OpenAI's Batch object; native: ours. Default: OpenAI's for a batch made from "
                        "an input_file_id, ours otherwise"})
+
+
+class BatchPollQuerySchema(ViewQuerySchema):
+    wait = wait_field("the batch")
 
 
 class BatchListQuerySchema(ListQuerySchema, ViewQuerySchema):

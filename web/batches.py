@@ -23,6 +23,7 @@ from web.auth import current_owner
 from web.batch_schemas import (
     BatchListQuerySchema,
     BatchListSchema,
+    BatchPollQuerySchema,
     BatchSchema,
     FileBatchSchema,
     ViewQuerySchema,
@@ -37,10 +38,12 @@ from web.batch_upload import (
     validate_lines,
 )
 from web.blueprint import Blueprint
+from web.long_poll import bounded_wait
 from web.openai_batch_object import batch_view
 from web.services import services
 from workers.batches.creation import create_batch
 from workers.batches.messages import request_cancel
+from workers.batches.store import TERMINAL
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
 
@@ -119,14 +122,20 @@ class Batches(MethodView):
 
 @blp.route("/<string:batch_id>")
 class Batch(MethodView):
-    @blp.arguments(ViewQuerySchema, location="query", unknown="raise")
+    @blp.arguments(BatchPollQuerySchema, location="query", unknown="raise")
     @blp.response(200, BatchSchema)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(404, schema=None, description="No such batch for this key")
+    @blp.alt_response(422, schema=None, description="Invalid query")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
-    def get(self, _query, batch_id):
-        """A batch, with its request counts."""
-        return batch_view(services().batches.get(batch_id, owner=current_owner()))
+    def get(self, query, batch_id):
+        """A batch, with its request counts; with ``?wait=S``, answer when it ends or after S
+        seconds, at most ROLLOUT_SYNC_TIMEOUT_MAX (long polling)."""
+        store = services().batches
+        batch = store.get(batch_id, owner=current_owner())  # 404 for another key's batch, before any wait
+        if (wait := bounded_wait(query.get("wait", 0.0))) and batch["status"] not in TERMINAL:
+            batch = store.wait(batch_id, timeout=wait)
+        return batch_view(batch)
 
 
 @blp.route("/<string:batch_id>/cancel")

@@ -9,6 +9,7 @@ from flask.views import MethodView
 
 from web.auth import current_owner
 from web.blueprint import Blueprint
+from web.long_poll import bounded_wait
 from web.schemas import (
     JobListQuerySchema,
     JobListSchema,
@@ -69,7 +70,7 @@ class JobLookup(MethodView):
         once every one of them has ended or after ``wait`` seconds."""
         svc, owner = services(), current_owner()
         ids = list(dict.fromkeys(body["ids"]))
-        deadline = time.monotonic() + _bounded_wait(body.get("wait", 0.0), svc.settings.sync_timeout_max)
+        deadline = time.monotonic() + bounded_wait(body.get("wait", 0.0))
         jobs = svc.jobs.owned(ids, owner)
         waited = False
         for job in jobs:  # each running one in turn: the wait ends with the last to end
@@ -80,12 +81,6 @@ class JobLookup(MethodView):
             jobs = svc.jobs.owned(ids, owner)
         return {"data": [public_job(job) for job in jobs if job is not None],
                 "missing": [job_id for job_id, job in zip(ids, jobs, strict=True) if job is None]}
-
-
-def _bounded_wait(wait: float, most: float) -> float:
-    # Bounded, not refused: a client cannot know the service's maximum, and an early answer with
-    # the job still running is what a long poll may always give (the client asks again).
-    return min(wait, most)
 
 
 @blp.route("/<string:job_id>")
@@ -101,7 +96,7 @@ class Job(MethodView):
         ROLLOUT_SYNC_TIMEOUT_MAX (long polling: one request instead of one per poll interval)."""
         svc = services()
         job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
-        wait = _bounded_wait(query.get("wait", 0.0), svc.settings.sync_timeout_max)
+        wait = bounded_wait(query.get("wait", 0.0))
         if wait and job["status"] not in TERMINAL:  # an ended job is answered as read, without a second read
             job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
         return public_job(job)

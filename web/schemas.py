@@ -14,6 +14,7 @@ from marshmallow import ValidationError, fields, pre_load, validate, validates_s
 
 from engine.request_rules import prompt_input_problem, sampling_knob_problems
 from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from web.long_poll import wait_field
 from web.schema_base import Schema
 
 JOB_KINDS = ("generate", "score")
@@ -260,9 +261,7 @@ class JobListQuerySchema(ListQuerySchema):
 
 
 class JobPollQuerySchema(Schema):
-    wait = fields.Float(validate=validate.Range(min=0, min_inclusive=True), metadata={
-        "description": "Seconds to wait for the job to end before answering (long polling; waits "
-                       "past ROLLOUT_SYNC_TIMEOUT_MAX end there). Absent or 0: answer at once."})
+    wait = wait_field("the job")
 
 
 MAX_LOOKUP_IDS = 1000
@@ -272,9 +271,7 @@ class JobLookupSchema(Schema):
     ids = fields.List(fields.String(validate=validate.Length(1, 64)), required=True,
                       validate=validate.Length(1, MAX_LOOKUP_IDS),
                       metadata={"description": f"Up to {MAX_LOOKUP_IDS} job ids"})
-    wait = fields.Float(validate=validate.Range(min=0), metadata={
-        "description": "Seconds to wait for every job to end before answering (waits past "
-                       "ROLLOUT_SYNC_TIMEOUT_MAX end there). Absent or 0: answer at once."})
+    wait = wait_field("every job")
 
 
 class JobLookupResultSchema(Schema):

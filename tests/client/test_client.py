@@ -13,7 +13,7 @@ from email.utils import formatdate
 
 import pytest
 
-from client import ClientError, ConnectionFailedError, RetryPolicy, RolloutClient
+from client import ClientError, ConnectionFailedError, RetryPolicy, RolloutClient, WaitTimeoutError
 from client.retry import parse_retry_after
 
 KEY = "client-test-key"
@@ -94,3 +94,20 @@ def test_the_client_imports_without_the_service_stack():
             "'workers', 'processors', 'engine') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_batch_wait_long_polls_each_request_for_a_poll_interval(scripted):
+    running = {"id": "batch_1", "status": "in_progress", "request_counts": {"total": 2, "completed": 1, "failed": 0}}
+    scripted.script.extend([(200, {}, running), (200, {}, {**running, "status": "completed"})])
+    seen = []
+    done = RolloutClient(scripted.url).batch_wait("batch_1", poll_interval=0.2, progress=seen.append)
+    assert done["status"] == "completed" and [b["status"] for b in seen] == ["in_progress", "completed"]
+    assert [path for _, _, path, _ in scripted.seen] == ["/v1/batches/batch_1?wait=0.2"] * 2
+
+
+def test_a_wait_the_service_cuts_short_is_retried_after_the_interval(scripted):
+    # This server answers at once (as a service whose ROLLOUT_SYNC_TIMEOUT_MAX is below the wait).
+    scripted.script.append((200, {}, {"id": "job_1", "status": "running"}))
+    with pytest.raises(WaitTimeoutError):
+        RolloutClient(scripted.url).wait("job_1", timeout=0.5, poll_interval=0.2)
+    assert 2 <= len(scripted.seen) <= 4  # paced by poll_interval (clamped to the deadline), not a spin

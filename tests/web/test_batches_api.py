@@ -277,3 +277,64 @@ def test_stored_batch_input_is_capped_per_key(make_batch_app):
 
     svc.batches.release(first.get_json()["id"])  # the first batch ended: its input is gone
     assert upload(client, file).status_code == 202
+
+
+def test_a_long_poll_answers_when_the_batch_ends_and_wakes_every_waiter(app, client):
+    import threading
+    import time
+
+    svc = app.extensions["rollout"]
+    batch = upload(client, jsonl(line("r1"), line("r2"))).get_json()
+    submit_chunk(svc, batch["id"], 0)
+    jobs = svc.batches.line_jobs(batch["id"], [1, 2])
+    answers: dict[int, tuple[float, dict]] = {}
+
+    def poll(index: int) -> None:
+        started = time.monotonic()
+        body = app.test_client().get(f"/v1/batches/{batch['id']}?wait=20", headers=auth()).get_json()
+        answers[index] = (time.monotonic() - started, body)
+
+    waiters = [threading.Thread(target=poll, args=(i,)) for i in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.5)
+    end_job(svc, jobs[1], "succeeded", result=RESULT)  # one line left: the waiters keep waiting
+    time.sleep(0.3)
+    assert not answers
+    end_job(svc, jobs[2], "succeeded", result=RESULT)  # the batch's last line ends it
+    for waiter in waiters:
+        waiter.join(timeout=30)
+    assert len(answers) == 3
+    for seconds, body in answers.values():
+        # Answered ended, with its results files: the batch moves to its end after they exist.
+        assert body["status"] == "completed" and body["request_counts"]["completed"] == 2, body
+        assert 0.7 < seconds < 10
+    assert len(download(client, batch["id"], "output")) == 2
+
+
+def test_a_long_poll_of_a_running_batch_answers_after_its_wait_with_its_counts(client):
+    import time
+
+    batch = upload(client, jsonl(line("r1"))).get_json()
+    started = time.monotonic()
+    polled = client.get(f"/v1/batches/{batch['id']}?wait=0.3", headers=auth())
+    assert polled.status_code == 200 and polled.get_json()["status"] == "in_progress"
+    assert 0.25 < time.monotonic() - started < 5
+    openai_view = client.get(f"/v1/batches/{batch['id']}?wait=0.3&view=openai", headers=auth())
+    assert openai_view.status_code == 200 and openai_view.get_json()["request_counts"]["total"] == 1
+
+
+@pytest.mark.parametrize("query", ["wait=-1", "wait=soon", "cache_buster=1"])
+def test_a_bad_batch_poll_query_is_a_422(client, query):
+    batch = upload(client, jsonl(line("r1"))).get_json()
+    response = client.get(f"/v1/batches/{batch['id']}?{query}", headers=auth())
+    assert response.status_code == 422 and response.get_json()["code"], response.get_json()
+
+
+def test_a_long_poll_of_another_keys_batch_is_a_404_at_once(client):
+    import time
+
+    batch = upload(client, jsonl(line("r1"))).get_json()
+    started = time.monotonic()
+    assert client.get(f"/v1/batches/{batch['id']}?wait=5", headers=auth(KEY_B)).status_code == 404
+    assert time.monotonic() - started < 2

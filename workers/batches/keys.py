@@ -17,6 +17,11 @@ def jobs_key(batch_id: str) -> str:
     return f"rq:batch:{batch_id}:jobs"
 
 
+def done_key(batch_id: str) -> str:
+    """The batch's wake-up list: one entry once it has ended (workers.infra.wakeups)."""
+    return f"rq:batch:{batch_id}:done"
+
+
 def ended_key(batch_id: str) -> str:
     return f"rq:batch:{batch_id}:ended"
 

@@ -49,6 +49,7 @@ from engine.errors import NotFoundError
 from workers.batches.keys import (
     OPEN_KEY,
     batch_key,
+    done_key,
     ended_key,
     errors_key,
     jobs_key,
@@ -59,7 +60,7 @@ from workers.batches.keys import (
     submitted_key,
 )
 from workers.batches.stored_input import StoredInput
-from workers.infra import finite_json
+from workers.infra import finite_json, wakeups
 from workers.infra.redis_records import (
     decode_record,
     encode_field,
@@ -81,10 +82,11 @@ _INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completi
                "keys_expire_at")
 PAGE = 1000
 
-# KEYS: batch hash, webhook debts. ARGV: new status, allowed current statuses (comma separated),
-# now, the timestamp field ('' for none), then the owners with a key-wide webhook. An end that owes
-# a webhook event (the batch's own, or its owner's) records the debt in the same write, so a
-# failover cannot keep the end and lose the debt.
+# KEYS: batch hash, webhook debts, the batch's wake-up list. ARGV: new status, allowed current
+# statuses (comma separated), now, the timestamp field ('' for none), then the owners with a
+# key-wide webhook. An end that owes a webhook event (the batch's own, or its owner's) records the
+# debt in the same write, so a failover cannot keep the end and lose the debt; an end also wakes
+# the batch's waiters (GET /v1/batches/{id}?wait=).
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
@@ -101,6 +103,7 @@ if ends[ARGV[1]] then
   local owner = redis.call('HGET', KEYS[1], 'owner')
   for i = 5, #ARGV do owed = owed or ARGV[i] == owner end
   if owed then redis.call('ZADD', KEYS[2], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+  """ + wakeups.PUSH_LUA.format(key="KEYS[3]", value="ARGV[1]") + """
 end
 return 1
 """
@@ -217,6 +220,14 @@ class BatchStore:
             raise NotFoundError(f"no batch {batch_id!r}")
         return _decode(raw)
 
+    def wait(self, batch_id: str, *, timeout: float) -> dict[str, Any]:
+        """The batch once it has ended, or as it is after ``timeout`` seconds."""
+        batch = self.get(batch_id)
+        if batch["status"] not in TERMINAL and timeout > 0:
+            wakeups.wait_for_wakeup(self.redis, done_key(batch_id), timeout)
+            batch = self.get(batch_id)
+        return batch
+
     def list(self, *, owner: str, status: str | None, limit: int,
              cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """The owner's batches, newest first. The cursor is the creation time of the last one seen."""
@@ -326,7 +337,7 @@ class BatchStore:
     def move(self, batch_id: str, status: str, *, from_: Iterable[str], **fields: Any) -> bool:
         """Compare-and-set the status (stamping ``<status>_at``); False if it was not in ``from_``."""
         args = [status, ",".join(from_), time.time(), STATUS_TIMESTAMPS.get(status, ""), *sorted(self.hooked_owners)]
-        moved = self._transition(keys=[batch_key(batch_id), BATCH_OWED_KEY], args=args) == 1
+        moved = self._transition(keys=[batch_key(batch_id), BATCH_OWED_KEY, done_key(batch_id)], args=args) == 1
         if moved and fields:
             self.redis.hset(batch_key(batch_id), mapping={k: _encode(k, v) for k, v in fields.items()})
         if moved and status in TERMINAL:

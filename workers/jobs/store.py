@@ -26,6 +26,7 @@ from typing import Any
 import redis
 
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
+from workers.infra import wakeups
 from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
 from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
@@ -35,8 +36,6 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
-_SHORTEST_WAIT_S = 0.002  # a BLPOP timeout Redis does not round down to 0 (for ever)
-DONE_TTL_S = 300  # how long a job's wake-up for its waiters stays
 UNFINISHED_KEY = "rq:unfinished"
 WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
 UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
@@ -69,8 +68,7 @@ if to == 3 then
   redis.call('DECR', KEYS[3])
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
   -- Wakes a waiter (POST /generate, GET /v1/jobs/{id}?wait=) without polling.
-  redis.call('RPUSH', KEYS[4], ARGV[1])
-  redis.call('EXPIRE', KEYS[4], """ + str(DONE_TTL_S) + """)
+  """ + wakeups.PUSH_LUA.format(key="KEYS[4]", value="ARGV[1]") + """
   redis.call('DEL', KEYS[5], KEYS[6])
   redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
   if ARGV[6] == '1' or """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """ then
@@ -228,17 +226,8 @@ class JobStore:
         job = self.get(job_id)
         if job["status"] in TERMINAL or timeout <= 0:
             return job if job["status"] in TERMINAL else None
-        deadline = time.monotonic() + timeout
-        # Short waits keep each call well inside the client's socket timeout. Redis reads a BLPOP
-        # timeout in whole milliseconds, and one under 1 ms as 0, which blocks for ever: stop first.
-        while (remaining := deadline - time.monotonic()) >= _SHORTEST_WAIT_S:
-            if (popped := self.redis.blpop([self.done_key(job_id)], timeout=min(remaining, 5.0))) is not None:
-                # Put the wake-up back for the job's other waiters: one push wakes one BLPOP.
-                pipe = self.redis.pipeline()
-                pipe.rpush(self.done_key(job_id), popped[1])
-                pipe.expire(self.done_key(job_id), DONE_TTL_S)
-                pipe.execute()
-                return self.get(job_id)
+        if wakeups.wait_for_wakeup(self.redis, self.done_key(job_id), timeout):
+            return self.get(job_id)
         job = self.get(job_id)
         return job if job["status"] in TERMINAL else None
 

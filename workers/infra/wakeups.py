@@ -1,0 +1,36 @@
+"""Waking the waiters of a record (a job, a batch) when it ends, without polling.
+
+The script that ends the record also pushes one entry to the record's wake-up list (:data:`PUSH_LUA`),
+so the end and the wake-up are one step. A waiter blocks on that list with BLPOP and puts the entry
+back for the record's other waiters: one push wakes one BLPOP.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+TTL_S = 300  # how long an ended record's wake-up stays for late waiters
+# A BLPOP timeout Redis does not round down to 0 (which blocks for ever): it reads whole milliseconds.
+SHORTEST_WAIT_S = 0.002
+# Each BLPOP short enough to stay well inside a client's socket timeout.
+LONGEST_BLOCK_S = 5.0
+
+# Lua, formatted with ``key`` (the wake-up list) and ``value``: run by the script that ends the record.
+PUSH_LUA = """redis.call('RPUSH', {key}, {value})
+redis.call('EXPIRE', {key}, """ + str(TTL_S) + ")"
+
+
+def wait_for_wakeup(client: redis.Redis, key: str, timeout: float) -> bool:
+    """Block until ``key`` holds a wake-up (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) >= SHORTEST_WAIT_S:
+        popped = client.blpop([key], timeout=min(remaining, LONGEST_BLOCK_S))
+        if popped is not None:
+            pipe = client.pipeline()
+            pipe.rpush(key, popped[1])
+            pipe.expire(key, TTL_S)
+            pipe.execute()
+            return True
+    return False
