@@ -18,9 +18,9 @@ from workers.jobs.prompt_codec import open_prompt, release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.results import engine_result
 from workers.jobs.store import TERMINAL
-from workers.jobs.submission import enqueue_preprocess
+from workers.jobs.submission import enqueue_preprocess, send_generate
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
-from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
+from workers.names import SHARED_GENERATE_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def requeue_generate(rt, job_id: str, prompt) -> None:
     """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
     on the new weights; its feature handles stay held on this node."""
     queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
-    rt.celery.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+    send_generate(rt.celery, [job_id], queue=queue)
 
 
 def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,

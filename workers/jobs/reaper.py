@@ -33,8 +33,8 @@ import redis
 from workers.infra.heartbeats import HEARTBEAT_SECONDS, vanished
 from workers.infra.lost_messages import Suspects, ids_in_messages, start_sweeping, sweep_every
 from workers.jobs.store import TERMINAL
-from workers.jobs.submission import enqueue_preprocess
-from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, node_generate_queue
+from workers.jobs.submission import enqueue_preprocess, send_generate
+from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, node_generate_queue
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class JobReaper:
 
     def _send_again(self, job: dict[str, Any], prompt: dict[str, Any] | None) -> None:
         if prompt is not None:
-            self.rt.celery.send_task(GENERATE_TASK, args=[job["id"]], queue=_generate_queue(prompt))
+            send_generate(self.rt.celery, [job["id"]], queue=_generate_queue(prompt))
         else:
             # A generating job without its prompt gets it made again on this node (see tasks/cpu.py).
             enqueue_preprocess(self.rt.celery, job["id"], retry_handles=job["status"] == "generating")

@@ -111,6 +111,21 @@ class Limits:
     events_maxlen: int = DEFAULT_MAXLEN
 
 
+@dataclass(frozen=True)
+class NewJob:
+    """A job to create: ``JobStore.create``'s arguments."""
+
+    owner: str
+    kind: str
+    request: dict[str, Any]
+    request_id: str | None = None
+    webhook: dict | None = None
+    metadata: dict | None = None
+    extra: dict[str, str] | None = None
+    prompt: str | None = None
+    watched: bool = False
+
+
 class JobStore:
     """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
     job's end owes one."""
@@ -148,22 +163,44 @@ class JobStore:
                extra: dict[str, str] | None = None, prompt: str | None = None, watched: bool = False) -> dict[str, Any]:
         """Store a new queued job and return its record. ``prompt``, a finalized prompt as JSON, is
         stored with it (under ``prompt_key``) when the job needs no preprocessing; ``watched``: a
-        reader follows its events from the start (its tokens are written, see job_events)."""
+        reader follows its events from the start (its tokens are written, see job_events).
+        QueueFullError past a cap on unfinished jobs."""
+        new = NewJob(owner=owner, kind=kind, request=request, request_id=request_id, webhook=webhook,
+                     metadata=metadata, extra=extra, prompt=prompt, watched=watched)
+        keys, args, encoded = self._create_call(new)
+        return self._created(self._create(keys=keys, args=args), encoded)
+
+    def create_many(self, jobs: list[NewJob]) -> list[dict[str, Any] | QueueFullError]:
+        """``create`` for many jobs in one round trip: each one's record, or the QueueFullError it
+        met (the caps are checked job by job, in order)."""
+        calls = [(self._create, *self._create_call(new)) for new in jobs]
+        replies = run_scripts(self.redis, [call[:3] for call in calls]) if calls else []
+        outcomes: list[dict[str, Any] | QueueFullError] = []
+        for (*_, encoded), outcome in zip(calls, replies, strict=True):
+            try:
+                outcomes.append(self._created(outcome, encoded))
+            except QueueFullError as full:
+                outcomes.append(full)
+        return outcomes
+
+    def _create_call(self, new: NewJob) -> tuple[list[str], list[Any], dict[str, str]]:
         now = time.time()
         job_id = new_id("job")
         fields: dict[str, Any] = {
-            "id": job_id, "owner": owner, "kind": kind, "status": "queued", "created_at": now,
-            "request_id": request_id or "", "request": request, "webhook": webhook,
-            "metadata": metadata, **(extra or {}),
+            "id": job_id, "owner": new.owner, "kind": new.kind, "status": "queued", "created_at": now,
+            "request_id": new.request_id or "", "request": new.request, "webhook": new.webhook,
+            "metadata": new.metadata, **(new.extra or {}),
         }
         encoded = {name: _encode(name, value) for name, value in fields.items()}
-        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, prompt or "",
-                           self.limits.result_ttl, self.limits.events_maxlen, "1" if watched else "0"]
+        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, new.prompt or "",
+                           self.limits.result_ttl, self.limits.events_maxlen, "1" if new.watched else "0"]
         for pair in encoded.items():
             args += pair
-        keys = [self.key(job_id), f"rq:jobs:{owner}", self._active_key(owner), TOTAL_ACTIVE_KEY, self.prompt_key(job_id),
-                events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
-        outcome = self._create(keys=keys, args=args)
+        keys = [self.key(job_id), f"rq:jobs:{new.owner}", self._active_key(new.owner), TOTAL_ACTIVE_KEY,
+                self.prompt_key(job_id), events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
+        return keys, args, encoded
+
+    def _created(self, outcome: int, encoded: dict[str, str]) -> dict[str, Any]:
         if outcome == -1:
             raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
         if outcome == -2:

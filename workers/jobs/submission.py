@@ -1,4 +1,9 @@
-"""Submitting jobs: store the record, then enqueue its first task. Used by the API and batches."""
+"""Submitting jobs: store the record, then enqueue its first task. Used by the API and batches.
+
+A GPU queue message (``rollout.generate``) names one job, or a list of them: a batch chunk's plain
+lines travel as one message (``submit_jobs``), and the GPU worker acknowledges it once every job it
+names has ended (``workers/gpu/session.py``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from celery import Celery
 from engine.errors import ServiceUnavailableError
 from workers.jobs.prompt_codec import text_prompt
 from workers.jobs.request import JobRequest
-from workers.jobs.store import JobStore
+from workers.jobs.store import JobStore, NewJob, QueueFullError
 from workers.models import ModelFacts
 from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 
@@ -26,33 +31,78 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
     trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
     hop. Everything else is preprocessed by a CPU worker first.
     """
-    token_ids = request.token_ids
-    plain = bool(model is not None and token_ids and not request.has_media and model.is_plain_text(token_ids))
-    job = store.create(
-        owner=owner,
-        kind=request.kind,
-        request=request.to_record(),
-        request_id=request.request_id,
-        webhook=request.webhook,
-        metadata=request.metadata,
-        extra=extra,
-        prompt=json.dumps(text_prompt(token_ids)) if plain else None,
-        watched=watched,
-    )
+    plain = _is_plain(request, model)
+    job = store.create(**vars(_new_job(owner, request, extra, plain, watched)))
     try:
         if plain:
-            celery.send_task(GENERATE_TASK, args=[job["id"]], queue=SHARED_GENERATE_QUEUE)
+            send_generate(celery, [job["id"]])
         else:
             enqueue_preprocess(celery, job["id"])
     except Exception:
-        # The client gets an error (503 when Redis is away): the job must not linger as queued,
-        # holding a place under the queue caps. Best effort: the store may be away too.
-        try:
-            store.fail(job["id"], ServiceUnavailableError("the job could not be queued"))
-        except redis.RedisError:
-            pass
+        _fail_unqueued(store, [job["id"]])
         raise
     return job
+
+
+def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
+                requests: list[tuple[JobRequest, dict[str, str] | None]],
+                model: ModelFacts | None = None) -> list[dict[str, Any] | QueueFullError]:
+    """``submit_job`` for many ``(request, extra)`` of one owner (a batch's chunk): created in one
+    round trip, the plain ones queued for the GPU as one message, the others each to preprocessing.
+    Each one's record, or the QueueFullError it met."""
+    plain = [_is_plain(request, model) for request, _ in requests]
+    outcomes = store.create_many([_new_job(owner, request, extra, is_plain)
+                                  for (request, extra), is_plain in zip(requests, plain, strict=True)])
+    created = [(job["id"], is_plain) for job, is_plain in zip(outcomes, plain, strict=True)
+               if not isinstance(job, QueueFullError)]
+    queued: set[str] = set()
+    try:
+        if direct := [job_id for job_id, is_plain in created if is_plain]:
+            send_generate(celery, direct)
+            queued.update(direct)
+        for job_id, is_plain in created:
+            if not is_plain:
+                enqueue_preprocess(celery, job_id)
+                queued.add(job_id)
+    except Exception:
+        _fail_unqueued(store, [job_id for job_id, _ in created if job_id not in queued])
+        raise
+    return outcomes
+
+
+def send_generate(celery: Celery, job_ids: list[str], *, queue: str = SHARED_GENERATE_QUEUE) -> None:
+    """One GPU queue message for ``job_ids``. Its ``argsrepr`` (what the lost-message sweeps read,
+    ``workers/infra/lost_messages.py``) is given whole: Celery's own cuts it at 1,024 characters."""
+    args = [job_ids[0]] if len(job_ids) == 1 else [job_ids]
+    celery.send_task(GENERATE_TASK, args=args, queue=queue, argsrepr=repr(args))
+
+
+def generate_job_ids(args: list[Any]) -> list[str]:
+    """The job ids a GPU queue message names (see :func:`send_generate`)."""
+    named = args[0]
+    return list(named) if isinstance(named, list) else [named]
+
+
+def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:
+    token_ids = request.token_ids
+    return bool(model is not None and token_ids and not request.has_media and model.is_plain_text(token_ids))
+
+
+def _new_job(owner: str, request: JobRequest, extra: dict[str, str] | None, plain: bool,
+             watched: bool = False) -> NewJob:
+    return NewJob(owner=owner, kind=request.kind, request=request.to_record(), request_id=request.request_id,
+                  webhook=request.webhook, metadata=request.metadata, extra=extra,
+                  prompt=json.dumps(text_prompt(request.token_ids)) if plain else None, watched=watched)
+
+
+def _fail_unqueued(store: JobStore, job_ids: list[str]) -> None:
+    """The client gets an error (503 when Redis is away): jobs whose message was not sent must not
+    linger as queued, holding places under the queue caps. Best effort: the store may be away too."""
+    for job_id in job_ids:
+        try:
+            store.fail(job_id, ServiceUnavailableError("the job could not be queued"))
+        except redis.RedisError:
+            return
 
 
 def enqueue_preprocess(celery: Celery, job_id: str, *, retry_handles: bool = False) -> None:

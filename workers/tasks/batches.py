@@ -21,6 +21,7 @@ line run twice; the batch counts whichever run ends first.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import shared_task
 
@@ -34,7 +35,7 @@ from workers.infra.redis_client import REDIS_DOWN
 from workers.jobs.request import JobRequest
 from workers.jobs.store import TERMINAL as JOB_TERMINAL
 from workers.jobs.store import QueueFullError
-from workers.jobs.submission import submit_job
+from workers.jobs.submission import submit_jobs
 from workers.lifecycle import cancel_job
 from workers.names import (
     CANCEL_BATCH_TASK,
@@ -103,33 +104,53 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         store.owe_scoring(batch_id, index, expire_at=batch["keys_expire_at"])  # the reaper's mark
         send_score_lines(rt.celery, batch_id, index)
         skip |= {line["line"] for line in direct}
+    readable, unreadable = [], []
+    for line in lines:
+        if line["line"] not in skip:
+            try:
+                readable.append((line, JobRequest.from_dict(line["request"])))
+            except Exception:  # a bug or a corrupted record, not a user error (the lines were validated)
+                log.exception("batch %s chunk %d: could not create jobs: line %s is no request", batch_id, index,
+                              line.get("line"))
+                unreadable.append(line)
+    _cannot_run(rt, batch_id, unreadable)
     created: dict[int, str] = {}
     try:
-        for line in lines:
-            if line["line"] in skip:
-                continue
-            extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
-            if line.get("reply"):  # how the API renders this line's result (OpenAI-format lines)
-                extra["reply"] = finite_json.compact(line["reply"])
-            job = submit_job(rt.jobs, rt.celery, owner=batch["owner"], request=JobRequest.from_dict(line["request"]), extra=extra,
-                             model=rt.model_facts)
-            store.set_line_job(batch_id, line["line"], job["id"], expire_at=batch["keys_expire_at"])
-            created[line["line"]] = job["id"]
+        # One round trip creates the chunk's jobs, one message carries its plain ones to the GPU.
+        outcomes = submit_jobs(rt.jobs, rt.celery, owner=batch["owner"], model=rt.model_facts,
+                               requests=[(request, _job_extra(batch_id, line)) for line, request in readable])
+        created = {line["line"]: job["id"] for (line, _), job in zip(readable, outcomes, strict=True)
+                   if not isinstance(job, QueueFullError)}
+        if created:
+            store.set_line_jobs(batch_id, created, expire_at=batch["keys_expire_at"])
+        if full := next((job for job in outcomes if isinstance(job, QueueFullError)), None):
+            raise full  # the retry carries on after the lines created
     except (QueueFullError, *REDIS_DOWN):
         raise
     except Exception:
-        # A bug, not a user error (the lines were validated): these lines cannot run; the batch
-        # goes on and ends "failed".
         log.exception("batch %s chunk %d: could not create jobs", batch_id, index)
-        store.mark_broken(batch_id)
-        unsent = [line for line in lines if line["line"] not in skip and line["line"] not in created]
-        record_lines(rt, batch_id, [line_error(line, "internal_error", "the service could not run this line")
-                                    for line in unsent])
+        _cannot_run(rt, batch_id, [line for line, _ in readable if line["line"] not in created])
     finally:
         if created:
             _cancel_if_stopped(rt, batch, list(created.values()))
     store.chunks_submitted(batch_id, index, expire_at=batch["keys_expire_at"])
     return len(created)
+
+
+def _cannot_run(rt, batch_id: str, lines: list[dict[str, Any]]) -> None:
+    """Lines the service cannot run (a bug, not a user error): each gets its error, and the batch
+    goes on and ends ``failed``."""
+    if lines:
+        rt.batches.mark_broken(batch_id)
+        record_lines(rt, batch_id, [line_error(line, "internal_error", "the service could not run this line")
+                                    for line in lines])
+
+
+def _job_extra(batch_id: str, line: dict[str, Any]) -> dict[str, str]:
+    extra = {"batch_id": batch_id, "custom_id": line["custom_id"], "line": str(line["line"])}
+    if line.get("reply"):  # how the API renders this line's result (OpenAI-format lines)
+        extra["reply"] = finite_json.compact(line["reply"])
+    return extra
 
 
 def _cancel_if_stopped(rt, batch: dict, job_ids: list[str]) -> None:

@@ -30,8 +30,9 @@ from workers.infra.redis_client import REDIS_DOWN
 from workers.jobs.prompt_codec import encode_prompt
 from workers.jobs.request import JobRequest
 from workers.jobs.store import TERMINAL
+from workers.jobs.submission import send_generate
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
-from workers.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
+from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 
@@ -114,7 +115,7 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.save_prompt(job_id, json.dumps(payload))
     # Handles name memory on this node: only this node's GPU workers may open them.
     queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
-    app.send_task(GENERATE_TASK, args=[job_id], queue=queue)
+    send_generate(app, [job_id], queue=queue)
 
 
 def run_processor(rt, request: JobRequest, *, owner: str):

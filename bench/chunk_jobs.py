@@ -1,0 +1,91 @@
+"""Making a batch chunk's jobs: one call per job beside one per chunk (issue #29, item 2).
+
+The batches worker turns each chunk of generation lines into jobs (``workers/tasks/batches.py``).
+Until ``submit_jobs`` it made them one at a time: per line the job's create script (a round trip),
+its ``rollout.generate`` message (a publish) and its line's mapping (another round trip). Now a
+chunk's jobs are created in one pipeline, their mappings written in one, and the plain ones travel
+to the GPU queue as one message (the GPU worker then takes and acknowledges one message per chunk,
+not per job: see ``bench/message_take.py`` for what one costs the consumer).
+
+Side by side in one process on an embedded Redis, the same 2,048 plain-token requests in chunks of
+64, alternated, the best of three rounds each: the batches worker's time per job either way, and
+the messages each way sends per job.
+
+Run: ``python -m bench.chunk_jobs`` from the repository root (about 15 s).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from bench.rows import print_rows
+from engine.demo_model import build_demo_model
+from web.schemas import JobRequestSchema
+from workers.infra.redis_server import EmbeddedRedis
+from workers.jobs.request import JobRequest
+from workers.jobs.store import QueueFullError
+from workers.jobs.submission import submit_job, submit_jobs
+from workers.names import SHARED_GENERATE_QUEUE
+from workers.runtime import Runtime
+from workers.settings import Settings
+
+JOBS = 2048
+CHUNK = 64  # ROLLOUT_BATCH_CHUNK_SIZE's default
+OWNER = "bench-owner"
+BATCH_ID = "batch_bench"
+
+
+def run(jobs: int = JOBS, rounds: int = 3) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        state = Path(tmp)
+        server = EmbeddedRedis(state / "redis", persistent=False).start()
+        try:
+            settings = Settings(state_dir=state, model=str(build_demo_model(state / "model")),
+                                max_queued_per_key=10**8, max_queued_total=10**8)
+            rt = Runtime(settings, server.url)
+            schema = JobRequestSchema()  # the request as the API stores a batch line's
+            requests = [JobRequest.from_dict(schema.load({"token_ids": [100 + (i * 7 + k) % 500 for k in range(32)],
+                                                          "sampling_params": {"max_tokens": 32}})) for i in range(jobs)]
+            expire_at = int(time.time()) + 3600
+
+            def one_by_one(chunk: list[JobRequest], first_line: int) -> None:
+                for line, request in enumerate(chunk, start=first_line):
+                    job = submit_job(rt.jobs, rt.celery, owner=OWNER, request=request, model=rt.model_facts,
+                                     extra={"batch_id": BATCH_ID, "line": str(line)})
+                    rt.batches.set_line_job(BATCH_ID, line, job["id"], expire_at=expire_at)
+
+            def per_chunk(chunk: list[JobRequest], first_line: int) -> None:
+                outcomes = submit_jobs(rt.jobs, rt.celery, owner=OWNER, model=rt.model_facts, requests=[
+                    (request, {"batch_id": BATCH_ID, "line": str(line)}) for line, request in enumerate(chunk, first_line)])
+                assert not any(isinstance(job, QueueFullError) for job in outcomes)
+                rt.batches.set_line_jobs(BATCH_ID, {line: job["id"] for line, job in enumerate(outcomes, first_line)},
+                                         expire_at=expire_at)
+
+            ways = {"one by one": one_by_one, "per chunk": per_chunk}
+            per_chunk(requests[:CHUNK], 1)  # warm-up: connections, scripts, the producer pool
+            one_by_one(requests[:CHUNK], 1)
+            best = dict.fromkeys(ways, float("inf"))
+            messages = {}
+            for _ in range(rounds):
+                for name, make in ways.items():
+                    queued = rt.redis.llen(SHARED_GENERATE_QUEUE)
+                    started = time.perf_counter()
+                    for start in range(0, jobs, CHUNK):
+                        make(requests[start:start + CHUNK], start + 1)
+                    best[name] = min(best[name], (time.perf_counter() - started) / jobs)
+                    messages[name] = (rt.redis.llen(SHARED_GENERATE_QUEUE) - queued) / jobs
+        finally:
+            server.stop()
+    return [
+        {"name": f"a batch chunk's jobs made, one round trip and message per chunk / per job ({CHUNK}-line chunks)",
+         "value": round(best["per chunk"] / best["one by one"], 3), "goal": None},
+        {"name": f"· per job: one by one {best['one by one'] * 1e6:.0f} µs, per chunk {best['per chunk'] * 1e6:.0f} µs; "
+                 f"GPU queue messages per job {messages['one by one']:.2f} / {messages['per chunk']:.3f}",
+         "value": round(best["per chunk"] * 1e6), "goal": None, "unit": "µs"},
+    ]
+
+
+if __name__ == "__main__":
+    print_rows(run())
