@@ -1,8 +1,10 @@
 """The batch tasks (queue ``batches``).
 
 - ``rollout.batches.enqueue_chunk(batch_id, index)``: creates the jobs of one chunk of a batch's
-  valid lines and sends each job's preprocess task, so batch lines share the CPU workers, the
-  multimodal cache and GPU batching with every other job. The API sends one message per chunk of
+  valid lines in one round trip and queues them: the plain-token ones as one GPU message naming
+  them all, the others each to preprocessing, so batch lines share the CPU workers, the multimodal
+  cache and GPU batching with every other job (plain score lines skip jobs altogether:
+  ``workers/tasks/score_lines.py``). The API sends one message per chunk of
   ``settings.batch_chunk_size`` lines, never one per line.
 - ``rollout.batches.cancel(batch_id)``: the slow half of ``POST /v1/batches/{id}/cancel``.
 - ``rollout.batches.expire(batch_id)``: ends the batch when its completion window is over.
@@ -14,8 +16,8 @@ they wait (at worst until the batch expires).
 
 Idempotency (messages are acked late, may be redelivered, and go back to the queue when Redis goes
 away under a task: workers/tasks/outage.py): a chunk task skips lines that already have a job or
-are already counted. A task killed between creating a job and recording it makes that
-line run twice; the batch counts whichever run ends first.
+are already counted. A task killed between creating a chunk's jobs and recording them makes
+those lines run twice; the batch counts whichever run of a line ends first.
 """
 
 from __future__ import annotations
