@@ -6,13 +6,11 @@ when the job has stalled."""
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 
 from tests.conftest import empty_db_url
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
-from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
+from workers.names import SHARED_GENERATE_QUEUE
 
 MAX_TOKENS = 600  # each batch of 8 decodes for 600 steps: still running when the test sees it start
 JOBS = [{"token_ids": [100 + i, 140, 150],
@@ -66,53 +64,3 @@ def test_a_message_a_killed_worker_popped_and_never_recorded_runs_soon_after_its
         restarted = time.monotonic()
         done = [stack.wait(job_id, timeout=max(1.0, 30 - (time.monotonic() - restarted))) for job_id in ids]
         assert [job["status"] for job in done] == ["succeeded"] * len(ids)
-
-
-def _held_generate_messages(redis_client) -> list[list]:
-    """The args of every rollout.generate message a GPU worker holds unacknowledged."""
-    held = []
-    for raw in redis_client.hvals("unacked"):
-        message = json.loads(raw)[0]  # [message, exchange, routing key]
-        if message["headers"].get("task") == GENERATE_TASK:
-            held.append(json.loads(base64.b64decode(message["body"]))[0])
-    return held
-
-
-def test_a_batch_chunk_is_one_message_acknowledged_by_its_last_job_and_redelivered_whole(
-        redis_url, demo_model_dir, loopback_host, tmp_path_factory):
-    env = make_stack_env(redis_url=empty_db_url(redis_url, 20), model_dir=demo_model_dir,
-                         state_dir=tmp_path_factory.mktemp("chunk-state"), loopback=loopback_host,
-                         ROLLOUT_VISIBILITY_TIMEOUT="3600", ROLLOUT_GPU_BATCH_SIZE="8")
-    most = {f"short{i}": 2 for i in range(3)} | {f"long{i}": MAX_TOKENS for i in range(3)}
-    lines = "".join(json.dumps({"custom_id": custom_id, "kind": "generate", "body": {
-        "token_ids": [100 + i, 140, 150], "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}})
-        + "\n" for i, (custom_id, tokens) in enumerate(most.items()))
-    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "gpu-chunk"),
-                     workers=("cpu", "gpu", "batches")) as stack:
-        response = stack.client.post("/v1/batches", data=lines, content_type="application/jsonl", headers=stack.headers())
-        assert response.status_code == 202, response.get_json()
-        batch_id = response.get_json()["id"]
-        deadline = time.monotonic() + 60
-        while len(job_ids := stack.services.batches.line_jobs(batch_id, list(range(1, 7)))) < 6:
-            assert time.monotonic() < deadline, "the chunk's jobs were never made"
-            time.sleep(0.05)
-        short, long = [job_ids[n] for n in (1, 2, 3)], [job_ids[n] for n in (4, 5, 6)]
-        for job_id in short:
-            assert stack.wait(job_id)["status"] == "succeeded"
-        # The short jobs ended, the long ones decode: the chunk's one message is still held.
-        assert all(stack.services.jobs.get(job_id)["status"] == "generating" for job_id in long)
-        assert [sorted(args[0]) for args in _held_generate_messages(stack.services.redis)] == [sorted(short + long)]
-        stack.kill("gpu")
-        stack.start("gpu")
-        stack.wait_ready(["gpu"])
-        ended = stack.client.get(f"/v1/batches/{batch_id}?wait=60", headers=stack.headers()).get_json()
-        assert ended["status"] == "completed" and ended["request_counts"]["completed"] == 6, ended
-        output = stack.client.get(f"/v1/batches/{batch_id}/output", headers=stack.headers()).get_data(as_text=True)
-        tokens = {entry["custom_id"]: len(entry["response"]["body"]["choices"][0]["token_ids"])
-                  for entry in map(json.loads, output.splitlines())}
-        assert tokens == most
-        # Redelivered whole, and acknowledged (on the worker's event loop, just after the ends) once all ended.
-        deadline = time.monotonic() + 10
-        while held := _held_generate_messages(stack.services.redis):
-            assert time.monotonic() < deadline, held
-            time.sleep(0.05)

@@ -121,7 +121,7 @@ def requeue_generate(rt, job_id: str, prompt) -> None:
     """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
     on the new weights; its feature handles stay held on this node."""
     queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
-    send_generate(rt.celery, [job_id], queue=queue)
+    send_generate(rt.celery, job_id, queue=queue)
 
 
 def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,

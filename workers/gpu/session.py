@@ -3,12 +3,9 @@
 The pool thread runs a session (``workers.tasks.gpu.generate``): it opens the jobs of the messages
 it was handed, submits them to the engine's scheduler, and steps it. Between steps it polls
 cancels (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that finished (one round
-trip for all of a step's results), acknowledges their messages, and opens as many more jobs as the
-batch has free rows; Celery's event loop goes on reserving messages meanwhile
-(``workers/tasks/gpu_batching.py``). A message may name many jobs (a batch chunk's plain lines,
-``workers/jobs/submission.py``): those the rows cannot take yet wait unopened in ``unopened``, and the
-message is acknowledged once every one of its jobs has ended. The session returns when nothing
-runs, nothing waits and nothing is buffered.
+trip for all of a step's results), acknowledges their messages, and takes as many buffered
+messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
+(``workers/tasks/gpu_batching.py``). The session returns when nothing runs and nothing is buffered.
 
 Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
 stop then and it fails with ``job_time_limit_exceeded`` while the others go on. A request that
@@ -26,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +35,6 @@ from workers.infra.metrics import count, observe_stage
 from workers.jobs.prompt_codec import release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.stream_text import StreamText
-from workers.jobs.submission import generate_job_ids
 from workers.lifecycle import end_jobs, fail_job
 
 log = logging.getLogger(__name__)
@@ -65,6 +60,7 @@ class _ChoiceStream:
 class _Live:
     job: dict[str, Any]
     prompt: Any
+    message_ids: list[str]
     sampling: Any
     attempt: int = 1
     watched: bool = False  # someone reads the job's events: its tokens are published
@@ -82,10 +78,6 @@ class GenerateSession:
         self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
         self._by_job: dict[str, _Live] = {}
-        # A message may name many jobs (a batch chunk's lines): it is acknowledged once all have ended.
-        self._jobs_of_message: dict[str, set[str]] = {}
-        self._messages_of_job: dict[str, list[str]] = {}
-        self.unopened: deque[str] = deque()  # jobs of taken messages waiting for rows
         # Tokens not yet written, by (job id, attempt) then choice (see _publish).
         self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self._flush_every = rt.settings.stream_flush_ms / 1000
@@ -127,20 +119,18 @@ class GenerateSession:
     def _decode_until_idle_or_update(self, sync) -> None:
         """Step while rows run. Rows join between steps unless a weight update (or pause) is
         pending; one in mode abort or retract stops the rows in flight (see ``_interrupt``)."""
-        while self.scheduler.has_work or (self.unopened and not sync.update_pending):
+        while self.scheduler.has_work:
             mode = sync.interruption()  # no Redis call: the weight watcher keeps it fresh
             if mode is not None:
                 self._interrupt(mode)
             self._poll_cancels()
-            if self.scheduler.has_work:
-                finished = self.scheduler.step()
-                self._publish(finished)
-                if finished:
-                    self._end(finished)
+            finished = self.scheduler.step()
+            self._publish(finished)
+            if finished:
+                self._end(finished)
             if self.scheduler.free_rows and not sync.update_pending:
-                if self.unopened:
-                    self._open_unopened()
-                elif more := self.batches.take(self.scheduler.free_rows):
+                more = self.batches.take(self.scheduler.free_rows)
+                if more:
                     self._admit(more)
             self._report(every=STATS_REPORT_SECONDS)
 
@@ -155,32 +145,19 @@ class GenerateSession:
     # --- joining -------------------------------------------------------------------------------
 
     def _admit(self, requests) -> None:
-        """Take these messages' jobs on: as many open now as rows are free; the rest wait unopened
-        (a job's time limit starts when it opens) until rows free."""
-        for request in requests:
-            named = generate_job_ids(request.args)
-            self._jobs_of_message[request.id] = set(named)
-            for job_id in named:
-                self._messages_of_job.setdefault(job_id, []).append(request.id)
-            self.unopened.extend(named)
-        self._open_unopened()
-
-    def _open_unopened(self) -> None:
-        count = min(len(self.unopened), self.scheduler.free_rows)
-        if count:
-            self._open(list(dict.fromkeys(self.unopened.popleft() for _ in range(count))))
-
-    def _open(self, job_ids: list[str]) -> None:
         rt = self.rt
-        ready, settled = open_jobs(rt, job_ids, device=self.engine.loaded.device)
-        self._settle(settled)
+        messages: dict[str, list[str]] = {}
+        for request in requests:
+            messages.setdefault(request.args[0], []).append(request.id)
+        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device)
+        self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
         scores = [(job, prompt) for job, prompt in ready if job["kind"] == "score"]
         if scores:
             try:
                 run_score_jobs(rt, self.engine, scores)
             finally:
                 release_prompts(rt.redis, [prompt for _job, prompt in scores])
-                self._settle([job["id"] for job, _ in scores])
+                self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
         deadline = time.monotonic() + rt.settings.task_soft_time_limit
         generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
         attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
@@ -193,28 +170,14 @@ class GenerateSession:
             except Exception as error:  # whatever one request raises, it fails alone
                 fail_job(rt, job["id"], _job_error(job, error))
                 release_prompts(rt.redis, [prompt])
-                self._settle([job["id"]])
+                self.batches.acknowledge(messages[job["id"]])
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
-            live = _Live(job, prompt, request.sampling, attempt=attempt.number)
+            live = _Live(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
             self.live[handle] = live
             self._by_job[job["id"]] = live
             if attempt.watched:
                 self._watch(handle, live)
-
-    def _settle(self, job_ids: list[str]) -> None:
-        """These jobs are done here (ended, or handed on): acknowledge every message whose jobs all are."""
-        finished = []
-        for job_id in job_ids:
-            for message_id in self._messages_of_job.pop(job_id, ()):
-                waiting = self._jobs_of_message.get(message_id)
-                if waiting is None:
-                    continue
-                waiting.discard(job_id)
-                if not waiting:
-                    del self._jobs_of_message[message_id]
-                    finished.append(message_id)
-        self.batches.acknowledge(finished)
 
     def _watch(self, handle: int, live: _Live) -> None:
         """The job has a reader from now on: publish its tokens, those so far at the next flush."""
@@ -344,7 +307,7 @@ class GenerateSession:
         release_prompts(rt.redis, [live.prompt for live in done])
         for live in retracted:
             requeue_generate(rt, live.job["id"], live.prompt)
-        self._settle([live.job["id"] for live in (*done, *retracted)])
+        self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])
         interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
         if interrupted:
             rt.weight_sync.note_interrupted(interrupted)

@@ -88,7 +88,7 @@ class JobReaper:
 
     def _send_again(self, job: dict[str, Any], prompt: dict[str, Any] | None) -> None:
         if prompt is not None:
-            send_generate(self.rt.celery, [job["id"]], queue=_generate_queue(prompt))
+            send_generate(self.rt.celery, job["id"], queue=_generate_queue(prompt))
         else:
             # A generating job without its prompt gets it made again on this node (see tasks/cpu.py).
             enqueue_preprocess(self.rt.celery, job["id"], retry_handles=job["status"] == "generating")

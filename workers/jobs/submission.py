@@ -1,8 +1,8 @@
 """Submitting jobs: store the record, then enqueue its first task. Used by the API and batches.
 
-A GPU queue message (``rollout.generate``) names one job, or a list of them: a batch chunk's plain
-lines travel as one message (``submit_jobs``), and the GPU worker acknowledges it once every job it
-names has ended (``workers/gpu/session.py``).
+One message per job, also for a batch chunk's jobs (``submit_jobs`` creates them in one round trip):
+a GPU worker reserves messages, not jobs, so a message naming many jobs would let the first worker
+to reserve hold a whole batch while the fleet's others idle.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
     job = store.create(**vars(_new_job(owner, request, extra, plain, watched)))
     try:
         if plain:
-            send_generate(celery, [job["id"]])
+            send_generate(celery, job["id"])
         else:
             enqueue_preprocess(celery, job["id"])
     except Exception:
@@ -48,8 +48,8 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
                 requests: list[tuple[JobRequest, dict[str, str] | None]],
                 model: ModelFacts | None = None) -> list[dict[str, Any] | QueueFullError]:
     """``submit_job`` for many ``(request, extra)`` of one owner (a batch's chunk): created in one
-    round trip, the plain ones queued for the GPU as one message, the others each to preprocessing.
-    Each one's record, or the QueueFullError it met."""
+    round trip, their messages sent through one producer. Each one's record, or the
+    QueueFullError it met."""
     plain = [_is_plain(request, model) for request, _ in requests]
     outcomes = store.create_many([_new_job(owner, request, extra, is_plain)
                                   for (request, extra), is_plain in zip(requests, plain, strict=True)])
@@ -57,12 +57,12 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
                if not isinstance(job, QueueFullError)]
     queued: set[str] = set()
     try:
-        if direct := [job_id for job_id, is_plain in created if is_plain]:
-            send_generate(celery, direct)
-            queued.update(direct)
-        for job_id, is_plain in created:
-            if not is_plain:
-                enqueue_preprocess(celery, job_id)
+        with celery.producer_or_acquire() as producer:
+            for job_id, is_plain in created:
+                if is_plain:
+                    send_generate(celery, job_id, producer=producer)
+                else:
+                    enqueue_preprocess(celery, job_id, producer=producer)
                 queued.add(job_id)
     except Exception:
         _fail_unqueued(store, [job_id for job_id, _ in created if job_id not in queued])
@@ -70,17 +70,8 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
     return outcomes
 
 
-def send_generate(celery: Celery, job_ids: list[str], *, queue: str = SHARED_GENERATE_QUEUE) -> None:
-    """One GPU queue message for ``job_ids``. Its ``argsrepr`` (what the lost-message sweeps read,
-    ``workers/infra/lost_messages.py``) is given whole: Celery's own cuts it at 1,024 characters."""
-    args = [job_ids[0]] if len(job_ids) == 1 else [job_ids]
-    celery.send_task(GENERATE_TASK, args=args, queue=queue, argsrepr=repr(args))
-
-
-def generate_job_ids(args: list[Any]) -> list[str]:
-    """The job ids a GPU queue message names (see :func:`send_generate`)."""
-    named = args[0]
-    return list(named) if isinstance(named, list) else [named]
+def send_generate(celery: Celery, job_id: str, *, queue: str = SHARED_GENERATE_QUEUE, producer=None) -> None:
+    celery.send_task(GENERATE_TASK, args=[job_id], queue=queue, producer=producer)
 
 
 def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:
@@ -105,5 +96,6 @@ def _fail_unqueued(store: JobStore, job_ids: list[str]) -> None:
             return
 
 
-def enqueue_preprocess(celery: Celery, job_id: str, *, retry_handles: bool = False) -> None:
-    celery.send_task(PREPROCESS_TASK, args=[job_id], kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE)
+def enqueue_preprocess(celery: Celery, job_id: str, *, retry_handles: bool = False, producer=None) -> None:
+    celery.send_task(PREPROCESS_TASK, args=[job_id], kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE,
+                     producer=producer)

@@ -1,8 +1,8 @@
 """The batch tasks (queue ``batches``).
 
 - ``rollout.batches.enqueue_chunk(batch_id, index)``: creates the jobs of one chunk of a batch's
-  valid lines in one round trip and queues them: the plain-token ones as one GPU message naming
-  them all, the others each to preprocessing, so batch lines share the CPU workers, the multimodal
+  valid lines in one round trip and sends each job's first task (the GPU queue for plain token
+  prompts, preprocessing for the rest), so batch lines share the CPU workers, the multimodal
   cache and GPU batching with every other job (plain score lines skip jobs altogether:
   ``workers/tasks/score_lines.py``). The API sends one message per chunk of
   ``settings.batch_chunk_size`` lines, never one per line.
@@ -118,7 +118,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     _cannot_run(rt, batch_id, unreadable)
     created: dict[int, str] = {}
     try:
-        # One round trip creates the chunk's jobs, one message carries its plain ones to the GPU.
+        # One round trip creates the chunk's jobs, one more maps their lines.
         outcomes = submit_jobs(rt.jobs, rt.celery, owner=batch["owner"], model=rt.model_facts,
                                requests=[(request, _job_extra(batch_id, line)) for line, request in readable])
         created = {line["line"]: job["id"] for (line, _), job in zip(readable, outcomes, strict=True)

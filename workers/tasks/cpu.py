@@ -115,7 +115,7 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.save_prompt(job_id, json.dumps(payload))
     # Handles name memory on this node: only this node's GPU workers may open them.
     queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
-    send_generate(app, [job_id], queue=queue)
+    send_generate(app, job_id, queue=queue)
 
 
 def run_processor(rt, request: JobRequest, *, owner: str):

@@ -30,7 +30,6 @@ from workers.gpu.session import REQUEUE, GenerateSession
 from workers.infra.logs import job_context
 from workers.infra.redis_client import REDIS_DOWN
 from workers.jobs.prompt_codec import release_prompts
-from workers.jobs.submission import generate_job_ids
 from workers.lifecycle import fail_unexpected
 from workers.names import GENERATE_TASK
 from workers.runtime import runtime
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 @shared_task(name=GENERATE_TASK, base=GenerateBatches, bind=True, flush_every=16, flush_interval=0.005)
 def generate(self, requests) -> str | None:
     rt = runtime(self.app)
-    job_ids = list(dict.fromkeys(job_id for request in requests for job_id in generate_job_ids(request.args)))
+    job_ids = list(dict.fromkeys(request.args[0] for request in requests))
     with job_context(*job_ids):
         try:
             engine = rt.wait_for_model()
@@ -63,6 +62,4 @@ def generate(self, requests) -> str | None:
             for live in session.live.values():
                 fail_unexpected(rt, live.job["id"], "generating")
             release_prompts(rt.redis, [live.prompt for live in session.live.values()])
-            if session.unopened:  # jobs that never ran: their messages go back (the failed ones settle then)
-                return REQUEUE
     return None

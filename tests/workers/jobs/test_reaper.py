@@ -17,7 +17,7 @@ from workers.jobs.prompt_codec import text_prompt
 from workers.jobs.reaper import AFTER_DEATH_SWEEPS, AfterDeathReaper, JobReaper
 from workers.jobs.request import JobRequest
 from workers.jobs.store import UNFINISHED_KEY
-from workers.jobs.submission import send_generate, submit_job
+from workers.jobs.submission import submit_job
 from workers.names import (
     GENERATE_TASK,
     PREPROCESS_QUEUE,
@@ -85,14 +85,6 @@ def test_jobs_with_a_queued_message_are_left_alone(rt, reaper):
     job_ids = [submit_job(rt.jobs, rt.celery, owner=OWNER, request=prompt_request(f"p{i}"))["id"] for i in range(3)]
     assert reaper.sweep() == [] and reaper.sweep() == []
     assert [job_id for _, job_id, _ in queued(rt, PREPROCESS_QUEUE)] == job_ids
-
-
-def test_every_job_a_chunks_one_message_names_is_left_alone(rt, reaper):
-    # Enough ids that Celery's own argsrepr (cut at 1,024 characters) would drop the last ones.
-    job_ids = [new_job(rt) for _ in range(64)]
-    send_generate(rt.celery, job_ids)
-    assert reaper.sweep() == [] and reaper.sweep() == []
-    assert queued(rt, SHARED_GENERATE_QUEUE) == [(GENERATE_TASK, job_ids, {})]
 
 
 def test_a_job_whose_message_a_worker_holds_unacknowledged_is_left_alone(rt, reaper):
