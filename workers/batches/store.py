@@ -221,12 +221,10 @@ class BatchStore:
         return _decode(raw)
 
     def wait(self, batch_id: str, *, timeout: float) -> dict[str, Any]:
-        """The batch once it has ended, or as it is after ``timeout`` seconds."""
-        batch = self.get(batch_id)
-        if batch["status"] not in TERMINAL and timeout > 0:
-            wakeups.wait_for_wakeup(self.redis, done_key(batch_id), timeout)
-            batch = self.get(batch_id)
-        return batch
+        """The batch once it has ended, or as it is after ``timeout`` seconds. An end since the
+        caller's last read is not missed: its wake-up stays in the list."""
+        wakeups.wait_for_wakeup(self.redis, done_key(batch_id), timeout)
+        return self.get(batch_id)
 
     def list(self, *, owner: str, status: str | None, limit: int,
              cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:

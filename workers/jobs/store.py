@@ -113,7 +113,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class NewJob:
-    """A job to create: ``JobStore.create``'s arguments."""
+    """A job to create (``JobStore.add``, ``JobStore.create_many``): ``JobStore.create``'s arguments."""
 
     owner: str
     kind: str
@@ -165,8 +165,11 @@ class JobStore:
         stored with it (under ``prompt_key``) when the job needs no preprocessing; ``watched``: a
         reader follows its events from the start (its tokens are written, see job_events).
         QueueFullError past a cap on unfinished jobs."""
-        new = NewJob(owner=owner, kind=kind, request=request, request_id=request_id, webhook=webhook,
-                     metadata=metadata, extra=extra, prompt=prompt, watched=watched)
+        return self.add(NewJob(owner=owner, kind=kind, request=request, request_id=request_id, webhook=webhook,
+                               metadata=metadata, extra=extra, prompt=prompt, watched=watched))
+
+    def add(self, new: NewJob) -> dict[str, Any]:
+        """``create`` of a :class:`NewJob`."""
         keys, args, encoded = self._create_call(new)
         return self._created(self._create(keys=keys, args=args), encoded)
 

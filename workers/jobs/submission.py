@@ -32,7 +32,7 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
     hop. Everything else is preprocessed by a CPU worker first.
     """
     plain = _is_plain(request, model)
-    job = store.create(**vars(_new_job(owner, request, extra, plain, watched)))
+    job = store.add(_new_job(owner, request, extra, plain, watched))
     try:
         if plain:
             send_generate(celery, job["id"])
