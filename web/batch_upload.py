@@ -61,28 +61,46 @@ class InvalidBatchError(InvalidRequestError):
 
 # --- Schemas --------------------------------------------------------------------------------------
 
-def validate_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) -> ParsedBatch:
-    """Check every line (within a request context: limits come from the app's settings). Lines
-    may be ours or OpenAI's; with an ``endpoint`` (OpenAI's batches) each line's url must be it,
-    ours counting as ``/v1/jobs``."""
+def check_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) -> tuple[int, Iterator[ParsedBatch]]:
+    """The file's line count, and its lines checked a block at a time (within a request context:
+    limits come from the app's settings); too many lines raise before any is checked. Lines may be
+    ours or OpenAI's; with an ``endpoint`` (OpenAI's batches) each line's url must be it, ours
+    counting as ``/v1/jobs``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8):]
     numbered = [(number, raw) for number, raw in enumerate(data.split(b"\n"), start=1) if raw.strip()]
     if len(numbered) > max_lines:
         raise BatchTooLargeError(f"the file has {len(numbered)} lines; at most {max_lines} are accepted")
-    parsed = ParsedBatch(total=len(numbered))
-    seen: set[str] = set()
-    for line in _read_lines(numbered, endpoint):
-        if line.error is not None:
-            parsed.invalid.append(line.error)
-        # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
-        elif line.custom_id in seen:
-            parsed.invalid.append(_line_error(line.number, line.custom_id, "duplicate_custom_id",
-                                              "custom_id is used by an earlier valid line"))
-        else:
-            seen.add(line.custom_id)
-            parsed.valid.append(line.stored())
+    return len(numbered), _checked_blocks(numbered, endpoint)
+
+
+def validate_lines(data: bytes, *, max_lines: int, endpoint: str | None = None) -> ParsedBatch:
+    """Every line checked, as one :class:`ParsedBatch` (see :func:`check_lines`)."""
+    total, blocks = check_lines(data, max_lines=max_lines, endpoint=endpoint)
+    parsed = ParsedBatch(total=total)
+    for block in blocks:
+        parsed.valid += block.valid
+        parsed.invalid += block.invalid
+        parsed.scoring += block.scoring
     return parsed
+
+
+def _checked_blocks(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[ParsedBatch]:
+    seen: set[str] = set()
+    for lines in _read_lines(numbered, endpoint):
+        block = ParsedBatch(total=len(lines))
+        for line in lines:
+            if line.error is not None:
+                block.invalid.append(line.error)
+            # Only a valid line claims its custom_id: a line fixed further down the file is not a duplicate.
+            elif line.custom_id in seen:
+                block.invalid.append(_line_error(line.number, line.custom_id, "duplicate_custom_id",
+                                                 "custom_id is used by an earlier valid line"))
+            else:
+                seen.add(line.custom_id)
+                block.valid.append(line.stored())
+                block.scoring.append(line.body.get("kind") == "score")
+        yield block
 
 
 @dataclass
@@ -103,7 +121,7 @@ class _Line:
         return finite_json.compact(stored)  # orjson: 4 against 71 µs for a chat line's 564 ids
 
 
-def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[_Line]:
+def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iterator[list[_Line]]:
     """Every line checked, in order, a chunk at a time; a line's error is its own. Chat lines are
     read in two steps around one tokenizer call for their chunk
     (web.openai_batch_lines.chat_token_ids). That call runs in a thread while this one begins the
@@ -119,10 +137,10 @@ def _read_lines(numbered: list[tuple[int, bytes]], endpoint: str | None) -> Iter
             tokenized = tokenizing.submit(chat_token_ids, [line.pending for line in pending],
                                           tokenizer() if chats else None)
             if previous is not None:
-                yield from _finish(*previous)
+                yield _finish(*previous)
             previous = lines, pending, tokenized
         if previous is not None:
-            yield from _finish(*previous)
+            yield _finish(*previous)
 
 
 def _finish(lines: list[_Line], pending: list[_Line], tokenized: Future) -> list[_Line]:

@@ -8,9 +8,10 @@ gets). Each line of the file is ours, ``{"custom_id": ..., "kind": "generate" | 
 The body is checked by the same schema and limits as ``POST /v1/jobs`` (the line's ``kind`` wins
 over ``body.kind``). An invalid line does not fail the batch: it goes to the batch's errors with
 its line number, and the batch runs the other lines; only a file without one valid line is refused
-(422). The file is validated here, in the API process; ``workers.batches.creation`` stores its valid
-lines in Redis, and the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per
-chunk of lines.
+(422). The file is validated here, in the API process, a block at a time; ``workers.batches.creation``
+stores each block's valid lines in Redis as it comes (its score lines start scoring while the rest
+is read), and the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per chunk
+of lines.
 """
 
 
@@ -32,16 +33,16 @@ from web.batch_upload import (
     JSONL_TYPES,
     REFUSED_LINE_ERRORS,
     InvalidBatchError,
+    check_lines,
     load_params,
     read_file_batch,
     read_upload,
-    validate_lines,
 )
 from web.blueprint import Blueprint
 from web.long_poll import bounded_wait
 from web.openai_batch_object import batch_view
 from web.services import services
-from workers.batches.creation import create_batch
+from workers.batches.creation import BatchIntake
 from workers.batches.messages import request_cancel
 from workers.batches.store import TERMINAL
 
@@ -93,14 +94,18 @@ class Batches(MethodView):
         else:
             data, params = read_upload(settings.batch_max_bytes)
             options, endpoint = load_params(params, settings), None
-        parsed = validate_lines(data, max_lines=settings.batch_max_lines, endpoint=endpoint)
-        if not parsed.valid:
-            raise InvalidBatchError(
-                "no valid line in the file" if parsed.total else "the file has no lines",
-                errors=parsed.invalid[:REFUSED_LINE_ERRORS],
-            )
-        batch = svc.batches.get(create_batch(svc, current_owner(), parsed, source=source, **options)["id"])
-        return batch_view(batch), 202, {"Location": f"/v1/batches/{batch['id']}"}
+        total, blocks = check_lines(data, max_lines=settings.batch_max_lines, endpoint=endpoint)
+        if not total:
+            raise InvalidBatchError("the file has no lines")
+        # Stored as it is checked: the batch's score lines start while the rest is read.
+        with BatchIntake(svc, current_owner(), total=total, source=source, **options) as intake:
+            for block in blocks:
+                intake.add(block)
+            if not intake.valid_lines:
+                raise InvalidBatchError("no valid line in the file", errors=intake.first_errors[:REFUSED_LINE_ERRORS])
+            batch_id = intake.close()["id"]
+        batch = svc.batches.get(batch_id)
+        return batch_view(batch), 202, {"Location": f"/v1/batches/{batch_id}"}
 
     @blp.arguments(BatchListQuerySchema, location="query", unknown="raise")
     @blp.response(200, BatchListSchema)

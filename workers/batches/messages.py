@@ -7,6 +7,8 @@ lost; apart from the tasks so that none of those imports a task module.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from celery import Celery
 
 from workers.names import (
@@ -20,12 +22,11 @@ from workers.names import (
 from workers.settings import Settings
 
 
-def start_batch(celery: Celery, settings: Settings, batch_id: str, chunks: int, completion_window: float) -> None:
-    """Queue one message per chunk, and the expiry check."""
+def send_chunks(celery: Celery, batch_id: str, chunks: Iterable[int]) -> None:
+    """One message per chunk given, through one producer."""
     with celery.producer_or_acquire() as producer:
-        for index in range(chunks):
+        for index in chunks:
             send_chunk(celery, batch_id, index, producer=producer)
-    schedule_expiry(celery, settings, batch_id, completion_window)
 
 
 def schedule_expiry(celery: Celery, settings: Settings, batch_id: str, seconds: float) -> None:

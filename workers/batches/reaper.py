@@ -15,7 +15,9 @@ the batches it has not looked at for ``stall_s`` seconds (``ROLLOUT_STALLED_JOB_
 - one past its completion window: the expiry check is sent again. No search first: a check that
   finds the batch ended does nothing, so a duplicate costs one no-op per stall period;
 - one whose lines are all counted (``settled``) but which has not ended: the worker that counted
-  its last line died before ending it. It is ended here (``finish`` is idempotent).
+  its last line died before ending it. It is ended here (``finish`` is idempotent);
+- one still ``validating`` whose intake has not written for ``stall_s``: the API reading its file
+  died, and no one was told of the batch. It is discarded (``workers.batches.creation``).
 
 And a job of a batch that ended ``stall_s`` ago with its line still not counted (the worker that
 ended it died, or a failover took the count but kept the end: ``JobStore.uncounted_lines``) has its
@@ -71,6 +73,13 @@ class BatchReaper:
                            if batch is None or batch["status"] in TERMINAL])
         live = {batch_id: batch for batch_id, batch in batches.items()
                 if batch is not None and batch["status"] not in TERMINAL}
+        if abandoned := [batch for batch in live.values()
+                         if batch["status"] == "validating" and batch.get("intake_at", batch["created_at"]) < now - self.stall_s]:
+            log.warning("batches whose upload stopped while its file was read were discarded: %s",
+                        ", ".join(batch["id"] for batch in abandoned))
+            for batch in abandoned:
+                store.discard(batch)
+                live.pop(batch["id"])
         sent: list[tuple[str, str, int]] = []
         if unended := [batch_id for batch_id, batch in live.items() if batch.get("settled")]:
             log.warning("batches whose lines were all counted but which had not ended were ended: %s",

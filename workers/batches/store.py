@@ -79,7 +79,7 @@ TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 STATUS_TIMESTAMPS = {status: f"{status}_at" for status in STATUSES if status != "validating"}
 _JSON_FIELDS = ("metadata", "webhook", "validation_errors")
 _INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completion_window", "invalid_lines",
-               "keys_expire_at")
+               "keys_expire_at", "intake")
 PAGE = 1000
 
 # KEYS: batch hash, webhook debts, the batch's wake-up list. ARGV: new status, allowed current
@@ -110,7 +110,8 @@ return 1
 
 # KEYS: batch hash, ended set, output list, errors list.
 # ARGV: triples of (line number, 'completed' | 'failed', JSON entry).
-# Counts each line once. Returns 1 to the one call that counts the batch's last line ("settles" it).
+# Counts each line once. Returns 1 to the one call that counts the batch's last line ("settles" it);
+# a batch whose file is still being read (``intake`` set) settles when the intake closes (_CLOSE).
 _RECORD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local expire_at = tonumber(redis.call('HGET', KEYS[1], 'keys_expire_at'))
@@ -124,6 +125,19 @@ for i = 1, #ARGV, 3 do
   end
 end
 redis.call('EXPIREAT', KEYS[2], expire_at)
+local done = tonumber(redis.call('HGET', KEYS[1], 'completed')) + tonumber(redis.call('HGET', KEYS[1], 'failed'))
+if done >= tonumber(redis.call('HGET', KEYS[1], 'total')) and redis.call('HEXISTS', KEYS[1], 'intake') == 0
+    and redis.call('HSETNX', KEYS[1], 'settled', 1) == 1 then
+  return 1
+end
+return 0
+"""
+
+# KEYS: batch hash. Ends the intake; returns 1 when every line was counted already (the caller
+# settles the batch), 0 if not, -1 if the batch is gone.
+_CLOSE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HDEL', KEYS[1], 'intake')
 local done = tonumber(redis.call('HGET', KEYS[1], 'completed')) + tonumber(redis.call('HGET', KEYS[1], 'failed'))
 if done >= tonumber(redis.call('HGET', KEYS[1], 'total')) and redis.call('HSETNX', KEYS[1], 'settled', 1) == 1 then
   return 1
@@ -147,16 +161,17 @@ class BatchStore:
         self.hooked_owners = hooked_owners
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
+        self._close = client.register_script(_CLOSE)
         self._input = StoredInput(client)
 
     # --- Creating -------------------------------------------------------------------------------
 
     def create(self, *, owner: str, total: int, chunk_size: int, completion_window: int,
                metadata: dict | None = None, webhook: dict | None = None,
-               validation_errors: list[dict] | None = None, invalid_lines: int = 0,
                source: dict[str, str] | None = None) -> dict[str, Any]:
-        """A new batch in ``validating``, expecting ``total`` lines (invalid ones included);
-        ``source``: text fields saying how it was made, kept as they are."""
+        """A new batch in ``validating``, expecting ``total`` lines (invalid ones included), its
+        intake open (:meth:`close_intake`); ``source``: text fields saying how it was made, kept as
+        they are."""
         now = time.time()
         batch_id = new_id("batch")
         expires_at = now + completion_window
@@ -164,9 +179,9 @@ class BatchStore:
             "id": batch_id, "owner": owner, "status": "validating", "created_at": now,
             "expires_at": expires_at, "completion_window": completion_window,
             "keys_expire_at": int(expires_at + self.result_ttl), "total": total, "completed": 0,
-            "failed": 0, "chunk_size": chunk_size, "chunks": 0, "invalid_lines": invalid_lines,
-            "metadata": metadata, "webhook": webhook, "validation_errors": validation_errors or [],
-            **(source or {}),
+            "failed": 0, "chunk_size": chunk_size, "chunks": 0, "invalid_lines": 0,
+            "metadata": metadata, "webhook": webhook, "validation_errors": [],
+            "intake": 1, "intake_at": now, **(source or {}),
         }
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(batch_key(batch_id), mapping={name: _encode(name, value) for name, value in fields.items()})
@@ -184,9 +199,11 @@ class BatchStore:
         return self._input.reserve(batch["owner"], batch["id"], size, cap=cap, ttl=ttl)
 
     def discard(self, batch: dict[str, Any]) -> None:
-        """Forget a batch that was refused before any of its lines was stored."""
+        """Forget a batch refused (or abandoned) while its file was read, and everything it stored."""
+        batch_id = batch["id"]
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(batch_key(batch["id"]))
+        pipe.delete(batch_key(batch_id), lines_key(batch_id), jobs_key(batch_id), ended_key(batch_id),
+                    output_key(batch_id), errors_key(batch_id), submitted_key(batch_id), scoring_key(batch_id))
         pipe.zrem(owner_index_key(batch["owner"]), batch["id"])
         pipe.zrem(OPEN_KEY, batch["id"])
         self._input.forget(batch["owner"], batch["id"], pipe)
@@ -210,6 +227,17 @@ class BatchStore:
         chunks = -(-length // record["chunk_size"])
         self.redis.hset(batch_key(batch_id), "chunks", chunks)
         return chunks
+
+    def intake_progress(self, batch_id: str, *, invalid_lines: int, validation_errors: list[dict]) -> None:
+        """The intake's counts so far, and the time it last wrote (the batch reaper's sign of life)."""
+        self.redis.hset(batch_key(batch_id), mapping={
+            "invalid_lines": invalid_lines, "intake_at": time.time(),
+            "validation_errors": _encode("validation_errors", validation_errors)})
+
+    def close_intake(self, batch_id: str) -> bool:
+        """The file is read: the batch may settle now. True when every line was counted already
+        (the caller ends it: ``workers.batches.progress.finish``)."""
+        return self._close(keys=[batch_key(batch_id)]) == 1
 
     # --- Reading --------------------------------------------------------------------------------
 

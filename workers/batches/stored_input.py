@@ -15,24 +15,27 @@ from workers.batches.keys import batch_key, data_key, lines_key, owner_input_key
 # KEYS: the owner's input hash. ARGV: item id, its bytes, the owner's cap, seconds the hash must
 # live at least (the new item's keys), and the key templates (``%s``: an id) of a file's data, a
 # batch and a batch's lines. Returns -1 when the bytes fit (and counts them), else the
-# bytes the owner's other items hold. It reads each listed item's keys by name (not declared in
-# KEYS): fine on one Redis, as this service runs it, not on Redis Cluster.
+# bytes the owner's other items hold. The item's own earlier count is replaced, not added to (a
+# batch's intake counts its lines as it reads them). It reads each listed item's keys by name (not
+# declared in KEYS): fine on one Redis, as this service runs it, not on Redis Cluster.
 _RESERVE = """
 local held = 0
 local entries = redis.call('HGETALL', KEYS[1])
 for i = 1, #entries, 2 do
   local id = entries[i]
-  local alive
-  if string.sub(id, 1, 5) == 'file_' then
-    alive = redis.call('EXISTS', string.format(ARGV[5], id)) == 1
-  else
-    alive = redis.call('EXISTS', string.format(ARGV[7], id)) == 1
-      or redis.call('HGET', string.format(ARGV[6], id), 'status') == 'validating'
-  end
-  if alive then
-    held = held + tonumber(entries[i + 1])
-  else
-    redis.call('HDEL', KEYS[1], id)
+  if id ~= ARGV[1] then
+    local alive
+    if string.sub(id, 1, 5) == 'file_' then
+      alive = redis.call('EXISTS', string.format(ARGV[5], id)) == 1
+    else
+      alive = redis.call('EXISTS', string.format(ARGV[7], id)) == 1
+        or redis.call('HGET', string.format(ARGV[6], id), 'status') == 'validating'
+    end
+    if alive then
+      held = held + tonumber(entries[i + 1])
+    else
+      redis.call('HDEL', KEYS[1], id)
+    end
   end
 end
 if held + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return held end

@@ -5,7 +5,9 @@
   prompts, preprocessing for the rest), so batch lines share the CPU workers, the multimodal
   cache and GPU batching with every other job (plain score lines skip jobs altogether:
   ``workers/tasks/score_lines.py``). The API sends one message per chunk of
-  ``settings.batch_chunk_size`` lines, never one per line.
+  ``settings.batch_chunk_size`` lines, never one per line; a chunk with score lines as soon as it
+  is stored, while the file is still read (the batch ``validating``), when only its direct score
+  lines run, and again at the end for the rest.
 - ``rollout.batches.cancel(batch_id)``: the slow half of ``POST /v1/batches/{id}/cancel``.
 - ``rollout.batches.expire(batch_id)``: ends the batch when its completion window is over.
 
@@ -93,7 +95,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         batch = store.get(batch_id)
     except NotFoundError:
         return 0
-    if batch["status"] != "in_progress":
+    if batch["status"] not in ("validating", "in_progress"):
         return 0  # cancelled or expired: the cancel / expiry sweep counts these lines
     lines = store.chunk(batch_id, index, batch["chunk_size"])
     numbers = [line["line"] for line in lines]
@@ -106,6 +108,12 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         store.owe_scoring(batch_id, index, expire_at=batch["keys_expire_at"])  # the reaper's mark
         send_score_lines(rt.celery, batch_id, index)
         skip |= {line["line"] for line in direct}
+    if batch["status"] == "validating":
+        # Its file is still read: only its direct score lines run now, which nothing outside the
+        # batch sees if the upload is refused (workers.batches.creation); the rest when it closes.
+        if all(line["line"] in skip for line in lines):
+            store.chunks_submitted(batch_id, index, expire_at=batch["keys_expire_at"])
+        return 0
     readable, unreadable = [], []
     for line in lines:
         if line["line"] not in skip:

@@ -45,7 +45,7 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
         batch = store.get(batch_id)
     except NotFoundError:
         return 0
-    if batch["status"] != "in_progress":
+    if batch["status"] not in ("validating", "in_progress"):  # validating: scored while its file is read
         store.scoring_done(batch_id, index)
         return 0  # cancelled or expired: the sweep counts these lines
     lines = store.chunk(batch_id, index, batch["chunk_size"])

@@ -108,6 +108,7 @@ def test_ending_a_batch_job_counts_its_line_once_and_ends_the_batch(rt):
     batches = BatchStore(rt.redis, result_ttl=600)
     batch = batches.create(owner=OWNER, total=1, chunk_size=8, completion_window=3600)
     assert batches.move(batch["id"], "in_progress", from_=("validating",))
+    assert not batches.close_intake(batch["id"])  # its file read, no line ended yet
     job = new_job(rt, batch_id=batch["id"], custom_id="row-0", line="0")
     assert end_job(rt, job["id"], "succeeded", job=rt.jobs.get(job["id"]), result={"choices": []})
     end_job(rt, job["id"], "succeeded", result={"choices": []})
