@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 # Line errors shown in the batch object (all of them are in the errors download).
 REPORTED_LINE_ERRORS = 10
-RECORD_PAGE = 1000
 # A hint only: batches end when their lines do, minutes to hours.
 STORAGE_RETRY_AFTER_S = 60
 
@@ -112,8 +111,7 @@ class BatchIntake:
                     f"this key's unfinished batches hold {held} bytes of input; this one needs {self._size} more "
                     f"and a key may store {self.cap}: retry when one ends",
                     headers={"Retry-After": str(STORAGE_RETRY_AFTER_S)})
-        for start in range(0, len(block.invalid), RECORD_PAGE):
-            store.record(batch_id, [(entry["line"], False, entry) for entry in block.invalid[start:start + RECORD_PAGE]])
+        store.record(batch_id, [(entry["line"], False, entry) for entry in block.invalid])
         self.invalid_lines += len(block.invalid)
         self.first_errors += block.invalid[:REPORTED_LINE_ERRORS - len(self.first_errors)]
         store.intake_progress(batch_id, invalid_lines=self.invalid_lines, validation_errors=self.first_errors)

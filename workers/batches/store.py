@@ -115,13 +115,18 @@ return 1
 _RECORD = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local expire_at = tonumber(redis.call('HGET', KEYS[1], 'keys_expire_at'))
+local new = {completed = {}, failed = {}}
 for i = 1, #ARGV, 3 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    local target = KEYS[4]
-    if ARGV[i + 1] == 'completed' then target = KEYS[3] end
-    redis.call('RPUSH', target, ARGV[i + 2])
+    table.insert(new[ARGV[i + 1]], ARGV[i + 2])
+  end
+end
+-- One push, expiry and count per list, not per line (a call holds at most PAGE lines).
+for status, target in pairs({completed = KEYS[3], failed = KEYS[4]}) do
+  if #new[status] > 0 then
+    redis.call('RPUSH', target, unpack(new[status]))
     redis.call('EXPIREAT', target, expire_at)
-    redis.call('HINCRBY', KEYS[1], ARGV[i + 1], 1)
+    redis.call('HINCRBY', KEYS[1], status, #new[status])
   end
 end
 redis.call('EXPIREAT', KEYS[2], expire_at)
@@ -272,8 +277,12 @@ class BatchStore:
         return (owner.decode() if owner is not None else None), (json.loads(webhook) if webhook else None)
 
     def chunk(self, batch_id: str, index: int, chunk_size: int) -> list[dict[str, Any]]:
+        return [json.loads(item) for item in self.chunk_text(batch_id, index, chunk_size)]
+
+    def chunk_text(self, batch_id: str, index: int, chunk_size: int) -> list[bytes]:
+        """Chunk ``index``'s lines as stored (JSON)."""
         start = index * chunk_size
-        return [json.loads(item) for item in self.redis.lrange(lines_key(batch_id), start, start + chunk_size - 1)]
+        return self.redis.lrange(lines_key(batch_id), start, start + chunk_size - 1)
 
     def iter_lines(self, batch_id: str) -> Iterator[list[dict[str, Any]]]:
         """The valid input lines, a page at a time (for cancel and expiry sweeps)."""
@@ -352,13 +361,14 @@ class BatchStore:
     def record(self, batch_id: str, entries: list[tuple[int, bool, dict[str, Any]]]) -> bool:
         """Count lines as ended: (line, succeeded, output or error entry). Lines counted before are
         skipped. True for the one call that counted the batch's last line."""
-        if not entries:
-            return False
-        args: list[Any] = []
-        for line, ok, entry in entries:
-            args += [line, "completed" if ok else "failed", finite_json.compact(entry)]
         keys = [batch_key(batch_id), ended_key(batch_id), output_key(batch_id), errors_key(batch_id)]
-        return self._record(keys=keys, args=args) == 1
+        settled = False
+        for start in range(0, len(entries), PAGE):  # the script pushes a call's lines in one command
+            args: list[Any] = []
+            for line, ok, entry in entries[start:start + PAGE]:
+                args += [line, "completed" if ok else "failed", finite_json.compact(entry)]
+            settled |= self._record(keys=keys, args=args) == 1
+        return settled
 
     def move(self, batch_id: str, status: str, *, from_: Iterable[str], **fields: Any) -> bool:
         """Compare-and-set the status (stamping ``<status>_at``); False if it was not in ``from_``."""

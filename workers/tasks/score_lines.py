@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+import orjson
 from celery import shared_task
 
 from engine.errors import NotFoundError, RolloutError
@@ -48,7 +49,10 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     if batch["status"] not in ("validating", "in_progress"):  # validating: scored while its file is read
         store.scoring_done(batch_id, index)
         return 0  # cancelled or expired: the sweep counts these lines
-    lines = store.chunk(batch_id, index, batch["chunk_size"])
+    # orjson: a fifth of the stdlib's time for a stored score line. It reads an integer past 64 bits
+    # as a float, so it is used only here, where nothing but the line number, custom_id and the two
+    # validated id lists is read: a metadata value it might read inexactly never leaves this task.
+    lines = [orjson.loads(text) for text in store.chunk_text(batch_id, index, batch["chunk_size"])]
     numbers = [line["line"] for line in lines]
     mine = store.line_jobs(batch_id, numbers)
     ended = store.ended(batch_id, numbers)

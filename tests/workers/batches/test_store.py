@@ -15,6 +15,7 @@ from tests.workers.bad_rows import stored_request
 from workers.batches.creation import ParsedBatch, create_batch
 from workers.batches.keys import lines_key, output_key
 from workers.batches.progress import record_job_lines
+from workers.batches.store import PAGE
 from workers.batches.sweeps import cancel_lines, expire
 from workers.celery_app import create_celery
 from workers.jobs.store import QueueFullError
@@ -149,6 +150,21 @@ def test_lines_count_once_and_the_last_one_completes_the_batch(rt, redis_client)
     assert sorted(errors) == [4, 6, 7]
     assert errors[4]["error"]["code"] == "context_length_exceeded" and errors[4]["job_id"] == jobs[3]["id"]
     assert errors[6]["error"]["code"] == "invalid_json"
+
+
+def test_a_record_of_thousands_of_lines_counts_each_once_and_settles_once(rt):
+    """A sweep (or a file's invalid lines) may count thousands of lines in one call: the store pages
+    them (the script pushes a call's lines in one command, and Lua unpacks at most 8,000 values),
+    and the call that counts the last line settles the batch."""
+    lines = 9 * PAGE + 500
+    batch_id = new_batch(rt, 1, invalid=lines - 1)["id"]  # its invalid lines are counted as it is made
+    entry = {"custom_id": "c1", "line": 1, "response": {"status_code": 200, "body": RESULT}}
+    again = [(n, False, {"line": n, "error": {"code": "x", "message": "again"}}) for n in range(2, lines + 1)]
+    assert not rt.batches.record(batch_id, again)  # all counted before: nothing changes
+    assert rt.batches.record(batch_id, again + [(1, True, entry)])
+    assert counts(rt, batch_id)[1:] == (lines, 1, lines - 1)
+    assert len(results(rt, batch_id, "errors")) == lines - 1
+    assert all(line["error"]["code"] == "invalid_json" for line in results(rt, batch_id, "errors"))
 
 
 def test_cancel_keeps_finished_lines_and_waits_for_running_ones(rt, redis_client):
