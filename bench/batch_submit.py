@@ -157,7 +157,7 @@ def overlap(lines: int, tokens: int, rounds: int = 3) -> tuple[float, float]:
             pending = [line for line in chunk if line.pending is not None]
             done = Future()
             done.set_result(chat_token_ids([line.pending for line in pending], tokenizer()))
-            yield from batch_upload._finish(chunk, pending, done)
+            yield batch_upload._finish(chunk, pending, done)
 
     overlapped = batch_upload._read_lines
     best = {overlapped: float("inf"), in_line: float("inf")}
