@@ -7,7 +7,8 @@ while the batch is ``validating`` its chunk task scores its plain score lines on
 (``workers/tasks/batches.py``). Those have no job, no webhook and no event: if the upload is refused
 further down (too large, the key's storage full, no valid line) or the API dies under it, the batch
 and what it scored are discarded (the batch reaper discards an intake that stopped writing) and
-nothing of it was visible. Every other line waits for the end, when the batch moves to
+nothing of it was visible. (A chunk task that read the batch just before the discard may still
+write its lines' job marks; nothing reads them, and they expire with the batch's keys.) Every other line waits for the end, when the batch moves to
 ``in_progress`` and the chunks not fully submitted are queued. A batch cannot end while its intake
 is open (``BatchStore.close_intake``).
 
