@@ -96,7 +96,7 @@ class Batches(MethodView):
             options, endpoint = load_params(params, settings), None
         total, blocks = check_lines(data, max_lines=settings.batch_max_lines, endpoint=endpoint)
         if not total:
-            raise InvalidBatchError("the file has no lines")
+            raise InvalidBatchError("the file has no lines", errors=[])
         # Stored as it is checked: the batch's score lines start while the rest is read.
         with BatchIntake(svc, current_owner(), total=total, source=source, **options) as intake:
             for block in blocks:
