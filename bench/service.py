@@ -9,7 +9,8 @@ process, with one torch thread like the workers. Everything shares the machine's
 - submit throughput: ``POST /v1/jobs`` accepted per second, before any worker runs (no consumer);
 - end-to-end throughput: the same 64 greedy requests (32 prompt ids, 32 new tokens, ignore_eos)
   submitted at once and waited for, vs the engine generating them in batches of
-  ``ROLLOUT_GPU_BATCH_SIZE``; repeated, medians compared (goal >= 0.8);
+  ``ROLLOUT_GPU_BATCH_SIZE``; repeated, medians compared (goal >= 0.8); and the same jobs in one
+  ``POST /v1/jobs/bulk`` (a trainer's rollout step), alternated with the other two round by round;
 - added latency: jobs one at a time (max_tokens 1-4): submit, wait, GET the result, minus the
   engine's time for the same single request; p50 (goal <= 15 ms), with where the time goes;
 - bulk scoring: a JSONL batch of score rows through ``POST /v1/batches`` until ``completed``,
@@ -105,6 +106,7 @@ class Service:
         self.client = self.app.test_client()
         self.svc = self.app.extensions["rollout"]
         self.workers: dict[str, subprocess.Popen] = {}
+        self.last_mean_batch = 0.0  # the GPU batch size of the last round's jobs, on average
 
     def start_workers(self) -> None:
         for kind in WORKERS:
@@ -132,6 +134,12 @@ class Service:
         response = self.client.post("/v1/jobs", json=body, headers=HEADERS)
         assert response.status_code == 202, response.get_json()
         return response.get_json()["id"]
+
+    def submit_many(self, bodies: list[dict]) -> list[str]:
+        """The jobs of ``bodies`` in one ``POST /v1/jobs/bulk``, as a trainer sends a rollout step."""
+        response = self.client.post("/v1/jobs/bulk", json={"jobs": bodies}, headers=HEADERS)
+        assert response.status_code == 202 and not response.get_json()["refused"], response.get_json()
+        return [job["id"] for job in response.get_json()["data"]]
 
     def result(self, job_id: str, timeout: float = 120.0) -> dict:
         """Block until the job ends (the job store's wake-up list, as POST /generate waits), then GET it."""
@@ -174,27 +182,35 @@ def submit_rate(service: Service, count: int) -> float:
 
 
 def throughput(service: Service, engine: Engine, jobs: int, rounds: int) -> dict:
-    """Median seconds for ``jobs`` requests: in-process in batches of BATCH, and through the service;
-    the CPU seconds each process of the service spent per job."""
-    in_process, through_service = [], []
-    cpu = CpuMeter(service)
+    """Median seconds for ``jobs`` requests: in-process in batches of BATCH; through the service
+    submitted one ``POST /v1/jobs`` each, and in one ``POST /v1/jobs/bulk``, the three alternated
+    round by round; the CPU seconds each process of the service spent per job, each way."""
+    in_process, one_by_one, in_bulk = [], [], []
+    cpu, bulk_cpu = CpuMeter(service), CpuMeter(service)
     for _ in range(rounds):
         started = time.perf_counter()
         for i in range(0, jobs, BATCH):
             engine.generate([engine_request(j) for j in range(i, min(i + BATCH, jobs))])
         in_process.append(time.perf_counter() - started)
-
-        cpu.start()
-        started = time.perf_counter()
-        ids = [service.submit(job_body(i)) for i in range(jobs)]
-        results = [service.result(job_id) for job_id in ids]
-        through_service.append(time.perf_counter() - started)
-        cpu.stop()
-        assert all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
-    batch_sizes = [r["result"]["timings"]["batch_size"] for r in results]
-    return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(through_service),
-            "mean_batch": statistics.mean(batch_sizes), "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds),
+        one_by_one.append(_service_round(service, cpu, jobs, lambda: [service.submit(job_body(i)) for i in range(jobs)]))
+        in_bulk.append(_service_round(service, bulk_cpu, jobs,
+                                      lambda: service.submit_many([job_body(i) for i in range(jobs)])))
+    return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(one_by_one),
+            "bulk_s": statistics.median(in_bulk), "mean_batch": service.last_mean_batch,
+            "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds), "bulk_cpu_ms_per_job": bulk_cpu.per_item_ms(jobs * rounds),
             "commands_per_job": cpu.commands / (jobs * rounds)}
+
+
+def _service_round(service: Service, cpu: CpuMeter, jobs: int, submit) -> float:
+    """Seconds from the first submit until every job's result was read (``submit`` returns the ids)."""
+    cpu.start()
+    started = time.perf_counter()
+    results = [service.result(job_id) for job_id in submit()]
+    elapsed = time.perf_counter() - started
+    cpu.stop()
+    assert len(results) == jobs and all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
+    service.last_mean_batch = statistics.mean(r["result"]["timings"]["batch_size"] for r in results)
+    return elapsed
 
 
 def added_latency(service: Service, engine: Engine, jobs: int) -> dict:
@@ -369,6 +385,10 @@ def run(jobs: int = 64, rounds: int = 5, latency_jobs: int = 40, score_rows: int
         _row("· in-process engine: CPU ms per job", flow["in_process_s"] / jobs * 1e3),
         *(_row(f"· service: CPU ms per job, {name}", ms) for name, ms in flow["cpu_ms_per_job"].items()),
         _row("· service: Redis commands per job (INFO's total; a script's own calls count)", flow["commands_per_job"]),
+        _row(f"service end-to-end, the {jobs} jobs in one POST /v1/jobs/bulk / in-process engine (median of {rounds})",
+             flow["in_process_s"] / flow["bulk_s"]),
+        _row(f"· service, {jobs} jobs in one POST /v1/jobs/bulk until all ended (s)", flow["bulk_s"]),
+        *(_row(f"· service in bulk: CPU ms per job, {name}", ms) for name, ms in flow["bulk_cpu_ms_per_job"].items()),
         _row(f"added latency per job over in-process, p50 (ms, {latency_jobs} sequential jobs)",
              latency["p50_ms"], "<= 15"),
         _row("· added latency per job, p90 (ms)", latency["p90_ms"]),

@@ -19,6 +19,7 @@ JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
 BATCH_DONE = frozenset({"completed", "failed", "cancelled", "expired"})
 USER_AGENT = "rollout-queue-client/0.1"
 DOWNLOAD_CHUNK = 64 * 1024
+BULK_JOBS = 1000  # jobs in one POST /v1/jobs/bulk: the service's most (web.schemas.MAX_BULK_JOBS)
 LONG_POLL_S = 20.0  # one wait request: under the service's default ROLLOUT_SYNC_TIMEOUT_MAX (300)
 
 BatchInput = str | os.PathLike | bytes | Iterable[Mapping[str, Any] | str]
@@ -57,6 +58,36 @@ class RolloutClient:
     def submit(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """Submit a job (``kind`` generate or score); the job, status ``queued``."""
         return self._request("POST", "/v1/jobs", json=dict(request)).json()
+
+    def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Submit many jobs (``POST /v1/jobs/bulk``, :data:`BULK_JOBS` a request): the jobs, in the
+        order of ``requests``. The service creates a request's jobs in one round trip and queues them
+        together, so a rollout step's jobs reach the GPU workers at once. Requests the queue caps
+        refused are sent again after the service's ``Retry-After``, as a refused submit is; when the
+        retries run out, a ``ClientError`` (``queue_full``) whose ``errors["jobs"]`` holds the jobs
+        created so far (None for the refused)."""
+        requests = [dict(request) for request in requests]
+        jobs: list[dict[str, Any] | None] = [None] * len(requests)
+        waiting = list(range(len(requests)))
+        retries = 0
+        while True:
+            refused, retry_after = [], None
+            for start in range(0, len(waiting), BULK_JOBS):
+                part = waiting[start:start + BULK_JOBS]
+                response = self._request("POST", "/v1/jobs/bulk", json={"jobs": [requests[i] for i in part]})
+                body = response.json()
+                for index, job in zip(part, body["data"], strict=True):
+                    jobs[index] = job
+                refused += [part[entry["index"]] for entry in body["refused"]]
+                retry_after = response.headers.get("Retry-After") or retry_after
+            if not refused:
+                return jobs
+            if retries >= self.retry.max_retries:
+                raise ClientError("queue_full", f"{len(refused)} of {len(requests)} jobs were refused by the queue caps",
+                                  status=429, errors={"jobs": jobs})
+            retries += 1
+            time.sleep(self.retry.delay(retries, retry_after))
+            waiting = refused
 
     def get(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/v1/jobs/{job_id}", idempotent=True).json()

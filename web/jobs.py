@@ -7,10 +7,13 @@ import time
 from flask import request as http_request
 from flask.views import MethodView
 
+from engine.errors import RolloutError
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.long_poll import bounded_wait
 from web.schemas import (
+    BulkSubmitResultSchema,
+    BulkSubmitSchema,
     JobListQuerySchema,
     JobListSchema,
     JobLookupResultSchema,
@@ -21,8 +24,8 @@ from web.schemas import (
 )
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
-from web.submit import submit
-from workers.jobs.store import TERMINAL
+from web.submit import submit, submit_many
+from workers.jobs.store import TERMINAL, QueueFullError
 from workers.jobs.view import public_job
 from workers.lifecycle import cancel_job
 
@@ -56,6 +59,29 @@ class Jobs(MethodView):
         jobs, cursor = services().jobs.list(owner=current_owner(), status=query.get("status"),
                                             limit=query["limit"], cursor=query.get("cursor"))
         return {"data": [public_job(job) for job in jobs], "next_cursor": cursor}
+
+
+@blp.route("/bulk")
+class BulkSubmit(MethodView):
+    @blp.arguments(BulkSubmitSchema)
+    @blp.response(202, BulkSubmitResultSchema, headers={"Retry-After": {
+        "description": "When some requests were refused: seconds before sending them again", "schema": {"type": "string"}}})
+    @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(413, schema=None, description="Body too large")
+    @blp.alt_response(422, schema=None, description="A request is invalid (its place named in errors): none was created")
+    @blp.alt_response(429, schema=None, description="The queue caps refused every request")
+    @blp.alt_response(503, schema=None, description="Job store unavailable")
+    def post(self, body):
+        """Submit many jobs in one request (a trainer's rollout step): created in one round trip and
+        queued together, so the GPU workers get them at once. Requests the queue caps refuse come
+        back in ``refused``; when every one was refused the answer is a 429 like a single submit's."""
+        outcomes = submit_many(body["jobs"])
+        refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, QueueFullError)]
+        if len(refused) == len(outcomes):
+            raise refused[0][1]
+        body = {"data": [None if isinstance(job, RolloutError) else public_job(job) for job in outcomes],
+                "refused": [{"index": index, "code": error.code, "message": error.message} for index, error in refused]}
+        return body, 202, refused[0][1].headers if refused else {}
 
 
 @blp.route("/lookup")

@@ -279,6 +279,27 @@ class JobLookupResultSchema(Schema):
     missing = fields.List(fields.String(), metadata={"description": "Ids that are no job of the caller's"})
 
 
+MAX_BULK_JOBS = 1000
+
+
+class BulkSubmitSchema(Schema):
+    jobs = fields.List(fields.Nested(JobRequestSchema), required=True, validate=validate.Length(1, MAX_BULK_JOBS),
+                       metadata={"description": f"Up to {MAX_BULK_JOBS} job requests, each as POST /v1/jobs takes one"})
+
+
+class RefusedJobSchema(Schema):
+    index = fields.Integer(metadata={"description": "The refused request's place in jobs"})
+    code = fields.String()
+    message = fields.String()
+
+
+class BulkSubmitResultSchema(Schema):
+    data = fields.List(fields.Nested(JobSchema, allow_none=True), metadata={
+        "description": "One entry per request, in order: the job, or null where the request was refused"})
+    refused = fields.List(fields.Nested(RefusedJobSchema), metadata={
+        "description": "The requests the queue caps refused (code queue_full): send them again after Retry-After"})
+
+
 class JobListSchema(Schema):
     data = fields.List(fields.Nested(JobSchema))
     next_cursor = fields.String(allow_none=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.capacity import check_capacity
-from engine.errors import InvalidRequestError, check_token_ids
+from engine.errors import InvalidRequestError, RolloutError, check_token_ids
 from engine.request_rules import (
     check_context,
     check_media_count,
@@ -18,7 +18,8 @@ from web.services import services
 from workers.gpu.limits import scheduler_limits
 from workers.infra.replication import confirm_if_asked
 from workers.jobs.request import JobRequest
-from workers.jobs.submission import submit_job
+from workers.jobs.store import QueueFullError
+from workers.jobs.submission import submit_job, submit_jobs
 
 
 def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -> dict[str, Any]:
@@ -72,3 +73,29 @@ def submit(request: dict[str, Any], *, watched: bool = False) -> dict[str, Any]:
                      model=svc.model_facts, watched=watched)
     confirm_if_asked(svc, job["id"])  # with replicas, a 202 means the job survives the primary's death
     return job
+
+
+def submit_many(requests: list[dict[str, Any]]) -> list[dict[str, Any] | QueueFullError]:
+    """``submit`` for many validated requests of the caller (``POST /v1/jobs/bulk``): all are checked
+    first, so one the limits refuse fails the call with nothing created (its error names its place);
+    then they are created in one round trip and their messages sent through one producer. Each
+    one's job, or the QueueFullError its turn met under the caps (the others still run)."""
+    svc = services()
+    typed = []
+    for index, request in enumerate(requests):
+        try:
+            typed.append((JobRequest.from_dict(check_limits(request)), None))
+        except RolloutError as error:
+            raise _at_index(error, index) from None
+    outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=typed, model=svc.model_facts)
+    created = [job["id"] for job in outcomes if not isinstance(job, QueueFullError)]
+    if created:  # one confirmation covers every write before it
+        confirm_if_asked(svc, ",".join(created))
+    return outcomes
+
+
+def _at_index(error: RolloutError, index: int) -> RolloutError:
+    """``error`` (same type, code and status) naming the request of the list it is about."""
+    where = f"jobs.{index}"
+    return RolloutError.from_record({"code": error.code, "message": f"{where}: {error.message}",
+                                     "errors": {where: error.errors if error.errors is not None else [error.message]}})

@@ -111,3 +111,32 @@ def test_a_wait_the_service_cuts_short_is_retried_after_the_interval(scripted):
     with pytest.raises(WaitTimeoutError):
         RolloutClient(scripted.url).wait("job_1", timeout=0.5, poll_interval=0.2)
     assert 2 <= len(scripted.seen) <= 4  # paced by poll_interval (clamped to the deadline), not a spin
+
+
+def test_submit_many_sends_again_only_what_the_caps_refused_and_keeps_the_order(scripted):
+    first = {"data": [{"id": "job_a"}, None, {"id": "job_c"}, None],
+             "refused": [{"index": 1, "code": "queue_full", "message": "full"},
+                         {"index": 3, "code": "queue_full", "message": "full"}]}
+    second = {"data": [{"id": "job_b"}, {"id": "job_d"}], "refused": []}
+    scripted.script.extend([(202, {"Retry-After": "1"}, first), (202, {}, second)])
+    requests = [{**PROMPT, "metadata": {"row": row}} for row in range(4)]
+    jobs = RolloutClient(scripted.url, retry=FAST).submit_many(requests)
+    assert [job["id"] for job in jobs] == ["job_a", "job_b", "job_c", "job_d"]
+    sent = [json.loads(body)["jobs"] for _, _, _, body in scripted.seen]
+    assert [path for _, _, path, _ in scripted.seen] == ["/v1/jobs/bulk"] * 2
+    assert sent == [requests, [requests[1], requests[3]]]
+    assert scripted.gaps()[0] >= 0.95  # the service's Retry-After, not the policy's backoff
+
+
+def test_submit_many_splits_past_the_bulk_limit_and_reports_what_ran_when_retries_run_out(scripted, monkeypatch):
+    monkeypatch.setattr("client.client.BULK_JOBS", 2)
+    scripted.script.extend([
+        (202, {}, {"data": [{"id": "job_a"}, {"id": "job_b"}], "refused": []}),
+        (202, {"Retry-After": "0"}, {"data": [None], "refused": [{"index": 0, "code": "queue_full", "message": "x"}]}),
+    ])
+    with pytest.raises(ClientError) as raised:
+        RolloutClient(scripted.url, retry=RetryPolicy(max_retries=1, backoff=0.01)).submit_many([PROMPT] * 3)
+    error = raised.value
+    assert (error.code, error.status) == ("queue_full", 429)
+    assert error.errors["jobs"] == [{"id": "job_a"}, {"id": "job_b"}, None]
+    assert [len(json.loads(body)["jobs"]) for _, _, _, body in scripted.seen] == [2, 1, 1]

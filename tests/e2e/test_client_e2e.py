@@ -49,6 +49,20 @@ def test_jobs_submit_wait_cancel(service):
     assert looked_up["missing"] == ["job_missing"]
 
 
+def test_a_rollout_step_submitted_in_bulk_runs_as_the_same_jobs_one_by_one(service):
+    client = RolloutClient(service, api_key=API_KEY)
+    requests = [{"token_ids": [100 + i, 101, 102], "sampling_params": {**GREEDY, "max_tokens": 3}} for i in range(6)]
+    requests.append({"kind": "score", "token_ids": [100, 101], "completion_token_ids": [102, 103]})
+    jobs = client.submit_many(requests)
+    assert len({job["id"] for job in jobs}) == len(requests)
+    done = client.lookup([job["id"] for job in jobs], wait=60)["data"]
+    assert [job["status"] for job in done] == ["succeeded"] * len(requests)
+    alone = [client.wait(client.submit(request)["id"], timeout=60) for request in (requests[0], requests[-1])]
+    assert done[0]["result"]["choices"][0]["token_ids"] == alone[0]["result"]["choices"][0]["token_ids"]
+    scored = done[-1]["result"]["completion_logprobs"]
+    assert len(scored) == 2 and scored == alone[1]["result"]["completion_logprobs"]
+
+
 def test_generate_keeps_waiting_after_a_202(service):
     client = RolloutClient(service, api_key=API_KEY)
     out = client.generate({"token_ids": [100, 102], "sampling_params": {"max_tokens": 300, "temperature": 0,
