@@ -23,6 +23,10 @@ class SchedulerLimits:
     prefill_chunk_tokens: int = 512  # prefill tokens per step while rows decode
     prompt_cache_tokens: int = 4096  # recent prompts' KV kept for late group members
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs by content hash
+    # While rows decode, new prompts are prefilled once they are join_ratio of the running rows, or
+    # after join_wait_steps steps (engine.prefill_plan.hold_joins); join_ratio 0: at the first step.
+    join_ratio: float = 0.5  # ROLLOUT_JOIN_RATIO
+    join_wait_steps: int = 4  # ROLLOUT_JOIN_WAIT_STEPS
 
     @property
     def kv_blocks(self) -> int:

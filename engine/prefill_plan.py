@@ -7,6 +7,8 @@ forwards that carry them out (``engine.scheduler``), so they can be read and tes
 - While rows decode, the distinct prompts of one padded forward hold at most ``budget`` tokens
   (rows x width); the first prompt that would pass it waits for the next step, unless it is the
   only one, which is then prefilled alone in chunks of ``budget`` tokens, one chunk per step.
+- While rows decode, new prompts wait for company (:func:`hold_joins`): rows that free one at a
+  time then join a few at a time, one prefill forward for several.
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ def plan_prefill(admitted: Sequence[Any], cached: Callable[[tuple], Any], *, bud
         plan.taken.append(job)
         plan.groups[job.key] = [job]
     return plan
+
+
+def hold_joins(*, running: int, joining: int, waited_steps: int, ratio: float, max_wait_steps: int) -> bool:
+    """Whether this step's prompts to compute (``joining`` rows) wait for a later step while
+    ``running`` rows decode.
+
+    A prefill is a forward of its own beside the decode step, and costs about as much for one short
+    prompt as for several (a layer's launches on a GPU, its Python on a CPU). Rows that drifted
+    apart free one per step or so; joining each alone pays a forward per job (bench/arrivals.py:
+    64 fresh prompts arriving one per step cost 1.6x the CPU of the same 64 at once). So new rows
+    join once they are at least ``ratio`` of the running rows, or after ``max_wait_steps`` steps;
+    with few rows running (a small batch) that is at once. The rule is text-generation-inference's
+    router's (``waiting_served_ratio``, ``max_waiting_tokens``: router/src/infer/v2/scheduler.rs);
+    its defaults (0.3, 20 steps) are for long GPU generations, ours (SchedulerLimits: 0.5, 4 steps)
+    were the best of a sweep on the demo model's 32-token jobs (README "Configuration").
+    """
+    return running > 0 and joining < int(running * ratio) and waited_steps < max_wait_steps
 
 
 def chunk_end(start: int, length: int, chunk_tokens: int, media_spans: Sequence[tuple[int, int]], *,

@@ -25,7 +25,9 @@ One :meth:`Scheduler.step`:
    most ``prefill_chunk_tokens`` tokens while rows are decoding; a longer one is prefilled alone
    in chunks of that size, one chunk per step, so decoding rows keep their pace. A prefilled
    prompt's K/V is written into pool blocks; each row of the prompt takes its first token from
-   the prompt's last logits and joins the running batch sharing those blocks.
+   the prompt's last logits and joins the running batch sharing those blocks. While rows decode,
+   prompts to compute wait until they are ``join_ratio`` of the running rows, at most
+   ``join_wait_steps`` steps (:func:`engine.prefill_plan.hold_joins`): one forward for several.
 
 The parts, each testable without a model: the KV pool (:mod:`engine.paged_kv`), the running
 batch (:mod:`engine.running_batch`: rows, their jobs, block tables, lengths, deltas and next tokens
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,7 +76,7 @@ from engine.encoder_cache import (
 from engine.errors import InvalidRequestError
 from engine.loading import LoadedModel
 from engine.paged_kv import BlockPool, write_prompts
-from engine.prefill_plan import chunk_end, plan_prefill
+from engine.prefill_plan import PrefillPlan, chunk_end, hold_joins, plan_prefill
 from engine.prompt_cache import PrefilledPrompt, PromptCache
 from engine.request_result import build_result
 from engine.running_batch import RunningBatch
@@ -87,6 +89,7 @@ class EngineStats:
     """Counters since the engine started (the GPU worker reports their growth as metrics)."""
 
     prefill_tokens: int = 0  # prompt tokens computed (real tokens, not padding)
+    prefill_forwards: int = 0  # forwards that computed prompts (a chunk of a long prompt counts one)
     cached_tokens: int = 0  # prompt tokens served by a shared or cached prefill
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode steps of the rows in them
@@ -188,6 +191,7 @@ class Scheduler:
         self._batch = RunningBatch(pool, attn_implementation=_attn_implementation(loaded.model),
                                    dtype=loaded.dtype, device=loaded.device)
         self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
+        self._join_waited = 0  # steps in a row that admitted prompts waited for company (hold_joins)
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -386,6 +390,7 @@ class Scheduler:
         """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
         plan = plan_prefill(self._admitted, self.prompt_cache.get,
                             budget=self.limits.prefill_chunk_tokens if self._batch else None)
+        plan = self._hold_lone_joins(plan)
         taken = set(map(id, plan.taken))
         self._admitted = [job for job in self._admitted if id(job) not in taken]
         for job, _ in plan.cached:
@@ -398,6 +403,21 @@ class Scheduler:
         if self._chunking is not None and not joined:
             joined += self._prefill_chunk()
         return joined
+
+    def _hold_lone_joins(self, plan: PrefillPlan) -> PrefillPlan:
+        """``plan`` without its prompts to compute while they wait for company (``hold_joins``);
+        what needs no forward (cached prompts, ended jobs) goes on."""
+        if not plan.groups:
+            return plan
+        joining = sum(len(job.rows) for jobs in plan.groups.values() for job in jobs)
+        limits = self.limits
+        if not hold_joins(running=len(self._batch), joining=joining, waited_steps=self._join_waited,
+                          ratio=limits.join_ratio, max_wait_steps=limits.join_wait_steps):
+            self._join_waited = 0
+            return plan
+        self._join_waited += 1
+        waiting = {id(job) for jobs in plan.groups.values() for job in jobs}
+        return replace(plan, groups={}, taken=[job for job in plan.taken if id(job) not in waiting])
 
     def _compute_prompts(self, groups: dict[tuple, list[_Job]]) -> list[tuple[_Job, PrefilledPrompt]]:
         leaders = [jobs[0] for jobs in groups.values()]
@@ -436,6 +456,7 @@ class Scheduler:
         loaded = self.loaded
         with loaded.lock, torch.inference_mode():
             out = loaded.model(**kwargs, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self.stats.prefill_forwards += 1
         kvs = write_prompts(self.pool, _cache_of(out), batch["attention_mask"])
         logits = out.logits[:, -1].float()
         prompts = [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
@@ -477,6 +498,7 @@ class Scheduler:
             self._chunking = None
             self._fail(job, error)
             return []
+        self.stats.prefill_forwards += 1
         state.cache = _cache_of(out)
         state.done = end
         if end < length:

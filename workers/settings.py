@@ -133,6 +133,10 @@ class Settings:
     # most kv_cache_tokens); unset: kv_cache_tokens alone.
     kv_cache_memory_fraction: float | None = None
     prefill_chunk_tokens: int = 512
+    # While rows decode, new prompts are prefilled once they are join_ratio of the running rows, or
+    # after join_wait_steps decode steps (engine.prefill_plan.hold_joins); join_ratio 0: at once.
+    join_ratio: float = 0.5
+    join_wait_steps: int = 4
     prompt_cache_tokens: int = 4096
     encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
@@ -257,6 +261,8 @@ _RANGES = {
     "gpu_batch_wait_ms": (0, 10_000),
     "kv_cache_tokens": (1, 2**40),
     "prefill_chunk_tokens": (1, 10**7),
+    "join_ratio": (0, 16),
+    "join_wait_steps": (0, 10_000),
     "prompt_cache_tokens": (0, 2**40),
     "encoder_cache_bytes": (0, 2**44),
     "torch_threads": (1, 1024),

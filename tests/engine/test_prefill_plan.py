@@ -1,12 +1,13 @@
 """Which admitted prompts one step prefills (engine/prefill_plan.py): cached prompts join at once,
 a shared prompt is computed once, a forward holds at most the budget while rows decode, and a
-prompt too long for it alone is chunked without splitting a media item."""
+prompt too long for it alone is chunked without splitting a media item; new prompts wait for company
+while a busy batch decodes."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.prefill_plan import chunk_end, plan_prefill
+from engine.prefill_plan import chunk_end, hold_joins, plan_prefill
 
 
 def job(key: str, length: int, state: str = "admitted"):
@@ -51,3 +52,14 @@ def test_a_chunk_never_ends_inside_a_media_item():
     assert chunk_end(300, 1000, 256, [(200, 300)], media_in_one_forward=False) == 556
     # A model that takes its pixels in one forward gets every placeholder in the first chunk.
     assert chunk_end(0, 1000, 256, [(100, 150), (600, 700)], media_in_one_forward=True) == 700
+
+
+def test_new_prompts_wait_for_company_only_while_a_batch_decodes_and_not_for_long():
+    def hold(running, joining, waited=0):
+        return hold_joins(running=running, joining=joining, waited_steps=waited, ratio=0.5, max_wait_steps=4)
+
+    assert not hold(0, 1)  # nothing decodes: a lone job starts at once
+    assert not hold(1, 1) and not hold(3, 1)  # a small batch: each joins at once
+    assert hold(15, 1) and hold(15, 6) and not hold(15, 7)  # half the running rows' worth joins together
+    assert hold(15, 1, waited=3) and not hold(15, 1, waited=4)  # but waits at most max_wait_steps
+    assert not hold_joins(running=15, joining=1, waited_steps=0, ratio=0.0, max_wait_steps=4)  # ratio 0: off

@@ -407,6 +407,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_other_rows_keep_decoding(mod
     assert_same_row(alone, results["long"])
 
 
+def test_jobs_arriving_one_per_step_join_a_busy_batch_a_few_per_prefill_and_decode_as_alone(models):
+    """Fresh prompts arriving one per step: with joins waiting for company (the default) a few
+    share each prefill forward, where each paid its own before; every job's tokens and logprobs are
+    those it gets alone."""
+    model = models("text")
+    words = ["red", "green", "blue", "cyan", "gold", "grey", "pink", "teal"]
+    jobs = [model.request(f"Name the colour {words[i % 8]} number {i}.", dataclasses.replace(GREEDY, max_tokens=3 + i % 5))
+            for i in range(24)]
+    forwards, results = {}, {}
+    for ratio in (0.5, 0.0):
+        engine = model.engine(max_rows=8, prompt_cache_tokens=0, join_ratio=ratio, join_wait_steps=4)
+        results[ratio], _ = run(engine.scheduler(), [(r, {"tag": i}) for i, r in enumerate(jobs)], steps_between=1)
+        forwards[ratio] = engine.stats.prefill_forwards
+    assert forwards[0.0] == len(jobs) and forwards[0.5] <= len(jobs) * 2 // 3, forwards
+    for i, request in enumerate(jobs):
+        alone = model.engine().generate([request])[0]
+        assert_same_row(alone, results[0.5][i])
+        assert_same_row(alone, results[0.0][i])
+
+
 def test_the_step_hook_sees_every_token_of_every_row(models):
     model = models("qwen2_vl")
     events = []

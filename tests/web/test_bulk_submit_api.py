@@ -92,3 +92,20 @@ def test_a_bulk_submit_no_replica_confirms_is_503_naming_its_jobs(make_app):
     assert response.status_code == 503 and body["code"] == "not_durable", body
     ids = body["errors"]["id"].split(",")
     assert len(ids) == 2 and all(job_id.startswith("job_") for job_id in ids)
+
+
+def test_a_broker_that_cannot_take_the_messages_is_a_503_and_no_job_lingers(make_app):
+    """The job store answers but the messages cannot be published (the broker is away): 503, and
+    the jobs made are failed, so none holds a place under the caps."""
+    from workers.celery_app import create_celery
+    from workers.infra.redis_server import free_port
+
+    app = make_app()
+    svc = app.extensions["rollout"]
+    svc.celery = create_celery(svc.settings, f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    response = bulk(app.test_client(), [GENERATE, SCORE, TEXT])
+    assert response.status_code == 503, response.get_json()
+    assert response.get_json()["code"] == "redis_unavailable" and response.headers.get("Retry-After")
+    assert svc.jobs.active_counts() == 0
+    listed = app.test_client().get("/v1/jobs", headers=auth()).get_json()["data"]
+    assert len(listed) == 3 and {job["status"] for job in listed} == {"failed"}

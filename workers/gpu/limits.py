@@ -11,5 +11,6 @@ def scheduler_limits(settings: Settings):
     return SchedulerLimits(max_rows=settings.batch_rows, kv_cache_tokens=settings.kv_cache_tokens,
                            kv_block_tokens=settings.kv_block_tokens,
                            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                           join_ratio=settings.join_ratio, join_wait_steps=settings.join_wait_steps,
                            prompt_cache_tokens=settings.prompt_cache_tokens,
                            encoder_cache_bytes=settings.encoder_cache_bytes)

@@ -1,6 +1,7 @@
 """Submitting jobs: store the record, then enqueue its first task. Used by the API and batches.
 
-One message per job, also for a batch chunk's jobs (``submit_jobs`` creates them in one round trip):
+One message per job, also for a batch chunk's jobs and a bulk submit's (``submit_jobs`` creates them
+in one round trip and sends their messages in one more):
 a GPU worker reserves messages, not jobs, so a message naming many jobs would let the first worker
 to reserve hold a whole batch while the fleet's others idle.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from kombu.exceptions import BatchPublishError, OperationalError
 
 from engine.errors import ServiceUnavailableError
 from workers.jobs.prompt_codec import text_prompt
@@ -55,17 +57,20 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
                                   for (request, extra), is_plain in zip(requests, plain, strict=True)])
     created = [(job["id"], is_plain) for job, is_plain in zip(outcomes, plain, strict=True)
                if not isinstance(job, QueueFullError)]
-    queued: set[str] = set()
     try:
-        with celery.producer_or_acquire() as producer:
+        # kombu's publish batch: the messages' LPUSHes go to Redis in one pipeline when the block
+        # ends (one round trip, where each publish was one). A batch that fails is "uncertain": some
+        # messages may be in; every job is failed, and a worker handed one of them settles it unrun.
+        with celery.producer_or_acquire() as producer, producer.batch():
             for job_id, is_plain in created:
                 if is_plain:
                     send_generate(celery, job_id, producer=producer)
                 else:
                     enqueue_preprocess(celery, job_id, producer=producer)
-                queued.add(job_id)
-    except Exception:
-        _fail_unqueued(store, [job_id for job_id, _ in created if job_id not in queued])
+    except Exception as error:
+        _fail_unqueued(store, [job_id for job_id, _ in created])
+        if isinstance(error, BatchPublishError):  # what every caller knows a failed publish by
+            raise OperationalError("the jobs' messages could not be published") from error
         raise
     return outcomes
 
