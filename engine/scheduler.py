@@ -406,10 +406,12 @@ class Scheduler:
 
     def _hold_lone_joins(self, plan: PrefillPlan) -> PrefillPlan:
         """``plan`` without its prompts to compute while they wait for company (``hold_joins``);
-        what needs no forward (cached prompts, ended jobs) goes on."""
+        what needs no forward (cached prompts, ended jobs) goes on. Company counts every admitted
+        row to compute, also past this step's prefill budget (waiting would not widen the forward)."""
         if not plan.groups:
             return plan
-        joining = sum(len(job.rows) for jobs in plan.groups.values() for job in jobs)
+        cached = {id(job) for job, _ in plan.cached}
+        joining = sum(len(job.rows) for job in self._admitted if job.state != "done" and id(job) not in cached)
         limits = self.limits
         if not hold_joins(running=len(self._batch), joining=joining, waited_steps=self._join_waited,
                           ratio=limits.join_ratio, max_wait_steps=limits.join_wait_steps):
