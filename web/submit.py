@@ -69,25 +69,37 @@ def submit(request: dict[str, Any], *, watched: bool = False) -> dict[str, Any]:
     """Check the validated ``request`` against the limits, type it, store and enqueue its job
     (``watched``: the caller streams its events)."""
     svc = services()
-    job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=JobRequest.from_dict(check_limits(request)),
+    job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=checked_request(request),
                      model=svc.model_facts, watched=watched)
     confirm_if_asked(svc, job["id"])  # with replicas, a 202 means the job survives the primary's death
     return job
 
 
 def submit_many(requests: list[dict[str, Any]]) -> list[dict[str, Any] | QueueFullError]:
-    """``submit`` for many validated requests of the caller (``POST /v1/jobs/bulk``): all are checked
-    first, so one the limits refuse fails the call with nothing created (its error names its place);
-    then they are created in one round trip and their messages sent through one producer. Each
-    one's job, or the QueueFullError its turn met under the caps (the others still run)."""
-    svc = services()
-    typed = []
+    """``submit`` for the list of ``POST /v1/jobs/bulk``: every request is checked first, so one the
+    limits refuse fails the call with nothing created (its error names its place, ``jobs.N``);
+    then :func:`submit_checked`."""
+    checked = []
     for index, request in enumerate(requests):
         try:
-            typed.append((JobRequest.from_dict(check_limits(request)), None))
+            checked.append(checked_request(request))
         except RolloutError as error:
             raise _at_index(error, index) from None
-    outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=typed, model=svc.model_facts)
+    return submit_checked(checked)
+
+
+def checked_request(request: dict[str, Any]) -> JobRequest:
+    """A validated request checked against the limits and typed, as ``submit`` stores it."""
+    return JobRequest.from_dict(check_limits(request))
+
+
+def submit_checked(requests: list[JobRequest]) -> list[dict[str, Any] | QueueFullError]:
+    """The caller's jobs of ``requests`` created in one round trip and their messages sent in one
+    more, so they reach the GPU workers together. Each one's job, or the QueueFullError its turn met
+    under the caps (the others still run)."""
+    svc = services()
+    outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],
+                           model=svc.model_facts)
     created = [job["id"] for job in outcomes if not isinstance(job, QueueFullError)]
     if created:  # one confirmation covers every write before it
         confirm_if_asked(svc, ",".join(created))

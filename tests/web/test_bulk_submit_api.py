@@ -109,3 +109,17 @@ def test_a_broker_that_cannot_take_the_messages_is_a_503_and_no_job_lingers(make
     assert svc.jobs.active_counts() == 0
     listed = app.test_client().get("/v1/jobs", headers=auth()).get_json()["data"]
     assert len(listed) == 3 and {job["status"] for job in listed} == {"failed"}
+
+
+def test_a_dialect_batch_is_made_together_and_one_the_caps_refuse_cancels_the_others(make_app):
+    """SGLang's batch /generate goes through the same bulk path: past the key's cap it answers the
+    single submit's 429, and the jobs it had made are cancelled, none left holding a place."""
+    app = make_app(max_queued_per_key=2)
+    client = app.test_client()
+    body = {"input_ids": [[100, 101], [100, 102], [100, 103]], "sampling_params": {"max_new_tokens": 2}}
+    response = client.post("/generate", json=body, headers=auth())
+    assert response.status_code == 429, response.get_json()
+    assert "queue_full" in str(response.get_json())
+    assert app.extensions["rollout"].jobs.active_counts() == 0
+    listed = client.get("/v1/jobs", headers=auth()).get_json()["data"]
+    assert len(listed) == 2 and {job["status"] for job in listed} == {"cancelled"}

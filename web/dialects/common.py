@@ -20,7 +20,7 @@ from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
 from web.schemas import TOKENIZER_MADE, JobRequestSchema
 from web.services import services
-from web.submit import check_vocabulary, submit
+from web.submit import check_vocabulary, checked_request, submit_checked
 from workers.jobs.store import TERMINAL
 from workers.lifecycle import cancel_job
 
@@ -76,16 +76,17 @@ def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
 
 def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Submit every request (one job each, owned by the caller), wait for all, return the ended
-    jobs in order. A failed job raises its own error; the rest are cancelled when one fails, time
-    runs out or the client hangs up, since the client gets no job link to follow them."""
+    jobs in order. All are checked before any is made (a refused one raises its own error) and a
+    batch's jobs are made together (``web.submit.submit_checked``); one the queue caps refuse
+    raises, the others cancelled. A failed job raises its own error; the rest are cancelled when
+    one fails, time runs out or the client hangs up, since the client gets no job link to follow
+    them."""
     svc, hung_up = services(), hung_up_check()
-    jobs: list[dict[str, Any]] = []
-    try:
-        for request in requests:
-            jobs.append(submit(request))
-    except Exception:
+    outcomes = submit_checked([checked_request(request) for request in requests])
+    jobs = [job for job in outcomes if not isinstance(job, RolloutError)]
+    if len(jobs) < len(outcomes):
         _cancel(jobs)
-        raise
+        raise next(error for error in outcomes if isinstance(error, RolloutError))
     deadline = time.monotonic() + svc.settings.sync_timeout_max
     finished: list[dict[str, Any]] = []
     for job in jobs:
