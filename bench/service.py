@@ -106,7 +106,6 @@ class Service:
         self.client = self.app.test_client()
         self.svc = self.app.extensions["rollout"]
         self.workers: dict[str, subprocess.Popen] = {}
-        self.last_mean_batch = 0.0  # the GPU batch size of the last round's jobs, on average
 
     def start_workers(self) -> None:
         for kind in WORKERS:
@@ -192,25 +191,27 @@ def throughput(service: Service, engine: Engine, jobs: int, rounds: int) -> dict
         for i in range(0, jobs, BATCH):
             engine.generate([engine_request(j) for j in range(i, min(i + BATCH, jobs))])
         in_process.append(time.perf_counter() - started)
-        one_by_one.append(_service_round(service, cpu, jobs, lambda: [service.submit(job_body(i)) for i in range(jobs)]))
+        seconds, mean_batch = _service_round(service, cpu, jobs,
+                                             lambda: [service.submit(job_body(i)) for i in range(jobs)])
+        one_by_one.append(seconds)
         in_bulk.append(_service_round(service, bulk_cpu, jobs,
-                                      lambda: service.submit_many([job_body(i) for i in range(jobs)])))
+                                      lambda: service.submit_many([job_body(i) for i in range(jobs)]))[0])
     return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(one_by_one),
-            "bulk_s": statistics.median(in_bulk), "mean_batch": service.last_mean_batch,
+            "bulk_s": statistics.median(in_bulk), "mean_batch": mean_batch,
             "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds), "bulk_cpu_ms_per_job": bulk_cpu.per_item_ms(jobs * rounds),
             "commands_per_job": cpu.commands / (jobs * rounds)}
 
 
-def _service_round(service: Service, cpu: CpuMeter, jobs: int, submit) -> float:
-    """Seconds from the first submit until every job's result was read (``submit`` returns the ids)."""
+def _service_round(service: Service, cpu: CpuMeter, jobs: int, submit) -> tuple[float, float]:
+    """Seconds from the first submit until every job's result was read (``submit`` returns the ids),
+    and the GPU batch size the jobs ran in, on average."""
     cpu.start()
     started = time.perf_counter()
     results = [service.result(job_id) for job_id in submit()]
     elapsed = time.perf_counter() - started
     cpu.stop()
     assert len(results) == jobs and all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
-    service.last_mean_batch = statistics.mean(r["result"]["timings"]["batch_size"] for r in results)
-    return elapsed
+    return elapsed, statistics.mean(r["result"]["timings"]["batch_size"] for r in results)
 
 
 def added_latency(service: Service, engine: Engine, jobs: int) -> dict:
