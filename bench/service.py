@@ -10,7 +10,8 @@ process, with one torch thread like the workers. Everything shares the machine's
 - end-to-end throughput: the same 64 greedy requests (32 prompt ids, 32 new tokens, ignore_eos)
   submitted at once and waited for, vs the engine generating them in batches of
   ``ROLLOUT_GPU_BATCH_SIZE``; repeated, medians compared (goal >= 0.8); and the same jobs in one
-  ``POST /v1/jobs/bulk`` (a trainer's rollout step), alternated with the other two round by round;
+  ``POST /v1/jobs/bulk`` followed by ``POST /v1/jobs/lookup`` with ``wait`` (a trainer's rollout step,
+  as the Python client runs it), alternated with the other two round by round;
 - added latency: jobs one at a time (max_tokens 1-4): submit, wait, GET the result, minus the
   engine's time for the same single request; p50 (goal <= 15 ms), with where the time goes;
 - bulk scoring: a JSONL batch of score rows through ``POST /v1/batches`` until ``completed``,
@@ -140,6 +141,15 @@ class Service:
         assert response.status_code == 202 and not response.get_json()["refused"], response.get_json()
         return [job["id"] for job in response.get_json()["data"]]
 
+    def lookup_ended(self, ids: list[str]) -> list[dict]:
+        """The jobs of ``ids`` once all have ended: ``POST /v1/jobs/lookup`` with ``wait``, as a
+        trainer follows a step (the Python client's pattern)."""
+        while True:
+            response = self.client.post("/v1/jobs/lookup", json={"ids": ids, "wait": 60}, headers=HEADERS)
+            jobs = response.get_json()["data"]
+            if len(jobs) == len(ids) and all(job["status"] in ("succeeded", "failed", "cancelled") for job in jobs):
+                return jobs
+
     def result(self, job_id: str, timeout: float = 120.0) -> dict:
         """Block until the job ends (the job store's wake-up list, as POST /generate waits), then GET it."""
         assert self.svc.jobs.wait(job_id, timeout=timeout) is not None, f"job {job_id} did not end"
@@ -191,23 +201,24 @@ def throughput(service: Service, engine: Engine, jobs: int, rounds: int) -> dict
         for i in range(0, jobs, BATCH):
             engine.generate([engine_request(j) for j in range(i, min(i + BATCH, jobs))])
         in_process.append(time.perf_counter() - started)
-        seconds, mean_batch = _service_round(service, cpu, jobs,
-                                             lambda: [service.submit(job_body(i)) for i in range(jobs)])
+        seconds, mean_batch = _service_round(
+            service, cpu, jobs, lambda: [service.result(job_id) for job_id in [service.submit(job_body(i))
+                                                                                for i in range(jobs)]])
         one_by_one.append(seconds)
-        in_bulk.append(_service_round(service, bulk_cpu, jobs,
-                                      lambda: service.submit_many([job_body(i) for i in range(jobs)]))[0])
+        in_bulk.append(_service_round(
+            service, bulk_cpu, jobs, lambda: service.lookup_ended(service.submit_many([job_body(i) for i in range(jobs)])))[0])
     return {"in_process_s": statistics.median(in_process), "service_s": statistics.median(one_by_one),
             "bulk_s": statistics.median(in_bulk), "mean_batch": mean_batch,
             "cpu_ms_per_job": cpu.per_item_ms(jobs * rounds), "bulk_cpu_ms_per_job": bulk_cpu.per_item_ms(jobs * rounds),
             "commands_per_job": cpu.commands / (jobs * rounds)}
 
 
-def _service_round(service: Service, cpu: CpuMeter, jobs: int, submit) -> tuple[float, float]:
-    """Seconds from the first submit until every job's result was read (``submit`` returns the ids),
-    and the GPU batch size the jobs ran in, on average."""
+def _service_round(service: Service, cpu: CpuMeter, jobs: int, run) -> tuple[float, float]:
+    """Seconds from the first submit until every job's result was read (``run`` submits the jobs
+    and returns them ended), and the GPU batch size the jobs ran in, on average."""
     cpu.start()
     started = time.perf_counter()
-    results = [service.result(job_id) for job_id in submit()]
+    results = run()
     elapsed = time.perf_counter() - started
     cpu.stop()
     assert len(results) == jobs and all(len(r["result"]["choices"][0]["token_ids"]) == NEW_TOKENS for r in results)
