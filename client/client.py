@@ -101,6 +101,34 @@ class RolloutClient:
         return self._request("POST", "/v1/jobs/lookup", json=body, timeout=(self.timeout, self.timeout + wait),
                              idempotent=True).json()
 
+    def wait_many(self, job_ids: Iterable[str], timeout: float | None = None,
+                  poll_interval: float = 0.5) -> list[dict[str, Any]]:
+        """Wait until every job of ``job_ids`` has ended (a rollout step's, after
+        :meth:`submit_many`): the jobs in the order of ``job_ids``. Long polls ``POST
+        /v1/jobs/lookup`` (:data:`BULK_JOBS` ids and :data:`LONG_POLL_S` a request), asking again
+        only for the jobs still running; ``poll_interval`` paces only a wait the service cut
+        short. WaitTimeoutError after ``timeout`` s; a ``ClientError`` (``not_found``, ``errors
+        ["missing"]``) for ids that are no job of this key's."""
+        given = list(job_ids)
+        ids = list(dict.fromkeys(given))
+        ended: dict[str, dict[str, Any]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while running := [job_id for job_id in ids if job_id not in ended]:
+            started = time.monotonic()
+            wait = LONG_POLL_S if deadline is None else round(min(LONG_POLL_S, max(deadline - started, 0.0)), 3)
+            body = self.lookup(running[:BULK_JOBS], wait=wait)
+            if body["missing"]:
+                raise ClientError("not_found", f"{len(body['missing'])} ids are no job of this key's", status=404,
+                                  errors={"missing": body["missing"]})
+            before = len(ended)
+            ended.update((job["id"], job) for job in body["data"] if job["status"] in JOB_DONE)
+            left = len(ids) - len(ended)
+            if left and deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(f"{left} of {len(ids)} jobs still running when the wait ran out")
+            if left and len(ended) == before and time.monotonic() - started < wait / 2:  # cut short: no spin
+                _sleep_until_next(deadline, poll_interval, f"{left} of {len(ids)} jobs still running")
+        return [ended[job_id] for job_id in given]
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._request("DELETE", f"/v1/jobs/{job_id}", idempotent=True).json()
 

@@ -140,3 +140,31 @@ def test_submit_many_splits_past_the_bulk_limit_and_reports_what_ran_when_retrie
     assert (error.code, error.status) == ("queue_full", 429)
     assert error.errors["jobs"] == [{"id": "job_a"}, {"id": "job_b"}, None]
     assert [len(json.loads(body)["jobs"]) for _, _, _, body in scripted.seen] == [2, 1, 1]
+
+
+def test_wait_many_long_polls_asking_again_only_for_the_jobs_still_running(scripted):
+    running = [{"id": "job_a", "status": "running"}, {"id": "job_b", "status": "running"}]
+    scripted.script.extend([
+        (200, {}, {"data": running, "missing": []}),
+        (200, {}, {"data": [{"id": "job_a", "status": "succeeded"}, running[1]], "missing": []}),
+        (200, {}, {"data": [{"id": "job_b", "status": "failed"}], "missing": []}),
+    ])
+    jobs = RolloutClient(scripted.url).wait_many(["job_a", "job_b", "job_a"], poll_interval=0.2)
+    assert [job["id"] for job in jobs] == ["job_a", "job_b", "job_a"] and jobs[1]["status"] == "failed"
+    asked = [json.loads(body) for _, _, _, body in scripted.seen]
+    assert [body["ids"] for body in asked] == [["job_a", "job_b"], ["job_a", "job_b"], ["job_b"]]
+    assert all(body["wait"] > 0 for body in asked)
+    # This server answers at once: a wait cut short with nothing ended is paced, one that ended a job is not.
+    first, second = scripted.gaps()
+    assert first >= 0.15 and second < 0.15
+
+
+def test_wait_many_names_ids_that_are_no_job_and_times_out(scripted):
+    scripted.script.append((200, {}, {"data": [], "missing": ["job_x"]}))
+    with pytest.raises(ClientError) as missing:
+        RolloutClient(scripted.url).wait_many(["job_x"])
+    assert (missing.value.code, missing.value.errors) == ("not_found", {"missing": ["job_x"]})
+    scripted.script.clear()
+    scripted.script.append((200, {}, {"data": [{"id": "job_a", "status": "running"}], "missing": []}))
+    with pytest.raises(WaitTimeoutError):
+        RolloutClient(scripted.url).wait_many(["job_a"], timeout=0.5, poll_interval=0.2)

@@ -55,7 +55,7 @@ def test_a_rollout_step_submitted_in_bulk_runs_as_the_same_jobs_one_by_one(servi
     requests.append({"kind": "score", "token_ids": [100, 101], "completion_token_ids": [102, 103]})
     jobs = client.submit_many(requests)
     assert len({job["id"] for job in jobs}) == len(requests)
-    done = client.lookup([job["id"] for job in jobs], wait=60)["data"]
+    done = client.wait_many([job["id"] for job in jobs], timeout=60)
     assert [job["status"] for job in done] == ["succeeded"] * len(requests)
     alone = [client.wait(client.submit(request)["id"], timeout=60) for request in (requests[0], requests[-1])]
     assert done[0]["result"]["choices"][0]["token_ids"] == alone[0]["result"]["choices"][0]["token_ids"]
