@@ -7,7 +7,6 @@ import time
 from flask import request as http_request
 from flask.views import MethodView
 
-from engine.errors import RolloutError
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.long_poll import bounded_wait
@@ -79,7 +78,7 @@ class BulkSubmit(MethodView):
         refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, QueueFullError)]
         if len(refused) == len(outcomes):
             raise refused[0][1]
-        body = {"data": [None if isinstance(job, RolloutError) else public_job(job) for job in outcomes],
+        body = {"data": [None if isinstance(job, QueueFullError) else public_job(job) for job in outcomes],
                 "refused": [{"index": index, "code": error.code, "message": error.message} for index, error in refused]}
         return body, 202, refused[0][1].headers if refused else {}
 
