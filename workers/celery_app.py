@@ -15,6 +15,11 @@ Reliability settings, and why:
   ``unacked_restore_throttle``-th run: kombu's defaults (10 s, every 10th) put ~100 s between
   scans, so a crashed worker's jobs would wait that long on top of the visibility timeout. We scan
   on every run, a few times per visibility timeout (a cheap ZRANGE on the unacked index).
+- One sweep runs at a time fleet-wide, under a Redis lock that kombu holds for 300 s unless the
+  sweep releases it. A sweep cut off by a Redis failover (or a killed worker) cannot release it, and
+  the replica promoted in its place keeps it: nothing held was given back for five minutes. A sweep
+  takes milliseconds, and two that overlap are safe (each restore is a WATCHed transaction on the
+  unacked hash), so the lock lapses after three sweep intervals.
 """
 
 from __future__ import annotations
@@ -64,14 +69,21 @@ class _NoResultsCelery(Celery):
         return super().send_task(*args, **kwargs)
 
 
+def restore_interval(settings: Settings) -> int:
+    """Seconds between sweeps that give back messages held past the visibility timeout."""
+    return max(1, min(10, settings.visibility_timeout // 5))
+
+
 def create_celery(settings: Settings, redis_url: str) -> Celery:
     broker, target_options = broker_options(redis_url)  # kombu's own Sentinel transport for a Sentinel target
     app = _NoResultsCelery("rollout_queue", broker=broker, include=TASK_MODULES)
+    restore_every = restore_interval(settings)
     transport_options = {
         **target_options,
         "visibility_timeout": settings.visibility_timeout,
-        "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 5)),
+        "unacked_restore_interval": restore_every,
         "unacked_restore_throttle": 1,
+        "unacked_mutex_expire": 3 * restore_every,
         # Publish again after Redis comes back instead of failing the API request outright.
         "max_retries": 3,
         "interval_start": 0,

@@ -113,6 +113,23 @@ def fail_over(stack, group: LocalFailoverGroup, primary, load: SteadyLoad) -> fl
     return time.monotonic() - killed
 
 
+def what_happened(stack, job_ids: list[str]) -> str:
+    """Each job's webhook deliveries as the store holds them, and every worker log line naming it
+    or its events: what a failure needs to be understood after the stack is gone."""
+    lines = []
+    for job_id in job_ids:
+        deliveries = stack.services.webhooks.deliveries("job", job_id)
+        names = [job_id, *(event["id"] for event in deliveries)]
+        lines.append(f"{job_id}: deliveries {deliveries}")
+        held = [tag for tag, raw in stack.services.redis.hgetall("unacked").items() if job_id.encode() in raw]
+        lines.append(f"  held unacknowledged under {held}, restore lock ttl {stack.services.redis.ttl('unacked_mutex')}, "
+                     f"{stack.services.redis.zcard('unacked_index')} messages held in all")
+        for log in sorted(stack.log_dir.glob("*.log")):
+            lines += [f"  {log.name}: {line.rstrip()}" for line in log.read_text(errors="replace").splitlines()
+                      if any(name in line for name in names)]
+    return "\n".join(lines)
+
+
 def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopback_host, tmp_path_factory):
     loopback_host.route(HOOK_PATH, (200, {}, b"ok"))
     state = tmp_path_factory.mktemp("failover-state")
@@ -167,7 +184,7 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
                 missing = sorted(set(ids) - set(webhook_counts(loopback_host, ids, HOOK_PATH)))
                 owed = {job_id for job_id in missing if stack.services.redis.zscore(OWED_KEY, job_id) is not None}
                 raise AssertionError(f"{len(missing)} jobs had no webhook, {len(owed)} of them still owed one: "
-                                     f"{missing[:5]}") from None
+                                     f"{missing[:5]}\n{what_happened(stack, missing[:3])}") from None
             repeated = assert_one_event_each(loopback_host, ids, HOOK_PATH)
             assert repeated <= 10, repeated  # only deliveries around the two kills
             # Streams open across both failovers end with the job's result, every token once, or with
