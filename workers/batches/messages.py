@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from celery import Celery
+from kombu.exceptions import BatchPublishError, OperationalError
 
 from workers.names import (
     BATCHES_QUEUE,
@@ -23,10 +24,16 @@ from workers.settings import Settings
 
 
 def send_chunks(celery: Celery, batch_id: str, chunks: Iterable[int]) -> None:
-    """One message per chunk given, through one producer."""
-    with celery.producer_or_acquire() as producer:
-        for index in chunks:
-            send_chunk(celery, batch_id, index, producer=producer)
+    """One message per chunk given, in one pipeline (kombu's publish batch: one round trip where
+    each publish was one). A batch that fails may have sent some of them: a chunk task run twice is
+    a no-op, and the batch reaper sends what none carries (workers/batches/reaper.py). It is raised
+    as kombu's OperationalError, what every caller knows a failed publish by."""
+    try:
+        with celery.producer_or_acquire() as producer, producer.batch():
+            for index in chunks:
+                send_chunk(celery, batch_id, index, producer=producer)
+    except BatchPublishError as error:
+        raise OperationalError(f"batch {batch_id}: its chunks' messages could not be published") from error
 
 
 def schedule_expiry(celery: Celery, settings: Settings, batch_id: str, seconds: float) -> None:
