@@ -33,7 +33,10 @@ def emit_job_event(rt, job: dict[str, Any], *, app=None,
     event_type = f"job.{job['status']}"
     event_id = _emit(rt, app, "job", job["id"], job.get("owner") or "", job.get("webhook"), event_type,
                      public_job(job), first_attempt)
-    rt.webhooks.settle(job["id"])  # made (the open events index has it now), or none wanted
+    # Made (the open events index has it now), or none wanted.
+    if not rt.webhooks.settle(job["id"], event_id):
+        log.warning("job %s: its webhook event %s is not on the primary (a failover took it); the reaper "
+                    "sends the job's end again", job["id"], event_id)
     return event_id
 
 
@@ -52,7 +55,9 @@ def emit_batch_event(rt, batch: dict[str, Any], event_type: str, *, app=None) ->
         if webhook is None:
             webhook = stored_webhook or None
     event_id = _emit(rt, app, "batch", batch["id"], owner or "", webhook, event_type, batch, None)
-    rt.webhooks.settle_batch(batch["id"])  # made (the open events index has it now), or none wanted
+    if not rt.webhooks.settle_batch(batch["id"], event_id):  # as for a job's
+        log.warning("batch %s: its webhook event %s is not on the primary (a failover took it); the batches "
+                    "reaper makes it again", batch["id"], event_id)
     return event_id
 
 

@@ -69,12 +69,24 @@ return 0
 """
 
 
+# KEYS: the owed index, then the event hash when one was made. ARGV: the object id.
+# Drops the debt only where the event is: a write that went to a primary a split brain later
+# discarded (a client's older connection still on it, the next one on the new primary) must not
+# take the debt with it from the primary that stays. Returns 1 when settled.
+_SETTLE = """
+if #KEYS > 1 and redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"""
+
+
 class WebhookStore:
     def __init__(self, client: redis.Redis, ttl: int):
         self.redis = client
         self.ttl = ttl
         self._create = client.register_script(_CREATE)
         self._claim = client.register_script(_CLAIM)
+        self._settle = client.register_script(_SETTLE)
 
     def create(self, *, object_kind: str, object_id: str, owner: str, event_type: str, url: str,
                data: Mapping[str, Any]) -> tuple[str, bool]:
@@ -138,17 +150,23 @@ class WebhookStore:
 
     # --- what the reaper sweeps (workers/webhooks/reaper.py) ----------------------------------
 
-    def settle(self, job_id: str) -> None:
-        """The job's event is made (or none is wanted after all)."""
-        self.redis.zrem(OWED_KEY, job_id)
+    def settle(self, job_id: str, event_id: str | None = None) -> bool:
+        """The job's event ``event_id`` is made (None: none is wanted after all, or the job
+        expired): its debt is dropped, unless the primary does not hold that event (a split brain
+        took it). False then: the debt stays for the reaper, which sends the job's end again."""
+        return self._settle_debt(OWED_KEY, job_id, event_id)
+
+    def _settle_debt(self, index: str, object_id: str, event_id: str | None) -> bool:
+        keys = [index, event_key(event_id)] if event_id else [index]
+        return self._settle(keys=keys, args=[object_id]) == 1
 
     def owed(self, *, before: float, limit: int) -> list[str]:
         """Jobs owed an event since before ``before``, oldest first."""
         return [item.decode() for item in self.redis.zrangebyscore(OWED_KEY, "-inf", before, 0, limit)]
 
-    def settle_batch(self, batch_id: str) -> None:
-        """The ended batch's event is made (or none is wanted after all)."""
-        self.redis.zrem(BATCH_OWED_KEY, batch_id)
+    def settle_batch(self, batch_id: str, event_id: str | None = None) -> bool:
+        """``settle`` for an ended batch's event."""
+        return self._settle_debt(BATCH_OWED_KEY, batch_id, event_id)
 
     def owed_batches(self, *, before: float, limit: int) -> list[str]:
         """Ended batches owed an event since before ``before``, oldest first."""

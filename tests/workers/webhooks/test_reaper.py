@@ -74,6 +74,19 @@ def test_making_the_event_settles_the_debt_and_opens_the_event(rt):
     assert rt.redis.zscore(OWED_KEY, job["id"]) is None and rt.redis.zscore(OPEN_KEY, event_id) is not None
 
 
+def test_a_debt_stays_while_the_primary_does_not_hold_its_event(rt, reaper):
+    """A split brain: the event was made on an old primary that still took writes (a connection
+    made before the failover), the debt settled on the new one. The debt stays, and the job's end
+    is sent again, which makes the event where it now lives."""
+    job = ended_job(rt)
+    assert not rt.webhooks.settle(job["id"], "msg_" + "A" * 22)  # an event this primary never saw
+    assert rt.redis.zscore(OWED_KEY, job["id"]) is not None
+    reaper.sweep()
+    assert reaper.sweep() == ([job["id"]], []) and queued(rt) == [(JOB_ENDED_TASK, [job["id"]], {})]
+    event_id = emit_job_event(rt, job, first_attempt=lambda _: None)
+    assert rt.redis.zscore(OWED_KEY, job["id"]) is None and rt.webhooks.get(event_id) is not None
+
+
 def test_an_event_whose_next_attempt_was_lost_is_attempted_again(rt, reaper):
     job = ended_job(rt)
     event_id = emit_job_event(rt, job, first_attempt=lambda _: None)
