@@ -69,7 +69,7 @@ from workers.infra.redis_records import (
     page_by_creation,
     plausible_id,
 )
-from workers.jobs.store import OWN_WEBHOOK_LUA
+from workers.jobs.store import OWN_WEBHOOK_LUA, UNCOUNTED_LINES_KEY
 from workers.webhooks.store import BATCH_OWED_KEY  # ended batches whose webhook event is not made yet
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -138,6 +138,31 @@ end
 return 0
 """
 
+# A debt (a line to count, a chunk to score) is dropped only where the work it stands for is
+# recorded, or where its batch is gone: in a split brain, the work's write can go to an old primary
+# (through a connection made before the switch) and be lost, while the debt's drop reaches the new
+# one; the debt must then stay for the batch reaper.
+# KEYS: the debts (a sorted set or a set), then per item its batch's hash and ended-lines set.
+# ARGV: the command that drops a debt (ZREM or SREM), then per item the debt's member and the line
+# numbers it stands for, joined by ','. Returns how many items' work is recorded (their debts dropped).
+_SETTLE_COUNTED = """
+local settled = 0
+for i = 2, #ARGV, 2 do
+  local batch, ended = KEYS[i], KEYS[i + 1]
+  local counted = true
+  if redis.call('EXISTS', batch) == 1 then
+    for line in string.gmatch(ARGV[i + 1], '[^,]+') do
+      if redis.call('SISMEMBER', ended, line) == 0 then counted = false break end
+    end
+  end
+  if counted then
+    redis.call(ARGV[1], KEYS[1], ARGV[i])
+    settled = settled + 1
+  end
+end
+return settled
+"""
+
 # KEYS: batch hash. Ends the intake; returns 1 when every line was counted already (the caller
 # settles the batch), 0 if not, -1 if the batch is gone.
 _CLOSE = """
@@ -167,6 +192,7 @@ class BatchStore:
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
         self._close = client.register_script(_CLOSE)
+        self._settle_counted = client.register_script(_SETTLE_COUNTED)
         self._input = StoredInput(client)
 
     # --- Creating -------------------------------------------------------------------------------
@@ -313,8 +339,23 @@ class BatchStore:
         """A ``score_lines`` run of chunk ``index`` is about to be sent."""
         self._add_chunk(scoring_key(batch_id), index, expire_at)
 
-    def scoring_done(self, batch_id: str, index: int) -> None:
-        self.redis.srem(scoring_key(batch_id), index)
+    def scoring_done(self, batch_id: str, index: int, lines: list[int]) -> bool:
+        """Chunk ``index``'s scoring run is done: its debt is dropped once the primary holds every
+        one of its direct ``lines`` counted (see ``_SETTLE_COUNTED``); False when it does not."""
+        keys = [scoring_key(batch_id), batch_key(batch_id), ended_key(batch_id)]
+        return self._settle_counted(keys=keys, args=["SREM", index, ",".join(map(str, lines))]) == 1
+
+    def lines_counted(self, jobs: list[tuple[str, str, int]]) -> int:
+        """``(job id, batch id, line)`` of ended jobs whose lines were recorded: their debts
+        (``JobStore.uncounted_lines``) are dropped where the primary holds the line counted or the
+        batch is gone; how many were (or had been)."""
+        if not jobs:
+            return 0
+        keys, args = [UNCOUNTED_LINES_KEY], ["ZREM"]
+        for job_id, batch_id, line in jobs:
+            keys += [batch_key(batch_id), ended_key(batch_id)]
+            args += [job_id, str(line)]
+        return self._settle_counted(keys=keys, args=args)
 
     def chunk_progress(self, batch_id: str) -> tuple[set[int], set[int]]:
         """The chunks submitted, and those owed a scoring run."""

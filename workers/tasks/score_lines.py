@@ -47,7 +47,7 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     except NotFoundError:
         return 0
     if batch["status"] not in ("validating", "in_progress"):  # validating: scored while its file is read
-        store.scoring_done(batch_id, index)
+        store.scoring_done(batch_id, index, [])
         return 0  # cancelled or expired: the sweep counts these lines
     # orjson: a fifth of the stdlib's time for a stored score line. It reads an integer past 64 bits
     # as a float, so it is used only here, where nothing but the line number, custom_id and the two
@@ -61,7 +61,9 @@ def _score_chunk(rt, batch_id: str, index: int) -> int:
     size = rt.settings.batch_rows
     for start in range(0, len(pending), size):
         record_lines(rt, batch_id, _score(engine, pending[start:start + size]))
-    store.scoring_done(batch_id, index)
+    if not store.scoring_done(batch_id, index, [number for number in numbers if mine.get(number) == DIRECT_LINE]):
+        log.warning("batch %s chunk %d: its scored lines are not on the primary (a failover took them); "
+                    "the batch reaper runs it again", batch_id, index)
     return len(pending)
 
 

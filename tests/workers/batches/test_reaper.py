@@ -99,7 +99,7 @@ def test_a_scoring_run_no_message_carries_is_sent_again(rt, reaper):
     assert reaper.sweep() == [(SCORE_LINES_TASK, batch_id, 1)]
     assert queued(rt, SHARED_GENERATE_QUEUE) == [(SCORE_LINES_TASK, batch_id, 1)]
     assert reaper.sweep() == []
-    rt.batches.scoring_done(batch_id, 1)
+    assert rt.batches.scoring_done(batch_id, 1, [])
     rt.redis.delete(SHARED_GENERATE_QUEUE)
     assert reaper.sweep() == [] and reaper.sweep() == []  # nothing owed any more
 

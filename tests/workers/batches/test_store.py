@@ -272,3 +272,30 @@ def test_owner_and_webhook_read_without_the_whole_record(rt):
     assert store.owner_and_webhook(with_hook["id"]) == (OWNER, hook)
     assert store.owner_and_webhook(without["id"]) == (OWNER, None)
     assert store.owner_and_webhook("batch_gone") == (None, None)
+
+
+def test_a_line_debt_stays_while_the_primary_does_not_hold_the_line_counted(rt, redis_client):
+    """A split brain: a job's line was recorded on an old primary that still took writes, the debt
+    dropped on the new one. Dropped only where the line is counted (or its batch is gone), the debt
+    stays for the batch reaper."""
+    batch = new_batch(rt, 2)
+    first, second = submit_all(rt, batch["id"])
+    for job in (first, second):
+        rt.jobs.advance(job["id"], "succeeded", owner=OWNER, result=RESULT)  # ended; lines owed
+    owed = [(job["id"], batch["id"], int(job["line"])) for job in (first, second)]
+    assert rt.batches.lines_counted(owed) == 0  # neither line is counted here
+    assert set(rt.jobs.uncounted_lines(before=time.time() + 1, limit=10)) == {first["id"], second["id"]}
+    record_job_lines(rt, [rt.jobs.get(first["id"])])  # counts the first line, then drops its debt
+    assert rt.jobs.uncounted_lines(before=time.time() + 1, limit=10) == [second["id"]]
+    redis_client.delete(f"rq:batch:{batch['id']}")  # the batch is gone: nothing left to count into
+    assert rt.batches.lines_counted(owed[1:]) == 1 and rt.jobs.uncounted_lines(before=time.time() + 1, limit=10) == []
+
+
+def test_a_scoring_debt_stays_while_a_direct_line_of_its_chunk_is_not_counted(rt):
+    batch = new_batch(rt, 4)
+    expire_at = rt.batches.get(batch["id"])["keys_expire_at"]
+    rt.batches.owe_scoring(batch["id"], 0, expire_at=expire_at)
+    assert not rt.batches.scoring_done(batch["id"], 0, [1, 2])
+    rt.batches.record(batch["id"], [(1, True, {"line": 1}), (2, False, {"line": 2})])
+    assert rt.batches.scoring_done(batch["id"], 0, [1, 2])
+    assert rt.batches.chunk_progress(batch["id"])[1] == set()
