@@ -119,7 +119,7 @@ def test_a_dialect_batch_is_made_together_and_one_the_caps_refuse_cancels_the_ot
     body = {"input_ids": [[100, 101], [100, 102], [100, 103]], "sampling_params": {"max_new_tokens": 2}}
     response = client.post("/generate", json=body, headers=auth())
     assert response.status_code == 429, response.get_json()
-    assert "queue_full" in str(response.get_json())
+    assert response.get_json()["error"]["code"] == "queue_full"  # SGLang's error shape (web/dialects/errors.py)
     assert app.extensions["rollout"].jobs.active_counts() == 0
     listed = client.get("/v1/jobs", headers=auth()).get_json()["data"]
     assert len(listed) == 2 and {job["status"] for job in listed} == {"cancelled"}
