@@ -55,7 +55,7 @@ def record_job_lines(rt, jobs: list[dict[str, Any]]) -> None:
         record_lines(rt, batch_id, [job_entry(job, cancelled_as) for job in ended])
     rt.jobs.lines_counted([job["id"] for job in jobs if not job.get("line")])  # never to be counted
     counted = [(job["id"], job["batch_id"], int(job["line"])) for job in jobs if job.get("line")]
-    if (dropped := rt.batches.lines_counted(counted)) < len(counted):
+    if (dropped := rt.batches.settle_line_debts(counted)) < len(counted):
         log.warning("%d of the lines of jobs %s are not counted on the primary (a failover took them); the "
                     "batch reaper counts them again", len(counted) - dropped, ", ".join(job_id for job_id, *_ in counted))
 

@@ -345,7 +345,7 @@ class BatchStore:
         keys = [scoring_key(batch_id), batch_key(batch_id), ended_key(batch_id)]
         return self._settle_counted(keys=keys, args=["SREM", index, ",".join(map(str, lines))]) == 1
 
-    def lines_counted(self, jobs: list[tuple[str, str, int]]) -> int:
+    def settle_line_debts(self, jobs: list[tuple[str, str, int]]) -> int:
         """``(job id, batch id, line)`` of ended jobs whose lines were recorded: their debts
         (``JobStore.uncounted_lines``) are dropped where the primary holds the line counted or the
         batch is gone; how many were (or had been)."""

@@ -325,7 +325,8 @@ class JobStore:
         return [job_id.decode() for job_id in self.redis.zrangebyscore(UNCOUNTED_LINES_KEY, "-inf", before, 0, limit)]
 
     def lines_counted(self, job_ids: list[str]) -> None:
-        """These jobs' batch lines are counted (or their batch is gone)."""
+        """Drop these jobs' line debts unchecked: their records expired, or they name no line. A
+        counted line's debt goes through ``BatchStore.settle_line_debts``, which checks the count."""
         if job_ids:
             self.redis.zrem(UNCOUNTED_LINES_KEY, *job_ids)
 

@@ -283,12 +283,12 @@ def test_a_line_debt_stays_while_the_primary_does_not_hold_the_line_counted(rt, 
     for job in (first, second):
         rt.jobs.advance(job["id"], "succeeded", owner=OWNER, result=RESULT)  # ended; lines owed
     owed = [(job["id"], batch["id"], int(job["line"])) for job in (first, second)]
-    assert rt.batches.lines_counted(owed) == 0  # neither line is counted here
+    assert rt.batches.settle_line_debts(owed) == 0  # neither line is counted here
     assert set(rt.jobs.uncounted_lines(before=time.time() + 1, limit=10)) == {first["id"], second["id"]}
     record_job_lines(rt, [rt.jobs.get(first["id"])])  # counts the first line, then drops its debt
     assert rt.jobs.uncounted_lines(before=time.time() + 1, limit=10) == [second["id"]]
     redis_client.delete(f"rq:batch:{batch['id']}")  # the batch is gone: nothing left to count into
-    assert rt.batches.lines_counted(owed[1:]) == 1 and rt.jobs.uncounted_lines(before=time.time() + 1, limit=10) == []
+    assert rt.batches.settle_line_debts(owed[1:]) == 1 and rt.jobs.uncounted_lines(before=time.time() + 1, limit=10) == []
 
 
 def test_a_scoring_debt_stays_while_a_direct_line_of_its_chunk_is_not_counted(rt):
