@@ -14,7 +14,7 @@ A batch is a JSONL file of job requests run offline. Every key of batch ``<id>``
                             whoever sees it end first (its job, a cancel, the expiry).
     rq:batch:<id>:output    list: one JSON line per succeeded request
     rq:batch:<id>:errors    list: one JSON line per failed request (invalid lines included)
-    rq:batch:<id>:submitted set: the chunks whose jobs are all made (``enqueue_chunk`` finished)
+    rq:batch:<id>:submitted set: the chunks whose jobs are all made and here (``enqueue_chunk`` finished)
     rq:batch:<id>:scoring   set: the chunks owed a ``score_lines`` run (sent, not yet finished)
     rq:batches:<owner>      sorted set: the owner's batch ids by creation time (listing)
     rq:batches:open         sorted set: every batch not ended, by when the batch reaper last
@@ -69,7 +69,7 @@ from workers.infra.redis_records import (
     page_by_creation,
     plausible_id,
 )
-from workers.jobs.store import OWN_WEBHOOK_LUA, UNCOUNTED_LINES_KEY
+from workers.jobs.store import OWN_WEBHOOK_LUA, UNCOUNTED_LINES_KEY, JobStore
 from workers.webhooks.store import BATCH_OWED_KEY  # ended batches whose webhook event is not made yet
 
 STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
@@ -163,6 +163,29 @@ end
 return settled
 """
 
+# A chunk is marked submitted only where each of its lines is counted, or mapped to what it was
+# given (a job whose record is here, or ``DIRECT_LINE``): in a split brain, the jobs or their mapping
+# can go to an old primary and be lost while the mark reaches the new one, and a marked chunk is not
+# looked at again. Unmarked, the batch reaper sends it again, and ``enqueue_chunk`` makes what is missing.
+# KEYS: the submitted set, the batch's hash, ended set and jobs hash, then per line its job's record
+# (the batch's hash where the line has no job: it must be counted).
+# ARGV: the chunk's index, the keys' expiry, ``DIRECT_LINE``, then per line its number and job id
+# ('' where none).
+# Returns 1 when marked, 0 when something is missing, -1 when the batch is gone.
+_MARK_SUBMITTED = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+for i = 4, #ARGV, 2 do
+  local line, job = ARGV[i], ARGV[i + 1]
+  if redis.call('SISMEMBER', KEYS[3], line) == 0 then
+    if job == '' or redis.call('HGET', KEYS[4], line) ~= job then return 0 end
+    if job ~= ARGV[3] and redis.call('EXISTS', KEYS[(i - 4) / 2 + 5]) == 0 then return 0 end
+  end
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIREAT', KEYS[1], ARGV[2])
+return 1
+"""
+
 # KEYS: batch hash. Ends the intake; returns 1 when every line was counted already (the caller
 # settles the batch), 0 if not, -1 if the batch is gone.
 _CLOSE = """
@@ -193,6 +216,7 @@ class BatchStore:
         self._record = client.register_script(_RECORD)
         self._close = client.register_script(_CLOSE)
         self._settle_counted = client.register_script(_SETTLE_COUNTED)
+        self._mark_submitted = client.register_script(_MARK_SUBMITTED)
         self._input = StoredInput(client)
 
     # --- Creating -------------------------------------------------------------------------------
@@ -331,9 +355,17 @@ class BatchStore:
         pipe.expireat(jobs_key(batch_id), expire_at)
         pipe.execute()
 
-    def chunks_submitted(self, batch_id: str, index: int, *, expire_at: int) -> None:
-        """Chunk ``index`` has made a job (or a direct line) for each of its lines."""
-        self._add_chunk(submitted_key(batch_id), index, expire_at)
+    def chunks_submitted(self, batch_id: str, index: int, lines: dict[int, str | None], *, expire_at: int) -> bool:
+        """Chunk ``index`` has made a job (or a direct line) for each of its lines: ``lines`` maps
+        each line to its job id (``DIRECT_LINE``; None for a line counted without one). It is marked
+        only where the primary holds all of it (see ``_MARK_SUBMITTED``): False when it does not (a
+        batch gone owes nothing: True)."""
+        keys = [submitted_key(batch_id), batch_key(batch_id), ended_key(batch_id), jobs_key(batch_id)]
+        args: list[Any] = [index, expire_at, DIRECT_LINE]
+        for line, job_id in lines.items():
+            keys.append(JobStore.key(job_id) if job_id and job_id != DIRECT_LINE else batch_key(batch_id))
+            args += [line, job_id or ""]
+        return self._mark_submitted(keys=keys, args=args) != 0
 
     def owe_scoring(self, batch_id: str, index: int, *, expire_at: int) -> None:
         """A ``score_lines`` run of chunk ``index`` is about to be sent."""

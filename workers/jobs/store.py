@@ -229,6 +229,13 @@ class JobStore:
             pipe.hgetall(self.key(job_id))
         return [self._decode(raw) if raw else None for raw in pipe.execute()]
 
+    def existing(self, job_ids: list[str]) -> set[str]:
+        """Which of ``job_ids`` have a record here, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.key(job_id))
+        return {job_id for job_id, found in zip(job_ids, pipe.execute() if job_ids else [], strict=True) if found}
+
     def advance(self, job_id: str, status: str, *, owner: str | None = None, **fields: Any) -> bool:
         """Move the job forward to ``status``; False if it is already there, past it, or ended.
         Pass ``owner`` when known: it saves a round trip."""

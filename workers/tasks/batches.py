@@ -99,12 +99,15 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         return 0  # cancelled or expired: the cancel / expiry sweep counts these lines
     lines = store.chunk(batch_id, index, batch["chunk_size"])
     numbers = [line["line"] for line in lines]
-    skip = store.ended(batch_id, numbers) | set(store.line_jobs(batch_id, numbers))
+    ended = store.ended(batch_id, numbers)
+    given = _jobs_held(rt, batch_id, store.line_jobs(batch_id, [n for n in numbers if n not in ended]))
+    skip = ended | set(given)
     direct = [line for line in lines
               if line["line"] not in skip and scorable_directly(line["request"], rt.model_facts)]
     if direct:
-        store.set_line_jobs(batch_id, dict.fromkeys((line["line"] for line in direct), DIRECT_LINE),
-                            expire_at=batch["keys_expire_at"])
+        direct_lines = dict.fromkeys((line["line"] for line in direct), DIRECT_LINE)
+        given |= direct_lines
+        store.set_line_jobs(batch_id, direct_lines, expire_at=batch["keys_expire_at"])
         store.owe_scoring(batch_id, index, expire_at=batch["keys_expire_at"])  # the reaper's mark
         send_score_lines(rt.celery, batch_id, index)
         skip |= {line["line"] for line in direct}
@@ -112,7 +115,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         # Its file is still read: only its direct score lines run now, which nothing outside the
         # batch sees if the upload is refused (workers.batches.creation); the rest when it closes.
         if all(line["line"] in skip for line in lines):
-            store.chunks_submitted(batch_id, index, expire_at=batch["keys_expire_at"])
+            _mark_submitted(rt, batch, index, {n: given.get(n) for n in numbers})
         return 0
     readable, unreadable = [], []
     for line in lines:
@@ -143,8 +146,26 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
     finally:
         if created:
             _cancel_if_stopped(rt, batch, list(created.values()))
-    store.chunks_submitted(batch_id, index, expire_at=batch["keys_expire_at"])
+    _mark_submitted(rt, batch, index, {n: given.get(n) or created.get(n) for n in numbers})
     return len(created)
+
+
+def _jobs_held(rt, batch_id: str, mapped: dict[int, str]) -> dict[int, str]:
+    """Of the lines ``mapped`` to a job, those whose job is here. In a split brain a chunk's jobs can
+    be written to an old primary and lost while their mapping reaches the new one: such a line gets
+    a new job (a direct line's lost run is its scoring debt's, ``BatchStore.scoring_done``)."""
+    made = [job_id for job_id in mapped.values() if job_id != DIRECT_LINE]
+    here = rt.jobs.existing(made)
+    lost = {line: job_id for line, job_id in mapped.items() if job_id != DIRECT_LINE and job_id not in here}
+    if lost:
+        log.warning("batch %s: the jobs of lines %s are not on the primary; made again", batch_id, sorted(lost))
+    return {line: job_id for line, job_id in mapped.items() if line not in lost}
+
+
+def _mark_submitted(rt, batch: dict[str, Any], index: int, lines: dict[int, str | None]) -> None:
+    if not rt.batches.chunks_submitted(batch["id"], index, lines, expire_at=batch["keys_expire_at"]):
+        log.warning("batch %s chunk %d: not all of its lines' jobs are on the primary; the batch reaper "
+                    "sends it again", batch["id"], index)
 
 
 def _cannot_run(rt, batch_id: str, lines: list[dict[str, Any]]) -> None:

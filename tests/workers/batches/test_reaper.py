@@ -15,7 +15,7 @@ from workers.batches.creation import ParsedBatch, create_batch
 from workers.batches.keys import OPEN_KEY
 from workers.batches.messages import send_chunk
 from workers.batches.reaper import BatchReaper
-from workers.batches.store import BatchStore
+from workers.batches.store import DIRECT_LINE, BatchStore
 from workers.batches.sweeps import expire
 from workers.celery_app import create_celery
 from workers.names import (
@@ -92,8 +92,10 @@ def test_chunks_submitted_or_carried_are_left_alone(rt, reaper):
 
 def test_a_scoring_run_no_message_carries_is_sent_again(rt, reaper):
     batch_id = new_batch(rt, 4)
-    for index in range(2):
-        rt.batches.chunks_submitted(batch_id, index, expire_at=rt.batches.get(batch_id)["keys_expire_at"])
+    expire_at = rt.batches.get(batch_id)["keys_expire_at"]
+    for index, lines in enumerate(([1, 2], [3, 4])):  # both chunks scored directly
+        rt.batches.set_line_jobs(batch_id, dict.fromkeys(lines, DIRECT_LINE), expire_at=expire_at)
+        assert rt.batches.chunks_submitted(batch_id, index, dict.fromkeys(lines, DIRECT_LINE), expire_at=expire_at)
     rt.batches.owe_scoring(batch_id, 1, expire_at=rt.batches.get(batch_id)["keys_expire_at"])
     assert reaper.sweep() == []
     assert reaper.sweep() == [(SCORE_LINES_TASK, batch_id, 1)]

@@ -299,3 +299,25 @@ def test_a_scoring_debt_stays_while_a_direct_line_of_its_chunk_is_not_counted(rt
     rt.batches.record(batch["id"], [(1, True, {"line": 1}), (2, False, {"line": 2})])
     assert rt.batches.scoring_done(batch["id"], 0, [1, 2])
     assert rt.batches.chunk_progress(batch["id"])[1] == set()
+
+
+def test_a_chunk_is_marked_submitted_only_where_its_jobs_are(rt, redis_client):
+    """A split brain: a chunk's jobs were written to an old primary that still took writes, their
+    mapping and the chunk's mark to the new one. The mark is refused while a mapped job is missing,
+    so the batch reaper sends the chunk again, and its run makes the missing job anew."""
+    batch = new_batch(rt, 3)
+    submit_chunk(rt, batch["id"], 0)
+    assert rt.batches.chunk_progress(batch["id"])[0] == {0}
+    mapped = rt.batches.line_jobs(batch["id"], [1, 2, 3])
+    redis_client.srem(f"rq:batch:{batch['id']}:submitted", 0)
+    redis_client.delete(rt.jobs.key(mapped[2]))  # line 2's job went where the resync dropped it
+    expire_at = rt.batches.get(batch["id"])["keys_expire_at"]
+    assert not rt.batches.chunks_submitted(batch["id"], 0, mapped, expire_at=expire_at)
+    assert not rt.batches.chunks_submitted(batch["id"], 0, {1: mapped[1], 3: None}, expire_at=expire_at)  # 3 uncounted
+    assert rt.batches.chunk_progress(batch["id"])[0] == set()
+
+    assert submit_chunk(rt, batch["id"], 0) == 1  # the reaper's resend: only line 2 is made again
+    again = rt.batches.line_jobs(batch["id"], [1, 2, 3])
+    assert again[1] == mapped[1] and again[3] == mapped[3] and again[2] != mapped[2]
+    assert rt.jobs.get(again[2])["line"] == "2"
+    assert rt.batches.chunk_progress(batch["id"])[0] == {0}
