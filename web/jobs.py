@@ -97,13 +97,13 @@ class JobLookup(MethodView):
         ids = list(dict.fromkeys(body["ids"]))
         deadline = time.monotonic() + bounded_wait(body.get("wait", 0.0))
         jobs = svc.jobs.owned(ids, owner)
-        waited = False
-        for job in jobs:  # each running one in turn: the wait ends with the last to end
-            if job is not None and job["status"] not in TERMINAL and (left := deadline - time.monotonic()) > 0:
-                svc.jobs.wait(job["id"], timeout=left)
-                waited = True
-        if waited:  # read again only what may have moved
-            jobs = svc.jobs.owned(ids, owner)
+        running = {job["id"]: place for place, job in enumerate(jobs) if job is not None and job["status"] not in TERMINAL}
+        while running and (left := deadline - time.monotonic()) > 0:
+            ended = svc.jobs.wait_any(list(running), timeout=left)
+            if not ended:
+                break
+            for job_id, job in ended.items():  # the caller's already: checked by the first read
+                jobs[running.pop(job_id)] = job
         return {"data": [public_job(job) for job in jobs if job is not None],
                 "missing": [job_id for job_id, job in zip(ids, jobs, strict=True) if job is None]}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from marshmallow import ValidationError
 
-from engine.errors import InvalidRequestError, RolloutError, TokenIdOutOfRangeError
+from engine.errors import InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
 from web.auth import current_owner
 from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
@@ -88,21 +88,28 @@ def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         _cancel(jobs)
         raise next(error for error in outcomes if isinstance(error, RolloutError))
     deadline = time.monotonic() + svc.settings.sync_timeout_max
-    finished: list[dict[str, Any]] = []
-    for job in jobs:
-        while (done := svc.jobs.wait(job["id"], timeout=min(deadline - time.monotonic(), _HANG_UP_CHECK_S))) is None:
-            if hung_up():
+    finished: dict[str, dict[str, Any]] = {}
+    while len(finished) < len(jobs):
+        running = [job["id"] for job in jobs if job["id"] not in finished]
+        ended = svc.jobs.wait_any(running, timeout=min(deadline - time.monotonic(), _HANG_UP_CHECK_S))
+        for job_id, done in ended.items():
+            if done is None:
                 _cancel(jobs)
-                raise ClientClosedRequestError("the client closed the connection; its jobs were cancelled")
-            if time.monotonic() >= deadline:
+                raise NotFoundError(f"no job {job_id!r}")  # expired under the wait: not seen in practice
+            if done["status"] == "failed":
                 _cancel(jobs)
-                raise SyncTimeoutError(f"the job did not finish within {svc.settings.sync_timeout_max:g} s "
-                                       f"(ROLLOUT_SYNC_TIMEOUT_MAX); it was cancelled")
-        if done["status"] == "failed":
+                raise job_error(done)
+            finished[job_id] = done
+        if ended:
+            continue
+        if hung_up():
             _cancel(jobs)
-            raise job_error(done)
-        finished.append(done)
-    return finished
+            raise ClientClosedRequestError("the client closed the connection; its jobs were cancelled")
+        if time.monotonic() >= deadline:
+            _cancel(jobs)
+            raise SyncTimeoutError(f"the job did not finish within {svc.settings.sync_timeout_max:g} s "
+                                   f"(ROLLOUT_SYNC_TIMEOUT_MAX); it was cancelled")
+    return [finished[job["id"]] for job in jobs]
 
 
 def _cancel(jobs: list[dict[str, Any]]) -> None:

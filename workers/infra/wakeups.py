@@ -24,12 +24,19 @@ redis.call('EXPIRE', {key}, """ + str(TTL_S) + ")"
 
 def wait_for_wakeup(client: redis.Redis, key: str, timeout: float) -> bool:
     """Block until ``key`` holds a wake-up (True) or ``timeout`` seconds pass (False)."""
+    return wait_for_any(client, [key], timeout)
+
+
+def wait_for_any(client: redis.Redis, keys: list[str], timeout: float) -> bool:
+    """Block until one of ``keys`` holds a wake-up (True) or ``timeout`` seconds pass (False): one
+    BLPOP watches them all."""
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) >= SHORTEST_WAIT_S:
-        popped = client.blpop([key], timeout=min(remaining, LONGEST_BLOCK_S))
+        popped = client.blpop(keys, timeout=min(remaining, LONGEST_BLOCK_S))
         if popped is not None:
+            key, value = popped
             pipe = client.pipeline()
-            pipe.rpush(key, popped[1])
+            pipe.rpush(key, value)
             pipe.expire(key, TTL_S)
             pipe.execute()
             return True

@@ -278,6 +278,25 @@ class JobStore:
         job = self.get(job_id)
         return job if job["status"] in TERMINAL else None
 
+    def wait_any(self, job_ids: list[str], *, timeout: float) -> dict[str, dict[str, Any] | None]:
+        """Block until one of ``job_ids`` has ended, or ``timeout`` seconds pass: the records of those
+        ended by then, by id (None for one no longer stored); empty when none has. One wait watches
+        them all, so following a step's jobs costs a few round trips per group that ends together,
+        not one per job."""
+        ended = self._ended(job_ids)
+        if not ended and timeout > 0 and wakeups.wait_for_any(self.redis, [self.done_key(j) for j in job_ids], timeout):
+            ended = self._ended(job_ids)
+        return dict(zip(ended, self.get_many(ended), strict=True)) if ended else {}
+
+    def _ended(self, job_ids: list[str]) -> list[str]:
+        """Those of ``job_ids`` that have ended or are no longer stored (their status alone is read)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.key(job_id), "status")
+        statuses = pipe.execute() if job_ids else []
+        return [job_id for job_id, status in zip(job_ids, statuses, strict=True)
+                if status is None or status.decode() in TERMINAL]
+
     def save_prompt(self, job_id: str, prompt: str) -> None:
         """Leave the job's finalized prompt (JSON, see ``workers.jobs.prompt_codec``) for the GPU worker.
         It is deleted when the job ends."""

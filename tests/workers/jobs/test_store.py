@@ -148,6 +148,21 @@ def test_wait_wakes_when_the_job_ends(store):
     assert store.wait(other["id"], timeout=0.2) is None
 
 
+def test_wait_any_wakes_on_the_first_end_among_many_and_returns_those_ended(store):
+    jobs = [create(store) for _ in range(3)]
+    ids = [job["id"] for job in jobs]
+    assert store.wait_any(ids, timeout=0) == {}
+    assert store.wait_any(ids, timeout=0.2) == {}  # none ends: after the timeout
+    ender = threading.Timer(0.3, lambda: store.advance(ids[2], "succeeded", owner=OWNER, result={"n": 2}))
+    ender.start()
+    started = time.monotonic()
+    ended = store.wait_any(ids, timeout=20)
+    assert list(ended) == [ids[2]] and ended[ids[2]]["result"] == {"n": 2} and time.monotonic() - started < 10
+    store.advance(ids[0], "cancelled", owner=OWNER)
+    store.redis.delete(store.key(ids[1]))  # expired meanwhile: ended, with no record
+    assert store.wait_any(ids, timeout=5) == {ids[0]: store.get(ids[0]), ids[1]: None, ids[2]: store.get(ids[2])}
+
+
 def test_list_pages_newest_first_filters_and_drops_expired(store):
     store.limits = Limits(100, 100, 600)
     ids = [create(store)["id"] for _ in range(7)]
