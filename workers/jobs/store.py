@@ -36,6 +36,17 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 TOTAL_ACTIVE_KEY = "rq:active:_total"
+# KEYS: job records. Returns the places (from 1) of those ended or gone: one command where a
+# pipeline of one HGET each would be as many.
+_ENDED = """
+local terminal = {succeeded=true, failed=true, cancelled=true}
+local ended = {}
+for place, key in ipairs(KEYS) do
+  local status = redis.call('HGET', key, 'status')
+  if not status or terminal[status] then table.insert(ended, place) end
+end
+return ended
+"""
 UNFINISHED_KEY = "rq:unfinished"
 WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
 UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
@@ -136,6 +147,7 @@ class JobStore:
         self.hooked_owners = hooked_owners
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
+        self._ended_places = client.register_script(_ENDED)
 
     @staticmethod
     def key(job_id: str) -> str:
@@ -289,13 +301,9 @@ class JobStore:
         return dict(zip(ended, self.get_many(ended), strict=True)) if ended else {}
 
     def _ended(self, job_ids: list[str]) -> list[str]:
-        """Those of ``job_ids`` that have ended or are no longer stored (their status alone is read)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in job_ids:
-            pipe.hget(self.key(job_id), "status")
-        statuses = pipe.execute() if job_ids else []
-        return [job_id for job_id, status in zip(job_ids, statuses, strict=True)
-                if status is None or status.decode() in TERMINAL]
+        """Those of ``job_ids`` that have ended or are no longer stored (one script reads their statuses)."""
+        places = self._ended_places(keys=[self.key(job_id) for job_id in job_ids]) if job_ids else []
+        return [job_ids[place - 1] for place in places]
 
     def save_prompt(self, job_id: str, prompt: str) -> None:
         """Leave the job's finalized prompt (JSON, see ``workers.jobs.prompt_codec``) for the GPU worker.
