@@ -6,7 +6,8 @@ their logprobs, the timings). Reported, each side by side in one run:
 
 - the CPU per request of ``POST /v1/jobs/lookup`` (64 ended jobs) and ``GET /v1/jobs/{id}``, the
   responses written by the app's JSON provider (orjson, ``web/json_body.py``) against Flask's own
-  provider (rounds alternated, medians);
+  provider (rounds alternated, medians), and the dump of the lookup's jobs with ``NumberList``
+  against marshmallow's own ``fields.List`` (``web/schemas.py``), the same way;
 - following a step's 64 jobs while they end in four groups of 16 (a GPU worker's batches), as the
   lookup with ``wait`` does (``JobStore.wait_any`` over the running ones until none is left), against
   waiting for each job in turn as it did before (``JobStore.wait`` per job, then every job read
@@ -26,12 +27,15 @@ from pathlib import Path
 
 import redis
 from flask.json.provider import DefaultJSONProvider
+from marshmallow import fields
 
 from bench.rows import print_rows
 from web.app import create_app
 from web.json_body import JsonProvider
+from web.schemas import JobLookupResultSchema, NumberList
 from workers.infra.redis_server import EmbeddedRedis
 from workers.jobs.store import TERMINAL
+from workers.jobs.view import public_job
 from workers.lifecycle import end_jobs
 from workers.settings import Settings
 
@@ -60,7 +64,9 @@ def run(rounds: int = 40) -> list[dict]:
             app = create_app(Settings(redis_url=server.url, state_dir=Path(tmp), api_keys=(KEY,),
                                       log_level="WARNING"), server.url)
             client, svc = app.test_client(), app.extensions["rollout"]
-            cpu = response_cpu(client, svc, rounds)
+            ids = ended_jobs(client, svc)
+            cpu = response_cpu(client, ids, rounds)
+            dump = dump_cpu(svc, ids, rounds)
             follow = following(client, svc, redis.Redis.from_url(server.url))
         finally:
             server.stop()
@@ -70,6 +76,10 @@ def run(rounds: int = 40) -> list[dict]:
         {"name": f"· per lookup: Flask's {cpu['lookup']['flask'] * 1e3:.2f} ms, orjson "
                  f"{cpu['lookup']['orjson'] * 1e3:.2f} ms", "value": round(cpu["lookup"]["orjson"] * 1e3, 2),
          "goal": None},
+        {"name": f"dumping a lookup's {JOBS} jobs (JobLookupResultSchema): NumberList / marshmallow's List",
+         "value": round(dump["NumberList"] / dump["List"], 3), "goal": None},
+        {"name": f"· per lookup: marshmallow's List {dump['List'] * 1e3:.2f} ms, NumberList "
+                 f"{dump['NumberList'] * 1e3:.2f} ms", "value": round(dump["NumberList"] * 1e3, 2), "goal": None},
         {"name": "GET /v1/jobs/{id} of an ended job, API CPU per request: orjson responses / Flask's",
          "value": round(cpu["get"]["orjson"] / cpu["get"]["flask"], 3), "goal": None},
         {"name": f"following {JOBS} jobs that end in groups of {GROUP}, the follower's CPU: one wait for all / "
@@ -92,8 +102,7 @@ def end_all(svc, ids: list[str]) -> None:
     end_jobs(svc, [(job, "succeeded", {"result": result(i)}) for i, job in enumerate(svc.jobs.get_many(ids))])
 
 
-def response_cpu(client, svc, rounds: int) -> dict[str, dict[str, float]]:
-    ids = ended_jobs(client, svc)
+def response_cpu(client, ids: list[str], rounds: int) -> dict[str, dict[str, float]]:
     calls = {"lookup": lambda: client.post("/v1/jobs/lookup", json={"ids": ids}, headers=HEADERS),
              "get": lambda: client.get(f"/v1/jobs/{ids[0]}", headers=HEADERS)}
     writers = {"orjson": JsonProvider.response, "flask": DefaultJSONProvider.response}
@@ -111,6 +120,25 @@ def response_cpu(client, svc, rounds: int) -> dict[str, dict[str, float]]:
         JsonProvider.response = writers["orjson"]
     return {call: {name: statistics.median(values) for name, values in by_writer.items()}
             for call, by_writer in spent.items()}
+
+
+def dump_cpu(svc, ids: list[str], rounds: int) -> dict[str, float]:
+    """CPU per dump of a lookup's jobs, the number lists written by NumberList or by fields.List's own
+    per-item path (alternated, medians)."""
+    body = {"data": [public_job(job) for job in svc.jobs.get_many(ids)], "missing": []}
+    schema, ours = JobLookupResultSchema(), NumberList._serialize
+    spent: dict[str, list[float]] = {"NumberList": [], "List": []}
+    try:
+        for r in range(rounds):
+            for name in (("NumberList", "List") if r % 2 else ("List", "NumberList")):
+                NumberList._serialize = ours if name == "NumberList" else fields.List._serialize
+                started = time.process_time()
+                for _ in range(5):
+                    schema.dump(body)
+                spent[name].append((time.process_time() - started) / 5)
+    finally:
+        NumberList._serialize = ours
+    return {name: statistics.median(values) for name, values in spent.items()}
 
 
 def following(client, svc, counter: redis.Redis, rounds: int = 5) -> dict[str, dict[str, float]]:

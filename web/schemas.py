@@ -72,6 +72,26 @@ class TokenIds(fields.List):
         return super()._deserialize(value, attr, data, **kwargs)
 
 
+class NumberList(fields.List):
+    """A list of numbers in a response (token ids, logprobs), each written as its field would write it.
+
+    ``fields.List`` dumps each item through its field (two calls an item): two fifths of dumping a
+    step's lookup of 64 jobs (6,400 numbers) went there. This converts each in one expression, as
+    ``fields.Number`` does (None stays None). Loading is ``fields.List``'s own.
+    """
+
+    def __init__(self, inner: fields.Number, **kwargs):
+        if not isinstance(inner, fields.Number) or inner.as_string:
+            raise TypeError("NumberList holds numbers written as numbers")
+        super().__init__(inner, **kwargs)
+
+    def _serialize(self, value, attr, obj, **kwargs):
+        if value is None:
+            return None
+        convert = self.inner.num_type
+        return [None if item is None else convert(item) for item in value]
+
+
 class ContentPartSchema(Schema):
     type = fields.String(required=True, validate=validate.OneOf(CONTENT_TYPES))
     url = fields.String(required=True, validate=validate.Length(min=1, max=64 * 1024 * 1024))
@@ -207,8 +227,8 @@ TopLogprobs = fields.List(fields.List(fields.Raw(), validate=validate.Length(equ
 
 class ChoiceSchema(Schema):
     index = fields.Integer()
-    token_ids = fields.List(fields.Integer())
-    logprobs = fields.List(fields.Float(), allow_none=True)
+    token_ids = NumberList(fields.Integer())
+    logprobs = NumberList(fields.Float(), allow_none=True)
     finish_reason = fields.String(metadata={"description": "stop | length | abort"})
     matched_stop = fields.Raw(allow_none=True, metadata={
         "description": "The stop token id (eos included) or stop string that ended the choice"})
@@ -217,11 +237,11 @@ class ChoiceSchema(Schema):
 
 
 class ResultSchema(Schema):
-    prompt_token_ids = fields.List(fields.Integer())
+    prompt_token_ids = NumberList(fields.Integer())
     placeholder_ranges = fields.List(fields.Dict())
     choices = fields.List(fields.Nested(ChoiceSchema))
-    completion_logprobs = fields.List(fields.Float(), metadata={"description": "kind=score"})
-    prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True, metadata={
+    completion_logprobs = NumberList(fields.Float(), metadata={"description": "kind=score"})
+    prompt_logprobs = NumberList(fields.Float(allow_none=True), allow_none=True, metadata={
         "description": "sampling_params.prompt_logprobs: per prompt token (null for the first)"})
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
@@ -307,11 +327,11 @@ class JobListSchema(Schema):
 
 class SyncResultSchema(Schema):
     request_id = fields.String(allow_none=True)
-    prompt_token_ids = fields.List(fields.Integer())
+    prompt_token_ids = NumberList(fields.Integer())
     choices = fields.List(fields.Nested(ChoiceSchema))
-    completion_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True, metadata={
+    completion_logprobs = NumberList(fields.Float(allow_none=True), allow_none=True, metadata={
         "description": "kind score: each completion token's teacher-forced logprob"})
-    prompt_logprobs = fields.List(fields.Float(allow_none=True), allow_none=True)
+    prompt_logprobs = NumberList(fields.Float(allow_none=True), allow_none=True)
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
     usage = fields.Dict()
     cached_tokens = fields.Integer()

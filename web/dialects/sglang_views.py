@@ -20,7 +20,7 @@ from web.dialects.errors import install, sglang_shape
 from web.dialects.sglang_stream import SglangChunks
 from web.dialects.streaming import dialect_stream
 from web.schema_base import Schema
-from web.schemas import StrictBoolean
+from web.schemas import NumberList, StrictBoolean
 from web.services import services
 from workers.gpu.model_check import last_model_check
 from workers.infra.heartbeats import alive_workers
@@ -42,7 +42,7 @@ def _documented(view):
 
 class GenerateReplySchema(Schema):
     text = fields.String()
-    output_ids = fields.List(fields.Integer())
+    output_ids = NumberList(fields.Integer())
     meta_info = fields.Dict(metadata={"description": "id, finish_reason, prompt_tokens, completion_tokens, "
                                                      "cached_tokens, output_token_logprobs, weight_version, "
                                                      "e2e_latency, job_id, ..."})
