@@ -7,7 +7,8 @@ their logprobs, the timings). Reported, each side by side in one run:
 - the CPU per request of ``POST /v1/jobs/lookup`` (64 ended jobs) and ``GET /v1/jobs/{id}``, the
   responses written by the app's JSON provider (orjson, ``web/json_body.py``) against Flask's own
   provider (rounds alternated, medians), and the dump of the lookup's jobs with ``NumberList``
-  against marshmallow's own ``fields.List`` (``web/schemas.py``), the same way;
+  against marshmallow's own ``fields.List`` (``web/schemas.py``), and the parse of a bulk submit's
+  body with its depth read from the text against the walk over the value it ran before, the same way;
 - following a step's 64 jobs while they end in four groups of 16 (a GPU worker's batches), as the
   lookup with ``wait`` does (``JobStore.wait_any`` over the running ones until none is left), against
   waiting for each job in turn as it did before (``JobStore.wait`` per job, then every job read
@@ -19,6 +20,7 @@ Run: ``python -m bench.responses`` from the repository root (about 10 s).
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import threading
@@ -31,7 +33,7 @@ from marshmallow import fields
 
 from bench.rows import print_rows
 from web.app import create_app
-from web.json_body import JsonProvider
+from web.json_body import JsonProvider, _finite_float, _refuse_constant, _walk, parse_json
 from web.schemas import JobLookupResultSchema, NumberList
 from workers.infra.redis_server import EmbeddedRedis
 from workers.jobs.store import TERMINAL
@@ -67,6 +69,7 @@ def run(rounds: int = 40) -> list[dict]:
             ids = ended_jobs(client, svc)
             cpu = response_cpu(client, ids, rounds)
             dump = dump_cpu(svc, ids, rounds)
+            parse = parse_cpu(rounds)
             follow = following(client, svc, redis.Redis.from_url(server.url))
         finally:
             server.stop()
@@ -80,6 +83,10 @@ def run(rounds: int = 40) -> list[dict]:
          "value": round(dump["NumberList"] / dump["List"], 3), "goal": None},
         {"name": f"· per lookup: marshmallow's List {dump['List'] * 1e3:.2f} ms, NumberList "
                  f"{dump['NumberList'] * 1e3:.2f} ms", "value": round(dump["NumberList"] * 1e3, 2), "goal": None},
+        {"name": f"parsing a bulk submit's body of {JOBS} jobs: depth read from the text / walking the value",
+         "value": round(parse["text"] / parse["walk"], 3), "goal": None},
+        {"name": f"· per body: walking {parse['walk'] * 1e3:.3f} ms, from the text {parse['text'] * 1e3:.3f} ms, "
+                 f"json.loads alone {parse['json'] * 1e3:.3f} ms", "value": round(parse["text"] * 1e3, 3), "goal": None},
         {"name": "GET /v1/jobs/{id} of an ended job, API CPU per request: orjson responses / Flask's",
          "value": round(cpu["get"]["orjson"] / cpu["get"]["flask"], 3), "goal": None},
         {"name": f"following {JOBS} jobs that end in groups of {GROUP}, the follower's CPU: one wait for all / "
@@ -138,6 +145,26 @@ def dump_cpu(svc, ids: list[str], rounds: int) -> dict[str, float]:
                 spent[name].append((time.process_time() - started) / 5)
     finally:
         NumberList._serialize = ours
+    return {name: statistics.median(values) for name, values in spent.items()}
+
+
+def parse_cpu(rounds: int) -> dict[str, float]:
+    """CPU to parse a bulk submit's body: ``parse_json`` (its depth read from the text) against the
+    same parse followed by the walk over every item it ran before, and ``json.loads`` alone."""
+    text = json.dumps({"jobs": [{"token_ids": [100 + (i * 37 + k * 11) % 500 for k in range(32)],
+                                 "sampling_params": {"max_tokens": 32, "temperature": 0.7}} for i in range(JOBS)]})
+    def walked():  # parse_json until this module: the same parse, then the walk (more brackets than the depth)
+        _walk(json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float), check_strings=False)
+
+    ways = {"text": lambda: parse_json(text), "walk": walked,
+            "json": lambda: json.loads(text)}
+    spent: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(rounds):
+        for name in (tuple(ways) if r % 2 else tuple(reversed(ways))):
+            started = time.process_time()
+            for _ in range(20):
+                ways[name]()
+            spent[name].append((time.process_time() - started) / 20)
     return {name: statistics.median(values) for name, values in spent.items()}
 
 
