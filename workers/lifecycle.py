@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.errors import InternalError, RolloutError
 from workers.batches.progress import record_job_lines
-from workers.infra.metrics import record_job_ends
+from workers.infra.metrics import MetricsBatch, record_job_ends
 from workers.jobs.store import TERMINAL
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 
@@ -28,12 +28,14 @@ def end_job(rt, job_id: str, status: str, *, job: dict[str, Any] | None = None, 
     return moved
 
 
-def end_jobs(rt, endings: list[tuple[dict[str, Any], str, dict[str, Any]]]) -> list[bool]:
+def end_jobs(rt, endings: list[tuple[dict[str, Any], str, dict[str, Any]]], *,
+             metrics: MetricsBatch | None = None) -> list[bool]:
     """``end_job`` for many ``(job record, status, fields)`` at once (a GPU batch's results): the
-    moves and the metrics take one round trip each, not one per job."""
+    moves and the metrics take one round trip each, not one per job. ``metrics``: count the ends
+    there, for its owner to write later, not now."""
     moved = rt.jobs.advance_each([(job["id"], job["owner"], status, fields) for job, status, fields in endings])
     _after_ends(rt, [{**job, "status": status, **fields}
-                     for (job, status, fields), ended in zip(endings, moved, strict=True) if ended])
+                     for (job, status, fields), ended in zip(endings, moved, strict=True) if ended], metrics=metrics)
     return moved
 
 
@@ -78,10 +80,12 @@ def _after_end(rt, job_id: str, job: dict[str, Any] | None = None) -> None:
     _after_ends(rt, [job or rt.jobs.get(job_id)])
 
 
-def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True) -> None:
+def _after_ends(rt, jobs: list[dict[str, Any]], *, count: bool = True, metrics: MetricsBatch | None = None) -> None:
     if not jobs:
         return
-    if count:
+    if metrics is not None:
+        metrics.job_ends(jobs)
+    elif count:
         record_job_ends(rt.redis, jobs)
     record_job_lines(rt, [job for job in jobs if job.get("batch_id")])
     hooked = [job["id"] for job in jobs if job.get("webhook") or rt.settings.key_webhooks.get(job.get("owner", ""))]

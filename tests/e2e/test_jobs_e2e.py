@@ -10,6 +10,7 @@ import time
 from PIL import Image
 
 from tests.e2e.conftest import OTHER_KEY
+from tests.e2e.job_checks import wait_until
 
 
 def image_data_url(width=64, height=48, color=(200, 30, 30)) -> str:
@@ -140,12 +141,18 @@ def test_healthz_and_metrics_reflect_the_running_stack(stack):
     assert health.status_code == 200
     assert health.get_json() == {"status": "ok", "redis": "up", "model": "up",
                                  "workers": {"cpu": "up", "gpu": "up", "webhooks": "up", "batches": "up"}}
-    text = stack.client.get("/metrics").get_data(as_text=True)
-    assert 'rollout_jobs_ended_total{status="succeeded"}' in text
+    text = wait_until(lambda: metrics_with(stack, 'rollout_jobs_ended_total{status="succeeded"}'), 5, "the job's end")
     assert 'rollout_queue_depth{queue="preprocess"}' in text
     assert 'rollout_stage_seconds_count{stage="generate"}' in text
     assert 'rollout_stage_seconds_count{stage="preprocess"}' in text
     assert 'rollout_events_total{event="mm_cache_miss"}' in text  # the image jobs above
+
+
+def metrics_with(stack, line: str) -> str | None:
+    """``GET /metrics``'s text once it holds ``line``: the GPU worker writes its jobs' ends with its
+    other metrics, within a second (``workers.infra.metrics.MetricsBatch``)."""
+    text = stack.client.get("/metrics").get_data(as_text=True)
+    return text if line in text else None
 
 
 def test_plain_token_prompts_skip_preprocessing_but_media_tokens_do_not(stack):

@@ -31,7 +31,7 @@ import redis
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
 from workers.gpu.jobs import ending, open_jobs, requeue_generate, run_score_jobs
-from workers.infra.metrics import count, observe_stage
+from workers.infra.metrics import MetricsBatch
 from workers.jobs.prompt_codec import release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.stream_text import StreamText
@@ -85,6 +85,7 @@ class GenerateSession:
         self._next_poll = 0.0
         self._next_report = time.monotonic() + STATS_REPORT_SECONDS
         self._reported = self._counters()
+        self._metrics = MetricsBatch()  # this session's job ends, generation times and engine counters
 
     def run(self, requests) -> str | None:
         """Run until nothing runs and nothing is buffered; returns ``REQUEUE`` when this worker may
@@ -302,8 +303,8 @@ class GenerateSession:
                 endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
                                       batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
         if endings:
-            end_jobs(rt, endings)
-        observe_stage(rt.redis, "generate", *durations)
+            end_jobs(rt, endings, metrics=self._metrics)
+        self._metrics.observe_stage("generate", *durations)
         release_prompts(rt.redis, [live.prompt for live in done])
         for live in retracted:
             requeue_generate(rt, live.job["id"], live.prompt)
@@ -327,9 +328,9 @@ class GenerateSession:
         self._next_report = now + every
         current = self._counters()
         for name, value in current.items():
-            if value != self._reported.get(name, 0):
-                count(self.rt.redis, name, value - self._reported.get(name, 0))
+            self._metrics.count(name, value - self._reported.get(name, 0))
         self._reported = current
+        self._metrics.flush(self.rt.redis)
 
 
 def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:

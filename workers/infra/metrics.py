@@ -10,6 +10,7 @@ Layout: ``rq:metrics:jobs_ended`` hash (status -> count), ``rq:metrics:stage:<st
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import redis
@@ -22,33 +23,70 @@ STAGES = ("preprocess", "generate", "score", "queue_wait")
 
 def observe_stage(client: redis.Redis, stage: str, *durations: float) -> None:
     """Add each of ``durations`` (seconds) to the stage's histogram, all in one round trip."""
-    if not durations:
-        return
-    key = f"rq:metrics:stage:{stage}"
-    buckets: dict[str, int] = {}
-    for seconds in durations:
-        bound = next((repr(bound) for bound in STAGE_BUCKETS if seconds <= bound), "+Inf")
-        buckets[bound] = buckets.get(bound, 0) + 1
-    pipe = client.pipeline(transaction=False)
-    for bound, hits in buckets.items():
-        pipe.hincrby(key, bound, hits)
-    pipe.hincrbyfloat(key, "sum", sum(durations))
-    pipe.hincrby(key, "count", len(durations))
-    _best_effort(pipe)
+    batch = MetricsBatch()
+    batch.observe_stage(stage, *durations)
+    batch.flush(client)
 
 
 def count(client: redis.Redis, name: str, amount: int = 1) -> None:
-    _best_effort(client.pipeline(transaction=False).hincrby("rq:metrics:counters", name, amount))
+    batch = MetricsBatch()
+    batch.count(name, amount)
+    batch.flush(client)
 
 
 def record_job_ends(client: redis.Redis, jobs: list[dict]) -> None:
-    pipe = client.pipeline(transaction=False)
-    for job in jobs:
-        pipe.hincrby("rq:metrics:jobs_ended", job["status"], 1)
-        transport = (job.get("result") or {}).get("transport")
-        if transport:
-            pipe.hincrby("rq:metrics:counters", f"transport_{transport}", 1)
-    _best_effort(pipe)
+    batch = MetricsBatch()
+    batch.job_ends(jobs)
+    batch.flush(client)
+
+
+class MetricsBatch:
+    """Metrics gathered in a process and written together, in one round trip (``flush``). The GPU
+    session's decode loop adds each step's job ends and generation times and writes them with its
+    engine counters once a second: two round trips a step were on the decode thread. A crash loses
+    what it had not written yet (a second's worth at most)."""
+
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self._stages: dict[str, list[float]] = {}
+        self._ended: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
+
+    def observe_stage(self, stage: str, *durations: float) -> None:
+        if durations:
+            self._stages.setdefault(stage, []).extend(durations)
+
+    def count(self, name: str, amount: int = 1) -> None:
+        self._counters[name] += amount
+
+    def job_ends(self, jobs: list[dict]) -> None:
+        for job in jobs:
+            self._ended[job["status"]] += 1
+            if transport := (job.get("result") or {}).get("transport"):
+                self._counters[f"transport_{transport}"] += 1
+
+    def flush(self, client: redis.Redis) -> None:
+        """Write what was gathered (nothing to write: no round trip) and start again."""
+        if not (self._stages or self._ended or self._counters):
+            return
+        pipe = client.pipeline(transaction=False)
+        for stage, durations in self._stages.items():
+            key = f"rq:metrics:stage:{stage}"
+            buckets = Counter(next((repr(bound) for bound in STAGE_BUCKETS if seconds <= bound), "+Inf")
+                              for seconds in durations)
+            for bound, hits in buckets.items():
+                pipe.hincrby(key, bound, hits)
+            pipe.hincrbyfloat(key, "sum", sum(durations))
+            pipe.hincrby(key, "count", len(durations))
+        for status, hits in self._ended.items():
+            pipe.hincrby("rq:metrics:jobs_ended", status, hits)
+        for name, amount in self._counters.items():
+            if amount:
+                pipe.hincrby("rq:metrics:counters", name, amount)
+        self._clear()
+        _best_effort(pipe)
 
 
 @dataclass(frozen=True)
