@@ -9,8 +9,9 @@ orjson: a job's result about 15 times faster than ``json`` (1.7 against 29 µs f
 their logprobs, 6 against 121 µs for 128), non-finite floats as ``null`` by itself. What orjson
 refuses and ``json`` takes (an integer past 64 bits, a key that is not a string, a lone
 surrogate) goes through ``json``. Reading stays with ``json``: orjson reads an integer past 64 bits
-as a float, and a record may hold a user's metadata (one reader that never passes such a value on,
-the direct scoring of batch lines, uses orjson: ``workers/tasks/score_lines.py``).
+as a float, and a record may hold a user's metadata. Two readers use orjson: the direct scoring of
+batch lines, which never passes such a value on (``workers/tasks/score_lines.py``), and a job's
+result and timings, which hold the service's own numbers only (``decode_record``'s ``own_json_fields``).
 """
 
 from __future__ import annotations

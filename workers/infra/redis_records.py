@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
+import orjson
 import redis
 
 from workers.infra import finite_json
@@ -39,11 +40,17 @@ def encode_field(name: str, value: Any, json_fields: Collection[str]) -> str:
 
 
 def decode_record(raw: dict[bytes, bytes] | dict[str, str], *, json_fields: Collection[str] = (),
-                  int_fields: Collection[str] = ()) -> dict[str, Any]:
-    """A record hash as read (bytes) or as just encoded (str), decoded by field name."""
+                  int_fields: Collection[str] = (), own_json_fields: Collection[str] = ()) -> dict[str, Any]:
+    """A record hash as read (bytes) or as just encoded (str), decoded by field name.
+    ``own_json_fields``: JSON fields only the service fills, with no number a user sent, read with
+    orjson (a job's result: 2.5 against 17 µs). orjson reads an integer past 64 bits as a float, so
+    a field that may hold a user's value (a request, metadata, an error naming a bad value) stays with ``json``."""
     record: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.decode() if isinstance(key, bytes) else key
+        if name in own_json_fields:
+            record[name] = orjson.loads(value) if value else None
+            continue
         text = value.decode() if isinstance(value, bytes) else value
         if name in json_fields:
             record[name] = json.loads(text) if text else None

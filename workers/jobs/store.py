@@ -35,6 +35,7 @@ STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "can
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
+_OWN_JSON_FIELDS = ("result", "timings")  # the service's own numbers only (decode_record)
 TOTAL_ACTIVE_KEY = "rq:active:_total"
 # KEYS: job records. Returns the places (from 1) of those ended or gone: one command where a
 # pipeline of one HGET each would be as many.
@@ -373,7 +374,7 @@ class JobStore:
 
     @staticmethod
     def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
-        return decode_record(raw, json_fields=_JSON_FIELDS)
+        return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS)
 
 
 def _encode(name: str, value: Any) -> str:

@@ -125,6 +125,20 @@ def test_the_end_of_a_job_with_a_webhook_records_its_debt_in_the_same_move(store
     assert store.redis.zscore(WEBHOOK_OWED_KEY, own["id"]) is None
 
 
+def test_a_users_big_integers_read_back_exact_and_a_result_as_written(store):
+    """A result is read with orjson (the service's own numbers); what a user sent, which may hold an
+    integer past 64 bits that orjson would read as a float, is not."""
+    big = 2**70 + 1
+    job = create(store, metadata={"step": big}, request_id="r")
+    result = {"prompt_token_ids": [1, 2], "choices": [{"index": 0, "token_ids": [7], "logprobs": [-0.25],
+                                                      "finish_reason": "length", "text": "é"}], "usage": {"n": 3}}
+    store.advance(job["id"], "failed", owner=OWNER, result=result,
+                  error={"code": "token_id_out_of_range", "message": "m", "errors": {"token_id": big}})
+    read = store.get(job["id"])
+    assert read["metadata"] == {"step": big} and type(read["metadata"]["step"]) is int
+    assert read["error"]["errors"]["token_id"] == big and read["result"] == result
+
+
 def test_advance_each_moves_many_in_one_call(store):
     first, second = create(store), create(store)
     moved = store.advance_each([(first["id"], OWNER, "succeeded", {"result": {"n": 1}}),
