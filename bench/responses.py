@@ -8,7 +8,8 @@ their logprobs, the timings). Reported, each side by side in one run:
   responses written by the app's JSON provider (orjson, ``web/json_body.py``) against Flask's own
   provider (rounds alternated, medians), and the dump of the lookup's jobs with ``NumberList``
   against marshmallow's own ``fields.List`` (``web/schemas.py``), and the parse of a bulk submit's
-  body with its depth read from the text against the walk over the value it ran before, the same way;
+  body with its depth read from the text against the walk over the value it ran before, and the
+  decoding of a job's record with its result read by orjson against ``json``, the same way;
 - following a step's 64 jobs while they end in four groups of 16 (a GPU worker's batches), as the
   lookup with ``wait`` does (``JobStore.wait_any`` over the running ones until none is left), against
   waiting for each job in turn as it did before (``JobStore.wait`` per job, then every job read
@@ -35,8 +36,9 @@ from bench.rows import print_rows
 from web.app import create_app
 from web.json_body import JsonProvider, _finite_float, _refuse_constant, _walk, parse_json
 from web.schemas import JobLookupResultSchema, NumberList
+from workers.infra.redis_records import decode_record
 from workers.infra.redis_server import EmbeddedRedis
-from workers.jobs.store import TERMINAL
+from workers.jobs.store import _JSON_FIELDS, _OWN_JSON_FIELDS, TERMINAL
 from workers.jobs.view import public_job
 from workers.lifecycle import end_jobs
 from workers.settings import Settings
@@ -70,6 +72,7 @@ def run(rounds: int = 40) -> list[dict]:
             cpu = response_cpu(client, ids, rounds)
             dump = dump_cpu(svc, ids, rounds)
             parse = parse_cpu(rounds)
+            read = read_cpu(svc, ids, rounds)
             follow = following(client, svc, redis.Redis.from_url(server.url))
         finally:
             server.stop()
@@ -87,6 +90,10 @@ def run(rounds: int = 40) -> list[dict]:
          "value": round(parse["text"] / parse["walk"], 3), "goal": None},
         {"name": f"· per body: walking {parse['walk'] * 1e3:.3f} ms, from the text {parse['text'] * 1e3:.3f} ms, "
                  f"json.loads alone {parse['json'] * 1e3:.3f} ms", "value": round(parse["text"] * 1e3, 3), "goal": None},
+        {"name": "reading an ended job's record (decode_record): result and timings by orjson / all by json",
+         "value": round(read["orjson"] / read["json"], 3), "goal": None},
+        {"name": f"· per record: json {read['json'] * 1e6:.1f} µs, result and timings by orjson "
+                 f"{read['orjson'] * 1e6:.1f} µs", "value": round(read["orjson"] * 1e6, 1), "goal": None},
         {"name": "GET /v1/jobs/{id} of an ended job, API CPU per request: orjson responses / Flask's",
          "value": round(cpu["get"]["orjson"] / cpu["get"]["flask"], 3), "goal": None},
         {"name": f"following {JOBS} jobs that end in groups of {GROUP}, the follower's CPU: one wait for all / "
@@ -165,6 +172,21 @@ def parse_cpu(rounds: int) -> dict[str, float]:
             for _ in range(20):
                 ways[name]()
             spent[name].append((time.process_time() - started) / 20)
+    return {name: statistics.median(values) for name, values in spent.items()}
+
+
+def read_cpu(svc, ids: list[str], rounds: int) -> dict[str, float]:
+    """CPU to decode one ended job's record as read from Redis, its result and timings by orjson
+    (``JobStore``'s ``own_json_fields``) against every JSON field by ``json``, alternated, medians."""
+    raws = [svc.redis.hgetall(svc.jobs.key(job_id)) for job_id in ids]
+    ways = {"orjson": _OWN_JSON_FIELDS, "json": ()}
+    spent: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(rounds):
+        for name in (tuple(ways) if r % 2 else tuple(reversed(ways))):
+            started = time.process_time()
+            for raw in raws:
+                decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=ways[name])
+            spent[name].append((time.process_time() - started) / len(raws))
     return {name: statistics.median(values) for name, values in spent.items()}
 
 

@@ -59,7 +59,8 @@ class MetricsBatch:
             self._stages.setdefault(stage, []).extend(durations)
 
     def count(self, name: str, amount: int = 1) -> None:
-        self._counters[name] += amount
+        if amount:
+            self._counters[name] += amount
 
     def job_ends(self, jobs: list[dict]) -> None:
         for job in jobs:
@@ -83,8 +84,7 @@ class MetricsBatch:
         for status, hits in self._ended.items():
             pipe.hincrby("rq:metrics:jobs_ended", status, hits)
         for name, amount in self._counters.items():
-            if amount:
-                pipe.hincrby("rq:metrics:counters", name, amount)
+            pipe.hincrby("rq:metrics:counters", name, amount)
         self._clear()
         _best_effort(pipe)
 

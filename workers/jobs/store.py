@@ -37,6 +37,10 @@ _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 _OWN_JSON_FIELDS = ("result", "timings")  # the service's own numbers only (decode_record)
 TOTAL_ACTIVE_KEY = "rq:active:_total"
+UNFINISHED_KEY = "rq:unfinished"
+WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
+UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
+
 # KEYS: job records. Returns the places (from 1) of those ended or gone: one command where a
 # pipeline of one HGET each would be as many.
 _ENDED = """
@@ -48,9 +52,7 @@ for place, key in ipairs(KEYS) do
 end
 return ended
 """
-UNFINISHED_KEY = "rq:unfinished"
-WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
-UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
+
 # Lua, an expression: whether the record hash at {key} names a webhook of its own (a JSON field,
 # ``null`` when it has none). The scripts that end a job or a batch record its debt on it.
 OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
