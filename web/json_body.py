@@ -128,6 +128,8 @@ def _too_deep() -> InvalidJsonError:
 
 # Responses through orjson: a step's lookup of 64 ended jobs encodes in 0.16 against 2.0 ms. Dates,
 # dataclasses and the rest it would write unlike Flask raise instead (passed through), and take Flask's path.
+# Flask has no option for another encoder in ``response``, so it is overridden, reusing its private
+# ``_prepare_response_obj`` (the arguments as one value); tests/web/test_json_provider.py pins the output.
 _ORJSON_RESPONSE = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
 
 
