@@ -8,6 +8,7 @@ import redis
 
 from tests.conftest import empty_db_url
 from workers.infra.metrics import MetricsBatch, count, observe_stage, record_job_ends
+from workers.infra.redis_server import EmbeddedRedis
 
 ENDS = [{"status": "succeeded", "result": {"transport": "shm"}}, {"status": "failed"}, {"status": "succeeded"}]
 
@@ -38,11 +39,18 @@ def test_a_batch_writes_what_the_one_shot_calls_write(client):
     assert written == metrics(client) and written[b"rq:metrics:jobs_ended"] == {b"succeeded": b"2", b"failed": b"1"}
 
 
-def test_a_flush_writes_each_thing_once_and_nothing_when_empty(client):
-    batch = MetricsBatch()
-    batch.count("x", 2)
-    batch.flush(client)
-    before = client.info("stats")["total_commands_processed"]
-    batch.flush(client)  # nothing gathered since: no round trip
-    assert client.info("stats")["total_commands_processed"] == before + 1  # the INFO alone
-    assert client.hget("rq:metrics:counters", "x") == b"2"
+def test_a_flush_writes_each_thing_once_and_nothing_when_empty(tmp_path):
+    # A Redis of its own: its command count is this test's alone (the suite's shared one serves
+    # other tests' leftover threads too).
+    server = EmbeddedRedis(tmp_path / "redis", persistent=False).start()
+    try:
+        with redis.Redis.from_url(server.url) as client:
+            batch = MetricsBatch()
+            batch.count("x", 2)
+            batch.flush(client)
+            before = client.info("stats")["total_commands_processed"]
+            batch.flush(client)  # nothing gathered since: no round trip
+            assert client.info("stats")["total_commands_processed"] == before + 1  # the INFO alone
+            assert client.hget("rq:metrics:counters", "x") == b"2"
+    finally:
+        server.stop()
