@@ -14,10 +14,11 @@ from typing import Any
 from engine.errors import HandleUnavailableError, RolloutError
 from workers.infra.metrics import count, observe_stage
 from workers.infra.redis_client import REDIS_DOWN
+from workers.jobs.events import watch_key
 from workers.jobs.prompt_codec import open_prompt, release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.results import engine_result
-from workers.jobs.store import TERMINAL
+from workers.jobs.store import TERMINAL, JobStore
 from workers.jobs.submission import enqueue_preprocess, send_generate
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from workers.names import SHARED_GENERATE_QUEUE
@@ -65,6 +66,16 @@ def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]]
             settled.append(job["id"])
     release_prompts(rt.redis, cancelled)
     return running, settled
+
+
+def poll_running(redis, running: list[str], unwatched: list[str]) -> tuple[set[str], set[str]]:
+    """The jobs of ``running`` asked to stop, and those of ``unwatched`` that got a reader: their
+    cancel and watch flags in one MGET (the session polls it every few decode steps)."""
+    keys = [JobStore.cancel_key(job_id) for job_id in running] + [watch_key(job_id) for job_id in unwatched]
+    flags = redis.mget(keys) if keys else []
+    cancelled = {job_id for job_id, flag in zip(running, flags[:len(running)], strict=True) if flag}
+    watched = {job_id for job_id, flag in zip(unwatched, flags[len(running):], strict=True) if flag}
+    return cancelled, watched
 
 
 def run_score_jobs(rt, engine, group: list[tuple[dict, Any]]) -> None:

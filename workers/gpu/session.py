@@ -2,9 +2,9 @@
 
 The pool thread runs a session (``workers.tasks.gpu.generate``): it opens the jobs of the messages
 it was handed, submits them to the engine's scheduler, and steps it. Between steps it polls
-cancels (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that finished (one round
-trip for all of a step's results), acknowledges their messages, and takes as many buffered
-messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
+cancels and new readers (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that
+finished (one round trip for all of a step's results), acknowledges their messages, and takes as
+many buffered messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
 (``workers/tasks/gpu_batching.py``). The session returns when nothing runs and nothing is buffered.
 
 Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
@@ -30,7 +30,7 @@ import redis
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
-from workers.gpu.jobs import ending, open_jobs, requeue_generate, run_score_jobs
+from workers.gpu.jobs import ending, open_jobs, poll_running, requeue_generate, run_score_jobs
 from workers.infra.metrics import MetricsBatch
 from workers.jobs.prompt_codec import release_prompts
 from workers.jobs.request import JobRequest
@@ -261,7 +261,7 @@ class GenerateSession:
                                            for (job_id, attempt), choices in entries.items()])
 
     def _poll_cancels(self) -> None:
-        """Which running jobs were cancelled, and which got a reader (one MGET each)."""
+        """Which running jobs were cancelled, and which got a reader (one MGET)."""
         now = time.monotonic()
         if now < self._next_poll or not self.live:
             return
@@ -269,8 +269,7 @@ class GenerateSession:
         by_job = {live.job["id"]: handle for handle, live in self.live.items()}
         unwatched = [job_id for job_id, live in self._by_job.items() if not live.watched]
         try:
-            cancelled = self.rt.jobs.cancel_requested(list(by_job))
-            watched = self.rt.events.watched(unwatched)
+            cancelled, watched = poll_running(self.rt.redis, list(by_job), unwatched)
         except redis.RedisError:
             # Redis is away: decode on, and look again in a second (each failed call waits on
             # reconnect attempts; one per poll would slow every step down).

@@ -128,11 +128,6 @@ class JobEvents:
                  for job_id in job_ids]
         return [Attempt(int(number), bool(watched)) for number, watched in run_scripts(self.redis, calls)]
 
-    def watched(self, job_ids: list[str]) -> set[str]:
-        """The jobs of ``job_ids`` someone reads (one MGET)."""
-        flags = self.redis.mget([watch_key(job_id) for job_id in job_ids]) if job_ids else []
-        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
-
     def publish_tokens(self, deltas: list[tuple[str, int, list[dict[str, Any]]]]) -> None:
         """One decode step's ``(job id, attempt, choices)`` for every job with new tokens: one
         pipeline, one round trip. The key's TTL was set when the job was created."""

@@ -333,10 +333,6 @@ class JobStore:
         """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""
         self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
 
-    def cancel_requested(self, job_ids: list[str]) -> set[str]:
-        flags = self.redis.mget([self.cancel_key(job_id) for job_id in job_ids]) if job_ids else []
-        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
-
     def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
         """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
         return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.choice import Choice
+from workers.gpu.jobs import poll_running
 from workers.jobs.event_hub import EventHub
 from workers.jobs.events import Attempt
 from workers.jobs.follow import Ended, KeepAlive, StreamDivergedError, TokenLedger, follow
@@ -48,7 +49,7 @@ def test_a_job_followed_by_a_reader_is_marked_watched_for_its_events_lifetime(jo
     read, unread = new_job(jobs), new_job(jobs)
     jobs.advance(read["id"], "succeeded", owner=OWNER, result={"choices": []})
     assert [item for item in follow(hub, jobs, {read["id"]: "0"}, keepalive=0.05)][-1][1].job["id"] == read["id"]
-    assert events.watched([read["id"], unread["id"]]) == {read["id"]}
+    assert poll_running(client, [], [read["id"], unread["id"]]) == (set(), {read["id"]})
     assert events.begin_attempts([read["id"], unread["id"]]) == [Attempt(1, watched=True), Attempt(1, watched=False)]
     assert 0 < client.ttl(f"rq:job:{read['id']}:watched") <= 600
 
