@@ -70,7 +70,7 @@ def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]]
 
 def poll_running(redis, running: list[str], unwatched: list[str]) -> tuple[set[str], set[str]]:
     """The jobs of ``running`` asked to stop, and those of ``unwatched`` that got a reader: their
-    cancel and watch flags in one MGET (the session polls it every few decode steps)."""
+    cancel and watch flags in one MGET (the session polls it at most every ``ABORT_POLL_SECONDS``)."""
     keys = [JobStore.cancel_key(job_id) for job_id in running] + [watch_key(job_id) for job_id in unwatched]
     flags = redis.mget(keys) if keys else []
     cancelled = {job_id for job_id, flag in zip(running, flags[:len(running)], strict=True) if flag}
