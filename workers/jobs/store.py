@@ -298,6 +298,8 @@ class JobStore:
         ended by then, by id (None for one no longer stored); empty when none has. One wait watches
         them all, so following a step's jobs costs a few round trips per group that ends together,
         not one per job."""
+        if not job_ids:
+            return {}  # nothing to wait for (a BLPOP of no keys is an error)
         ended = self._ended(job_ids)
         if not ended and timeout > 0 and wakeups.wait_for_any(self.redis, [self.done_key(j) for j in job_ids], timeout):
             ended = self._ended(job_ids)

@@ -171,6 +171,7 @@ def test_wait_any_wakes_on_the_first_end_among_many_and_returns_those_ended(stor
     jobs = [create(store) for _ in range(3)]
     ids = [job["id"] for job in jobs]
     assert store.wait_any(ids, timeout=0) == {}
+    assert store.wait_any([], timeout=0.2) == {}  # nothing to wait for: at once
     assert store.wait_any(ids, timeout=0.2) == {}  # none ends: after the timeout
     ender = threading.Timer(0.3, lambda: store.advance(ids[2], "succeeded", owner=OWNER, result={"n": 2}))
     ender.start()
