@@ -36,7 +36,13 @@ def test_a_batch_writes_what_the_one_shot_calls_write(client):
     observe_stage(client, "generate", 0.2, 0.03, 0.04, 500.0)  # one sum, as the batch's
     count(client, "mm_cache_hit", 3)
     record_job_ends(client, ENDS)
-    assert written == metrics(client) and written[b"rq:metrics:jobs_ended"] == {b"succeeded": b"2", b"failed": b"1"}
+    assert written == metrics(client)  # the one-shot calls are batches of one call now: check the values too
+    assert written[b"rq:metrics:jobs_ended"] == {b"succeeded": b"2", b"failed": b"1"}
+    assert written[b"rq:metrics:counters"] == {b"mm_cache_hit": b"3", b"transport_shm": b"1"}
+    stage = written[b"rq:metrics:stage:generate"]
+    assert stage[b"count"] == b"4" and float(stage[b"sum"]) == pytest.approx(500.27)
+    assert stage[b"+Inf"] == b"1" and sum(int(hits) for bound, hits in stage.items()
+                                          if bound not in (b"count", b"sum")) == 4
 
 
 def test_a_flush_writes_each_thing_once_and_nothing_when_empty(tmp_path):
