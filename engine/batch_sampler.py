@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.decoding import RowDecoder
+from engine.errors import NonFiniteOutputError
 from engine.sampling import sample_rows
 
 
@@ -77,9 +78,15 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     top_k = max((rows[i].params.top_logprobs for i in live), default=0)
     top = torch.topk(raw_logprobs, top_k) if top_k else None
-    host_tokens, host_logprobs = torch.stack([tokens.to(chosen.dtype), chosen]).tolist()  # one copy
+    finite = torch.isfinite(logits).all(dim=-1).to(chosen.dtype)
+    host_tokens, host_logprobs, host_finite = torch.stack([tokens.to(chosen.dtype), chosen, finite]).tolist()  # one copy
     for i in live:
         if i in failed:
+            continue
+        if not host_finite[i]:  # its request ends alone; no token of a NaN distribution is kept
+            fail(jobs[i], NonFiniteOutputError(
+                "the model's forward gave NaN or infinite logits for this request (its inputs overflow the model)",
+                errors={"choice": rows[i].choice_index, "tokens_so_far": len(rows[i].token_ids)}))
             continue
         row, job = rows[i], jobs[i]
         token, logprob, k = int(host_tokens[i]), host_logprobs[i], row.params.top_logprobs

@@ -11,6 +11,7 @@ that is the lowest layer: every other layer may import it.
     │   ├── ContextLengthError
     │   ├── TokenIdOutOfRangeError
     │   ├── CapacityError
+    │   ├── NonFiniteOutputError
     │   ├── ModelLoadError
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
     ├── NotFoundError (404)
@@ -133,6 +134,14 @@ class KVPoolExhausted(CapacityError):
     counts blocks, so this means a bug, not a request too large)."""
 
     code = "kv_pool_exhausted"
+
+
+class NonFiniteOutputError(InvalidRequestError):
+    """The model's forward gave NaN or infinite logits for this request's row (its inputs made the
+    model overflow: features of absurd magnitude, an fp16/bf16 overflow). The row ends alone, its
+    KV is never reused, and its blocks are cleared before anyone else gets them."""
+
+    code = "non_finite_output"
 
 
 class ModelLoadError(InvalidRequestError):

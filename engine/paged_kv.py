@@ -95,6 +95,7 @@ class BlockPool:
         blocks = [self._free.pop() for _ in range(count)]
         for block in blocks:
             self._refs[block] = 1
+        self._clear(blocks)
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
@@ -121,6 +122,19 @@ class BlockPool:
             flat_slots(self.keys[index]).index_copy_(1, slots, keys.to(self.keys[index].dtype))
             flat_slots(self.values[index]).index_copy_(1, slots, values.to(self.values[index].dtype))
         return blocks
+
+    def _clear(self, blocks: Sequence[int]) -> None:
+        """Zero ``blocks`` in every layer. A decode step gathers each row's last block whole and
+        attention computes a score for every gathered slot before the mask drops it, so a NaN or
+        infinity left in an unwritten slot by a block's last holder (an fp16 overflow, absurd
+        media features) would turn another row's attention into NaN (0 x NaN is NaN). Handing
+        blocks out clean keeps one row's values out of every other row's; a prompt's own blocks
+        are written over right after."""
+        if not self.keys or not blocks:
+            return
+        index = torch.tensor(blocks, dtype=torch.long, device=self.keys[0].device)
+        for layer in (*self.keys, *self.values):
+            layer.index_fill_(1, index, 0)
 
     def copy_block(self, source: int, target: int) -> None:
         for tensors in (self.keys, self.values):

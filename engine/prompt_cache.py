@@ -26,6 +26,12 @@ class PrefilledPrompt:
     rope_delta: int | None  # M-RoPE models: position offset of the tokens after the prompt
     length: int
 
+    @property
+    def finite(self) -> bool:
+        """Whether the forward stayed finite: a prompt whose logits are NaN or infinite is never
+        kept for reuse (its rows fail alone in the sampler)."""
+        return bool(torch.isfinite(self.logits).all())
+
 
 @dataclass
 class PromptCache:
@@ -41,7 +47,7 @@ class PromptCache:
 
     def put(self, key, prompt: PrefilledPrompt) -> None:
         """Keep ``prompt`` (a reference of its own to its blocks), evicting the oldest past the bound."""
-        if prompt.length > self.max_tokens or key in self._entries:
+        if prompt.length > self.max_tokens or key in self._entries or not prompt.finite:
             return
         self._entries[key] = PrefilledPrompt(prompt.kv.hold(), prompt.logits, prompt.rope_delta, prompt.length)
         self._tokens += prompt.length

@@ -111,14 +111,17 @@ class RunningBatch:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _make_room(self) -> None:
-        """Every row's next slot in a block of its own: a new block at a block's end, a private copy
-        of a block it shares (its prompt's last one)."""
+        """Every row's next slot in a block of its own: a new block at a block's end (the step's
+        new blocks taken in one call, so they are cleared together), a private copy of a block it
+        shares (its prompt's last one)."""
         pool, size = self.pool, self.pool.block_size
+        growing = [table for table, length in zip(self.tables, self.lengths, strict=True) if length // size == len(table)]
+        if growing:
+            for table, block in zip(growing, pool.allocate(len(growing)), strict=True):
+                table.append(block)
         for table, length in zip(self.tables, self.lengths, strict=True):
             index = length // size
-            if index == len(table):
-                table.append(pool.allocate(1)[0])
-            elif pool.is_shared(table[index]):
+            if pool.is_shared(table[index]):
                 # The prompt cache may be its other holder: when memory is short, letting the cache
                 # go first can leave the block to this row alone, with nothing to copy.
                 pool.make_free(1)

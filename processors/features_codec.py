@@ -29,6 +29,11 @@ from engine.request_rules import check_media_count
 from processors.base import Features, MultimodalProcessor
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
 
+# The largest magnitude a float feature may hold: fp16's largest finite value. Pixel values and
+# media embeddings are orders of magnitude smaller; anything past it overflows a 16-bit forward
+# and, in fp32, turns attention into NaN (3e38 did), so it is refused like NaN itself.
+MAX_FEATURE_MAGNITUDE = 65504.0
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int64": torch.int64, "int32": torch.int32,
@@ -109,6 +114,8 @@ def _decode_tensor(spec: Any, path: str, budget: int) -> torch.Tensor:
     tensor = _from_le_bytes(raw, dtype).reshape(shape)
     if tensor.is_floating_point():
         _require(bool(torch.isfinite(tensor).all()), path, "holds NaN or infinite values")
+        _require(tensor.numel() == 0 or float(tensor.abs().max()) <= MAX_FEATURE_MAGNITUDE, path,
+                 f"holds a value of magnitude over {MAX_FEATURE_MAGNITUDE:g}")
     return tensor
 
 

@@ -367,6 +367,53 @@ def test_a_request_that_fails_in_prefill_ends_alone(models):
     assert_same_row(model.engine().generate([good])[0], ended["good"].result)
 
 
+def test_a_request_whose_forward_overflows_fails_alone_and_leaves_no_dirty_block(models):
+    """Issue #47's attack: image features of absurd magnitude (3e38) turn one request's forward into
+    NaN. That request fails alone with a typed error, and neither its neighbours in the same batch nor
+    the requests that later get its blocks see its values: each decodes as it does on a clean pool."""
+    model = models("qwen2_vl")
+    image = model.image()
+    huge = {**image, "pixel_values": torch.full_like(image["pixel_values"], 3e38)}
+    bad = GenerationRequest(model.request("Describe the image.", GREEDY, image).prompt_token_ids,
+                            dataclasses.replace(GREEDY, max_tokens=40), mm_kwargs=huge)
+    crowd = [model.request(text, sampled(seed=s, max_tokens=40)) for s, text in
+             enumerate(["Yes.", "The weather today is", "Count the objects.", "A man is riding a bicycle"])]
+    alone = [model.engine().generate([request])[0] for request in crowd]
+
+    engine = model.engine(kv_cache_tokens=64 * 16, prompt_cache_tokens=0)
+    scheduler = engine.scheduler()
+    for tag, request in [("bad", bad), *enumerate(crowd)]:
+        scheduler.submit(request, tag=tag)
+    ended = {}
+    while scheduler.has_work:
+        for finished in scheduler.step():
+            ended[finished.tag] = finished
+    assert ended["bad"].error.code == "non_finite_output" and ended["bad"].error.http_status == 422
+    for i, result in enumerate(alone):
+        assert_same_row(result, ended[i].result)
+    assert engine.kv_pool.in_use == 0
+    # Every block the bad row wrote went back to the pool; the next requests take them first.
+    again = engine.generate(crowd)
+    for result, want in zip(again, alone, strict=True):
+        assert_same_row(want, result)
+
+
+def test_a_poisoned_pool_hands_out_clean_blocks(models):
+    """Whatever a block's last holder left in it (here NaN in every block of the pool), a row that
+    takes it decodes as on a clean pool: a decode step gathers each row's last block whole, and a
+    NaN in its masked tail would otherwise reach attention."""
+    model = models("qwen2_vl")
+    crowd = [model.request(text, sampled(seed=s, max_tokens=20)) for s, text in
+             enumerate(["Yes.", "The weather today is sunny with a light breeze.", "Count the objects."])]
+    engine = model.engine(kv_cache_tokens=32 * 16, prompt_cache_tokens=0)
+    clean = engine.generate(crowd)
+    assert engine.kv_pool.in_use == 0
+    for layer in (*engine.kv_pool.keys, *engine.kv_pool.values):
+        layer[:, 1:] = float("nan")  # every block but the null one, which no row ever writes
+    for result, want in zip(engine.generate(crowd), clean, strict=True):
+        assert_same_row(want, result)
+
+
 def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):
     model = models("qwen2_vl")
     prompt = model.text("The weather today is")

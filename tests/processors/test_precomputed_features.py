@@ -78,6 +78,9 @@ CASES = {
     "bad base64": (((*PV, "data"), "***"), "features[0].tensors.pixel_values.data"),
     "short data": (((*PV, "data"), b64(torch.zeros(3))), "features[0].tensors.pixel_values.data"),
     "nan": (((*PV, "data"), b64(torch.full((16, 1176), float("nan")))), "features[0].tensors.pixel_values"),
+    # Finite but absurd: 3e38 made a job "succeed" with NaN logprobs and left its KV blocks dirty.
+    "huge": (((*PV, "data"), b64(torch.full((16, 1176), 3e38))), "features[0].tensors.pixel_values"),
+    "past fp16": (((*PV, "data"), b64(torch.full((16, 1176), -7e4))), "features[0].tensors.pixel_values"),
     "grid disagrees": (((*GRID, "data"), b64(torch.tensor([[1, 2, 4]]))), "features[0]"),
     "grid not int64": ((GRID, {"dtype": "int32", "shape": [1, 3], "data": b64(torch.tensor([[1, 4, 4]], dtype=torch.int32))}),
                        "features[0]"),
