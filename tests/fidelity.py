@@ -177,3 +177,13 @@ def assert_top_logprobs(top: Sequence[Sequence], reference: Reference, prompt, c
         want = torch.topk(row, k).values.tolist()
         assert_close([value for _, value in step], want, f"{what} step {i} values")
         assert_close([value for _, value in step], [float(row[token]) for token, _ in step], f"{what} step {i} ids")
+
+
+def poison_free_blocks(engine) -> None:
+    """NaN in every block of ``engine``'s KV pool that nothing holds (after dropping its cached
+    prompts): what a request whose forward overflowed leaves behind."""
+    engine.prompt_cache.clear()
+    pool = engine.kv_pool
+    assert pool.in_use == 0 and pool.keys, "poison a materialized pool between requests"
+    for layer in (*pool.keys, *pool.values):
+        layer[:, 1:] = float("nan")  # every block but the null one, which no row ever writes

@@ -22,6 +22,7 @@ from tests.fidelity import (
     demo_dir_for,
     demo_dirs,
     make_prompt,
+    poison_free_blocks,
     registry_cases,
 )
 
@@ -109,7 +110,8 @@ def test_scoring_is_the_models_own_alone_and_in_a_mixed_batch(registered, modali
 @pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
 def test_a_seeded_request_gives_the_same_tokens_alone_and_amid_churn(registered, modality, arch_setup):
     """The same seeded request alone and among 40 others joining and leaving (other lengths, other
-    media, greedy and seeded) gives the same tokens and logprobs, which are the model's own."""
+    media, greedy and seeded), on a KV pool whose every free block holds NaN, gives the same tokens
+    and logprobs, which are the model's own."""
     engine, processor, reference = arch_setup(registered)
     prompt = make_prompt(processor, modality, text="What colour is it?")
     target = GenerationRequest(prompt.token_ids, SamplingParams(max_tokens=6, temperature=1.0, seed=1234,
@@ -126,6 +128,7 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_amid_churn(registered,
                                 ignore_eos=True)
         others.append(GenerationRequest(other.token_ids, params, items=other.items))
 
+    poison_free_blocks(engine)  # what a bad request can leave behind must not reach this one
     scheduler = engine.scheduler(limits=SchedulerLimits(max_rows=6, prompt_cache_tokens=0))
     pending = [(f"other-{i}", r) for i, r in enumerate(others)]
     pending.insert(17, ("target", target))
