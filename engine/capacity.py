@@ -21,7 +21,8 @@ class SchedulerLimits:
     kv_cache_tokens: int = 131_072  # the KV pool, in tokens (ROLLOUT_KV_CACHE_TOKENS)
     kv_block_tokens: int = 16  # tokens per KV block (ROLLOUT_KV_BLOCK_TOKENS)
     prefill_chunk_tokens: int = 512  # prefill tokens per step while rows decode
-    prompt_cache_tokens: int = 4096  # recent prompts' KV kept for late group members
+    prompt_cache_tokens: int = 4096  # recent prompts' last logits (a whole-prompt hit needs no forward)
+    prefix_caching: bool = True  # KV blocks found again by name across requests (ROLLOUT_PREFIX_CACHING)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs by content hash
     # While rows decode, new prompts are prefilled once they are join_ratio of the running rows, or
     # after join_wait_steps steps (engine.prefill_plan.hold_joins); join_ratio 0: at the first step.

@@ -28,7 +28,7 @@ from engine.encoder_cache import EncoderCache
 from engine.generation_types import GenerationRequest, GenerationResult
 from engine.loading import LoadedModel
 from engine.paged_kv import BlockPool
-from engine.prompt_cache import PromptCache
+from engine.prompt_cache import PromptEnds
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook
 from engine.scoring import ScoreRequest, ScoreResult, score
 from engine.weights import WeightSwap, load_weights
@@ -45,15 +45,23 @@ class Engine:
         self.loaded = loaded
         self.limits = limits or SchedulerLimits()
         self.encoder_cache = EncoderCache(self.limits.encoder_cache_bytes)
-        self.prompt_cache = PromptCache(self.limits.prompt_cache_tokens)
-        # The KV memory: one pool for this engine's schedulers, as a device has one memory. Cached
-        # prompts give their blocks back when it runs short. Its schedulers step from one thread.
+        self.prompt_ends = PromptEnds(self.limits.prompt_cache_tokens)
+        # The KV memory: one pool for this engine's schedulers, as a device has one memory. Its
+        # free blocks stay cached by name (prefix reuse) until it needs them. Its schedulers step
+        # from one thread.
         self.kv_pool = BlockPool(self.limits.kv_blocks, self.limits.kv_block_tokens)
-        self.kv_pool.reclaim = self.prompt_cache.evict_oldest
         self.stats = EngineStats()
         self._weights_listeners: list[Callable[[WeightSwap], None]] = []
-        # Both caches hold what the old weights computed: a swap empties them.
-        self.on_weights_changed(lambda _swap: (self.encoder_cache.clear(), self.prompt_cache.clear()))
+        # The caches hold what the old weights computed: a swap empties them. (Block names carry
+        # the weight version too, so nothing stale is found even before this runs.)
+        self.on_weights_changed(lambda _swap: self.forget_cached())
+
+    def forget_cached(self) -> None:
+        """Drop what the weights computed: encoder outputs, cached KV blocks, prompts' last logits."""
+        self.encoder_cache.clear()
+        self.kv_pool.forget_names()
+        self.prompt_ends.clear()
+
     @property
     def weight_version(self) -> str:
         return self.loaded.weight_version
@@ -61,7 +69,7 @@ class Engine:
     def scheduler(self, *, on_step: StepHook | None = None, limits: SchedulerLimits | None = None) -> Scheduler:
         """A continuous batch over this engine's model, sharing its caches and counters."""
         return Scheduler(self.loaded, limits or self.limits, encoder_cache=self.encoder_cache,
-                         prompt_cache=self.prompt_cache, pool=self.kv_pool, stats=self.stats, on_step=on_step)
+                         prompt_ends=self.prompt_ends, pool=self.kv_pool, stats=self.stats, on_step=on_step)
 
     def update_weights(self, directory, *, weight_version: str, root=None,
                        digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:

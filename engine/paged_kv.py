@@ -30,7 +30,8 @@ one gather per layer, as wide as the longest row; that tensor lives for one laye
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,16 @@ def kv_tokens_for_memory(config, dtype: torch.dtype, free_bytes: int, fraction: 
 
 class BlockPool:
     """``capacity`` blocks of ``block_size`` tokens of K/V for every layer, allocated once (at the
-    first write, from the shapes of the model's own K/V) and handed out by reference count."""
+    first write, from the shapes of the model's own K/V) and handed out by reference count.
+
+    A block may carry a name (:mod:`engine.prefix_hash`): the hash of its tokens chained to its
+    prefix's. A named block that no row holds stays free *and* cached: a request that finds its
+    name takes it back (:meth:`share`) instead of computing it. Free blocks go out unnamed ones
+    first, then named ones least recently used first, so the cache is what the pool does not need;
+    a named block is never written again (rows copy it first: :mod:`engine.running_batch`). This is
+    vLLM's block pool's scheme (``vllm/v1/core/block_pool.py``: a free queue that evicts cached
+    blocks LRU, a hash-to-block map, ``touch`` on a hit).
+    """
 
     def __init__(self, capacity: int, block_size: int):
         if capacity < 1 or block_size < 1:
@@ -68,9 +78,12 @@ class BlockPool:
         self.capacity, self.block_size = capacity, block_size
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._free = list(range(capacity, NULL_BLOCK, -1))  # a stack: the lowest ids go out first
+        # Free blocks in the order they go out (an OrderedDict as a queue with removal from the
+        # middle, which a hit does): unnamed ones at the front, named ones behind, oldest first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, capacity + 1))
         self._refs = [0] * (capacity + 1)
-        self.reclaim: Callable[[], bool] | None = None  # frees an evictable holder's blocks; False if none
+        self._name_of: dict[int, bytes] = {}
+        self._by_name: dict[bytes, int] = {}
         self._workspaces: list[torch.Tensor | None] = [None, None]  # a forward's gathered keys, values
 
     @property
@@ -79,34 +92,78 @@ class BlockPool:
 
     @property
     def free(self) -> int:
+        """Blocks no row holds, cached ones included (they are given out when needed)."""
         return len(self._free)
 
-    def make_free(self, count: int) -> bool:
-        """Reclaim evictable blocks until ``count`` are free; False if that many cannot be."""
-        while len(self._free) < count:
-            if self.reclaim is None or not self.reclaim():
-                return False
-        return True
+    @property
+    def cached(self) -> int:
+        """Named blocks, held or free."""
+        return len(self._by_name)
 
     def allocate(self, count: int) -> list[int]:
-        if not self.make_free(count):
+        """``count`` blocks, zeroed, one reference each; the least recently used cached blocks lose
+        their names when there are not enough unnamed ones."""
+        if count > len(self._free):
             raise KVPoolExhausted(f"{count} KV blocks wanted, {len(self._free)} of {self.capacity} free",
                                   errors={"kv_blocks_free": len(self._free), "kv_blocks": self.capacity})
-        blocks = [self._free.pop() for _ in range(count)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block in blocks:
             self._refs[block] = 1
+            if (name := self._name_of.pop(block, None)) is not None:
+                del self._by_name[name]
         self._clear(blocks)
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of ``blocks``; a cached free block leaves the free queue."""
         for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
             self._refs[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
         for block in blocks:
             self._refs[block] -= 1
             if self._refs[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+                if block not in self._name_of:  # nothing to keep: it goes out first
+                    self._free.move_to_end(block, last=False)
+
+    def cached_run(self, names: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest run of ``names``, from the first, that the pool holds (no
+        reference taken: :meth:`share` them before anything else allocates)."""
+        blocks = []
+        for name in names:
+            block = self._by_name.get(name)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def name(self, block: int, name: bytes) -> None:
+        """Make ``block`` findable as ``name`` (its K/V is complete and final). A name already in
+        the pool keeps its block; a block keeps its first name."""
+        if name in self._by_name or block in self._name_of or block == NULL_BLOCK:
+            return
+        self._by_name[name] = block
+        self._name_of[block] = name
+
+    def is_named(self, block: int) -> bool:
+        return block in self._name_of
+
+    def forget(self, block: int) -> None:
+        """``block`` is not found by its name again (its holder is about to write into it)."""
+        if (name := self._name_of.pop(block, None)) is not None:
+            del self._by_name[name]
+
+    def forget_names(self) -> None:
+        """No block is found again (the weights changed: what they computed is stale). Free named
+        blocks go to the front of the queue."""
+        for block in self._name_of:
+            if self._refs[block] == 0:
+                self._free.move_to_end(block, last=False)
+        self._name_of.clear()
+        self._by_name.clear()
 
     def is_shared(self, block: int) -> bool:
         return self._refs[block] > 1
@@ -190,25 +247,49 @@ class PagedPrompt:
         self.blocks = []
 
 
-def write_prompts(pool: BlockPool, cache, attention_mask: torch.Tensor) -> list[PagedPrompt]:
-    """Each row of a left-padded prefill ``cache`` (transformers' ``DynamicCache``), without its
-    padding, written into blocks of ``pool``; all or none (blocks taken are given back on failure)."""
+def write_prompts(pool: BlockPool, cache, lengths: Sequence[int],
+                  prefixes: Sequence[Sequence[int]] | None = None) -> list[PagedPrompt]:
+    """Each row of a prefill ``cache`` (transformers' ``DynamicCache``) in blocks of ``pool``: row
+    ``i`` holds ``lengths[i]`` tokens, the first of them already in the blocks ``prefixes[i]``
+    (whole blocks found cached, taken by the caller: the prompt takes over that reference), the
+    rest the last columns of its cache row (rows are right-aligned: left padding, or a padded
+    prefix before them). All or none: blocks taken are given back on failure."""
     layers = list(cache.layers)
     for layer in layers:
         if isinstance(layer, DynamicSlidingWindowLayer) or not isinstance(layer, DynamicLayer):
             raise NotImplementedError(f"cache layer {type(layer).__name__} cannot be paged")
-    width = attention_mask.shape[-1]
+    prefixes = prefixes or [[] for _ in lengths]
     written: list[PagedPrompt] = []
     try:
-        for row, length in enumerate(attention_mask.sum(-1).tolist()):
-            start = width - int(length)
-            blocks = pool.write_prompt([(layer.keys[row, :, start:], layer.values[row, :, start:]) for layer in layers])
-            written.append(PagedPrompt(pool, blocks, int(length)))
+        for row, (length, prefix) in enumerate(zip(lengths, prefixes, strict=True)):
+            new = int(length) - len(prefix) * pool.block_size
+            blocks = pool.write_prompt([(layer.keys[row, :, -new:], layer.values[row, :, -new:]) for layer in layers])
+            written.append(PagedPrompt(pool, [*prefix, *blocks], int(length)))
     except BaseException:
         for prompt in written:
             prompt.release()
+        for prefix in prefixes[len(written):]:
+            pool.release(prefix)
         raise
     return written
+
+
+def prefix_cache(pool: BlockPool, prefixes: Sequence[Sequence[int]], *, dtype: torch.dtype):
+    """A ``DynamicCache`` holding each row's cached prefix blocks, rows left-padded with the null
+    block (zeros) to the longest: what a prefill of the rest of each prompt attends to, its
+    attention mask hiding the padding. One gather per layer, as a decode step's."""
+    from transformers import DynamicCache
+
+    width = max(map(len, prefixes))
+    table = torch.tensor([[NULL_BLOCK] * (width - len(p)) + list(p) for p in prefixes], dtype=torch.long,
+                         device=pool.keys[0].device).flatten()
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(zip(pool.keys, pool.values, strict=True)):
+        heads, _, size, dim = keys.shape
+        gathered = [layer.index_select(1, table).view(heads, len(prefixes), width * size, dim)
+                    .transpose(0, 1).to(dtype) for layer in (keys, values)]
+        cache.update(gathered[0], gathered[1], index)
+    return cache
 
 
 class PagedStep:

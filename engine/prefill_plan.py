@@ -1,10 +1,12 @@
 """Which admitted prompts this step prefills, and how: the decisions of prefill, apart from the
 forwards that carry them out (``engine.scheduler``), so they can be read and tested alone.
 
-- A prompt in the prompt cache is not computed: its jobs join at once.
+- A prompt found whole in the KV pool (every block by name, and its last logits) is not computed:
+  its jobs join at once. A prompt whose first blocks are found computes only the rest
+  (:func:`reusable_blocks`).
 - Jobs with the same prompt key (token ids, media, weights, owner) form one group: the first
   computes it, the others share it.
-- While rows decode, the distinct prompts of one padded forward hold at most ``budget`` tokens
+- While rows decode, the distinct prompts of one padded forward compute at most ``budget`` tokens
   (rows x width); the first prompt that would pass it waits for the next step, unless it is the
   only one, which is then prefilled alone in chunks of ``budget`` tokens, one chunk per step.
 - While rows decode, new prompts wait for company (:func:`hold_joins`): rows that free one at a
@@ -26,25 +28,28 @@ class PrefillPlan:
     taken: list[Any] = field(default_factory=list)  # the jobs this plan takes off the admitted list
 
 
-def plan_prefill(admitted: Sequence[Any], cached: Callable[[tuple], Any], *, budget: int | None) -> PrefillPlan:
-    """The plan for ``admitted`` jobs (each with ``key``, ``prompt_len`` and ``state``), in order,
-    while no prompt is being chunked. ``cached(key)`` is the prompt cache's entry or None;
-    ``budget`` the tokens of one prefill forward (None: no rows decode, no limit)."""
+def plan_prefill(admitted: Sequence[Any], find_cached: Callable[[Any], Any], *, budget: int | None) -> PrefillPlan:
+    """The plan for ``admitted`` jobs (each with ``key``, ``state`` and ``compute_len``, the prompt
+    tokens it would compute), in order, while no prompt is being chunked. ``find_cached(job)``
+    looks the job's prompt up in the KV pool: its whole prefilled prompt, or None (having noted on
+    the job the cached blocks its prefill starts from, which changes its ``compute_len``). A job
+    whose prompt another job of this plan computes is not looked up. ``budget``: the tokens of one
+    prefill forward (None: no rows decode, no limit)."""
     plan = PrefillPlan()
     width = 0
     for job in admitted:
         if job.state == "done":
             plan.taken.append(job)
             continue
-        if (prompt := cached(job.key)) is not None:
-            plan.taken.append(job)
-            plan.cached.append((job, prompt))
-            continue
         if job.key in plan.groups:
             plan.taken.append(job)
             plan.groups[job.key].append(job)
             continue
-        wider = max(width, job.prompt_len)
+        if (prompt := find_cached(job)) is not None:
+            plan.taken.append(job)
+            plan.cached.append((job, prompt))
+            continue
+        wider = max(width, job.compute_len)
         if budget is not None and (len(plan.groups) + 1) * wider > budget:
             if not plan.groups:
                 plan.taken.append(job)
@@ -54,6 +59,21 @@ def plan_prefill(admitted: Sequence[Any], cached: Callable[[tuple], Any], *, bud
         plan.taken.append(job)
         plan.groups[job.key] = [job]
     return plan
+
+
+def reusable_blocks(found: int, block_size: int, length: int, media_spans: Sequence[tuple[int, int]]) -> int:
+    """How many of the ``found`` cached full blocks at a prompt's start its prefill starts from.
+
+    At least one token is computed (its logits start the decoding), and the rest holds all of the
+    prompt's media or none: a model takes a media item's features for all of its placeholders in
+    one forward, and some (Qwen-VL's rope index, pixel-in-forward models) want every item of the
+    request then. So where media lies after the cached blocks, the prefill starts at the block
+    boundary before the first item.
+    """
+    count = min(found, (length - 1) // block_size)
+    if media_spans and max(stop for _, stop in media_spans) > count * block_size:
+        count = min(count, min(start for start, _ in media_spans) // block_size)
+    return count
 
 
 def hold_joins(*, running: int, joining: int, waited_steps: int, ratio: float, max_wait_steps: int) -> bool:

@@ -1,12 +1,12 @@
-"""Recent prompts' KV and last logits, so a prompt group whose requests arrive apart still
-computes its prompt once (a small LRU bounded in tokens).
+"""A prefilled prompt, and the last logits of recent prompts: what a prompt found whole in the KV
+pool needs besides its blocks to start decoding with no forward at all.
 
-An entry holds a reference to the prompt's blocks in the KV pool (:mod:`engine.paged_kv`), not a
-copy: rows that join from it share them. The pool takes entries back, oldest first, when it runs
-short (:meth:`PromptCache.evict_oldest` is its ``reclaim``).
-
-A key is the request's cache scope (the API key in the service), the weight version, the prompt's
-token ids and its media keys: the same ids with other images are another prompt.
+The blocks themselves are found by name in the pool (:mod:`engine.paged_kv`,
+:mod:`engine.prefix_hash`): a prompt group whose samples arrive apart finds every block of its
+prompt, the partial last one included, and its logits here under the name of that last block, which
+holds the cache scope, the weights, the tokens and the media of the whole prompt. Where the logits
+are gone (or a prompt extends a cached one), the scheduler computes only the tokens after the
+cached blocks.
 """
 
 from __future__ import annotations
@@ -33,39 +33,40 @@ class PrefilledPrompt:
         return bool(torch.isfinite(self.logits).all())
 
 
+@dataclass(frozen=True)
+class PromptEnd:
+    logits: torch.Tensor
+    rope_delta: int | None
+    length: int
+
+
 @dataclass
-class PromptCache:
+class PromptEnds:
+    """Recent prompts' last logits by the name of their last block: an LRU bounded by the prompt
+    tokens its entries stand for (``prompt_cache_tokens``; 0 keeps none)."""
+
     max_tokens: int
-    _entries: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _entries: OrderedDict[bytes, PromptEnd] = field(default_factory=OrderedDict, repr=False)
     _tokens: int = 0
 
-    def get(self, key) -> PrefilledPrompt | None:
-        entry = self._entries.get(key)
+    def get(self, name: bytes) -> PromptEnd | None:
+        entry = self._entries.get(name)
         if entry is not None:
-            self._entries.move_to_end(key)
+            self._entries.move_to_end(name)
         return entry
 
-    def put(self, key, prompt: PrefilledPrompt) -> None:
-        """Keep ``prompt`` (a reference of its own to its blocks), evicting the oldest past the bound."""
-        if prompt.length > self.max_tokens or key in self._entries or not prompt.finite:
+    def put(self, name: bytes, prompt: PrefilledPrompt) -> None:
+        if prompt.length > self.max_tokens or name in self._entries:
             return
-        self._entries[key] = PrefilledPrompt(prompt.kv.hold(), prompt.logits, prompt.rope_delta, prompt.length)
+        self._entries[name] = PromptEnd(prompt.logits, prompt.rope_delta, prompt.length)
         self._tokens += prompt.length
         while self._tokens > self.max_tokens:
-            self.evict_oldest()
-
-    def evict_oldest(self) -> bool:
-        """Drop the least recently used entry; False when there is none."""
-        if not self._entries:
-            return False
-        _, dropped = self._entries.popitem(last=False)
-        self._tokens -= dropped.length
-        dropped.kv.release()
-        return True
+            _, dropped = self._entries.popitem(last=False)
+            self._tokens -= dropped.length
 
     def clear(self) -> None:
-        while self.evict_oldest():
-            pass
+        self._entries.clear()
+        self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)

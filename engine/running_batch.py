@@ -10,7 +10,7 @@ write into (copy-on-write).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,8 +23,10 @@ from engine.prompt_cache import PrefilledPrompt
 
 class RunningBatch:
     def __init__(self, pool: BlockPool, *, attn_implementation: str | None = "sdpa",
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 on_row_done: Callable[[RowDecoder, Any, list[int], int], None] | None = None):
         self.pool = pool
+        self.on_row_done = on_row_done  # (row, job, blocks, length) of a finished row, before its blocks go back
         self.attn_implementation, self.dtype, self.device = attn_implementation, dtype, device
         self.rows: list[RowDecoder] = []
         self.jobs: list[Any] = []  # the scheduler's job of each row
@@ -94,6 +96,8 @@ class RunningBatch:
             return
         for i, row in enumerate(self.rows):
             if row.done:
+                if self.on_row_done is not None:
+                    self.on_row_done(row, self.jobs[i], self.tables[i], self.lengths[i])
                 self.pool.release(self.tables[i])
         self.rows = [self.rows[i] for i in keep]
         self.jobs = [self.jobs[i] for i in keep]
@@ -112,8 +116,8 @@ class RunningBatch:
 
     def _make_room(self) -> None:
         """Every row's next slot in a block of its own: a new block at a block's end (the step's
-        new blocks taken in one call, so they are cleared together), a private copy of a block it
-        shares (its prompt's last one)."""
+        new blocks taken in one call, so they are cleared together), a private copy of a block
+        another row holds or the cache names (its prompt's last one: a named block's K/V is final)."""
         pool, size = self.pool, self.pool.block_size
         growing = [table for table, length in zip(self.tables, self.lengths, strict=True) if length // size == len(table)]
         if growing:
@@ -121,13 +125,11 @@ class RunningBatch:
                 table.append(block)
         for table, length in zip(self.tables, self.lengths, strict=True):
             index = length // size
-            if pool.is_shared(table[index]):
-                # The prompt cache may be its other holder: when memory is short, letting the cache
-                # go first can leave the block to this row alone, with nothing to copy.
-                pool.make_free(1)
-                if not pool.is_shared(table[index]):
-                    continue
+            block = table[index]
+            if not pool.is_shared(block) and pool.is_named(block) and not pool.free:
+                pool.forget(block)  # no block to copy into: the cache loses it, the row writes in place
+            if pool.is_shared(block) or pool.is_named(block):
                 private = pool.allocate(1)[0]
-                pool.copy_block(table[index], private)
-                pool.release([table[index]])
+                pool.copy_block(block, private)
+                pool.release([block])
                 table[index] = private

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,9 +75,10 @@ from engine.encoder_cache import (
 )
 from engine.errors import InvalidRequestError
 from engine.loading import LoadedModel
-from engine.paged_kv import BlockPool, write_prompts
-from engine.prefill_plan import PrefillPlan, chunk_end, hold_joins, plan_prefill
-from engine.prompt_cache import PrefilledPrompt, PromptCache
+from engine.paged_kv import BlockPool, PagedPrompt, prefix_cache, write_prompts
+from engine.prefill_plan import PrefillPlan, chunk_end, hold_joins, plan_prefill, reusable_blocks
+from engine.prefix_hash import MediaSpan, PromptHashes, chain, prompt_hashes
+from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
 from engine.running_batch import RunningBatch
 from engine.sampling import choice_seed
@@ -90,7 +91,7 @@ class EngineStats:
 
     prefill_tokens: int = 0  # prompt tokens computed (real tokens, not padding)
     prefill_forwards: int = 0  # forwards that computed prompts (a chunk of a long prompt counts one)
-    cached_tokens: int = 0  # prompt tokens served by a shared or cached prefill
+    cached_tokens: int = 0  # prompt tokens served by cached KV blocks or a shared prefill
     decode_steps: int = 0
     decode_rows: int = 0  # sum over decode steps of the rows in them
     kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
@@ -129,6 +130,7 @@ class _Job:
     features: dict[str, torch.Tensor]
     units: list[MediaUnit]
     key: tuple
+    names: PromptHashes | None  # its prompt's block names (None: prefix caching is off)
     rows: list[RowDecoder]
     deadline: float | None
     state: str = "pending"  # pending -> admitted -> running -> done
@@ -140,10 +142,17 @@ class _Job:
     timed_out: bool = False
     abort_requested: bool = False
     peak_rows: int = 0
+    prefix: list[int] = field(default_factory=list)  # cached blocks its prefill starts from (held)
+    prefix_tokens: int = 0  # the tokens they hold
 
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def compute_len(self) -> int:
+        """The prompt tokens its prefill computes: those after its cached blocks."""
+        return self.prompt_len - self.prefix_tokens
 
 
 @dataclass
@@ -157,6 +166,7 @@ class _Chunking:
     rope_delta: int | None
     cache: Any = None
     done: int = 0  # tokens prefilled so far
+    reused: int = 0  # of them, those found in cached blocks
 
 
 StepHook = Callable[[list[RowTokens]], None]
@@ -167,16 +177,14 @@ class Scheduler:
     (:meth:`abort` may be called from elsewhere: it only sets a flag)."""
 
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *,
-                 encoder_cache: EncoderCache | None = None, prompt_cache: PromptCache | None = None,
+                 encoder_cache: EncoderCache | None = None, prompt_ends: PromptEnds | None = None,
                  pool: BlockPool | None = None, stats: EngineStats | None = None, on_step: StepHook | None = None):
         self.loaded = loaded
         self.limits = limits = limits or SchedulerLimits()
         self.encoder_cache = encoder_cache
-        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(limits.prompt_cache_tokens)
-        if pool is None:  # a scheduler of its own; an engine's schedulers share the engine's pool
-            pool = BlockPool(limits.kv_blocks, limits.kv_block_tokens)
-            pool.reclaim = self.prompt_cache.evict_oldest
-        self.pool = pool
+        self.prompt_ends = prompt_ends if prompt_ends is not None else PromptEnds(limits.prompt_cache_tokens)
+        # A scheduler of its own has its own pool; an engine's schedulers share the engine's.
+        self.pool = pool if pool is not None else BlockPool(limits.kv_blocks, limits.kv_block_tokens)
         self.stats = stats if stats is not None else EngineStats()
         self.on_step = on_step
         self._uses_encoder_outputs = supports_encoder_outputs(loaded.model)
@@ -188,8 +196,8 @@ class Scheduler:
         self._pending: list[_Job] = []
         self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
         self._chunking: _Chunking | None = None
-        self._batch = RunningBatch(pool, attn_implementation=_attn_implementation(loaded.model),
-                                   dtype=loaded.dtype, device=loaded.device)
+        self._batch = RunningBatch(self.pool, attn_implementation=_attn_implementation(loaded.model),
+                                   dtype=loaded.dtype, device=loaded.device, on_row_done=self._keep_decoded_blocks)
         self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
         self._join_waited = 0  # steps in a row that admitted prompts waited for company (hold_joins)
 
@@ -219,11 +227,15 @@ class Scheduler:
         units = _media_units(loaded, request, features)
         key = (request.cache_scope, loaded.weight_version, tuple(request.prompt_token_ids),
                tuple(unit.key for unit in units))
+        names = None
+        if self.limits.prefix_caching:
+            names = prompt_hashes(request.cache_scope, loaded.weight_version, request.prompt_token_ids,
+                                  self.pool.block_size, [MediaSpan(*unit.span, unit.key) for unit in units])
         eos = frozenset(loaded.eos_token_ids)
         rows = [RowDecoder(handle, c, request.sampling, _generator(loaded, request.sampling, c),
                            prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)
                 for c in range(request.sampling.n)]
-        job = _Job(handle, tag, request, features, units, key, rows, deadline)
+        job = _Job(handle, tag, request, features, units, key, names, rows, deadline)
         self._jobs[handle] = job
         self._pending.append(job)
         return handle
@@ -269,6 +281,7 @@ class Scheduler:
         for job in self._jobs.values():
             for row in job.rows:
                 row.abort()
+            self._drop_prefix(job)
         self._batch.drop_finished()
         self._jobs.clear()
         self._pending, self._admitted, self._chunking = [], [], None
@@ -388,13 +401,13 @@ class Scheduler:
 
     def _prefill_admitted(self) -> list[tuple[_Job, PrefilledPrompt]]:
         """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
-        plan = plan_prefill(self._admitted, self.prompt_cache.get,
+        plan = plan_prefill(self._admitted, self._find_cached,
                             budget=self.limits.prefill_chunk_tokens if self._batch else None)
         plan = self._hold_lone_joins(plan)
         taken = set(map(id, plan.taken))
         self._admitted = [job for job in self._admitted if id(job) not in taken]
         for job, _ in plan.cached:
-            self._count_shared(job)
+            self._count_cached(job, job.prompt_len)
         joined = list(plan.cached)
         if plan.chunked is not None:
             self._start_chunking(plan.chunked)
@@ -421,6 +434,56 @@ class Scheduler:
         waiting = {id(job) for jobs in plan.groups.values() for job in jobs}
         return replace(plan, groups={}, taken=[job for job in plan.taken if id(job) not in waiting])
 
+    def _find_cached(self, job: _Job) -> PrefilledPrompt | None:
+        """``job``'s prompt found whole in the pool (every block, and its last logits: it joins with
+        no forward), or None, having taken the cached blocks its prefill starts from (``prefix``)."""
+        self._drop_prefix(job)  # what it held while it waited may have grown
+        names, pool = job.names, self.pool
+        if names is None:
+            return None
+        every = [*names.full, names.tail] if names.tail is not None else list(names.full)
+        end = self.prompt_ends.get(names.last)
+        if end is not None and len(blocks := pool.cached_run(every)) == len(every):
+            pool.share(blocks)
+            prompt = PrefilledPrompt(PagedPrompt(pool, blocks, job.prompt_len), end.logits, end.rope_delta,
+                                     job.prompt_len)
+            self._step_prompts.append(prompt)
+            return prompt
+        found = pool.cached_run(names.full)
+        count = reusable_blocks(len(found), pool.block_size, job.prompt_len, [unit.span for unit in job.units])
+        job.prefix, job.prefix_tokens = found[:count], count * pool.block_size
+        pool.share(job.prefix)
+        return None
+
+    def _drop_prefix(self, job: _Job) -> None:
+        self.pool.release(job.prefix)
+        job.prefix, job.prefix_tokens = [], 0
+
+    def _keep(self, job: _Job, prompt: PrefilledPrompt) -> None:
+        """Name a computed prompt's blocks and keep its last logits, so later requests find it
+        (never a prompt whose forward went non-finite)."""
+        names = job.names
+        if names is None or not prompt.finite:
+            return
+        pool = self.pool
+        for block, name in zip(prompt.kv.blocks, [*names.full, names.tail], strict=False):
+            if name is not None:
+                pool.name(block, name)
+        self.prompt_ends.put(names.last, prompt)
+
+    def _keep_decoded_blocks(self, row: RowDecoder, job: _Job, table: list[int], length: int) -> None:
+        """A finished row's full blocks past its prompt's, named by its prompt and the tokens it
+        decoded: the next turn of an agent, which repeats them, computes none of them again."""
+        names, size = job.names, self.pool.block_size
+        if names is None or job.error is not None or length // size <= len(names.full):
+            return
+        tokens = [*job.request.prompt_token_ids, *row.token_ids][:length]
+        parent = names.full[-1] if names.full else names.root
+        first = len(names.full)
+        for block, name in zip(table[first:], chain(parent, tokens, size, [MediaSpan(*u.span, u.key) for u in job.units],
+                                                    first_block=first), strict=False):
+            self.pool.name(block, name)
+
     def _compute_prompts(self, groups: dict[tuple, list[_Job]]) -> list[tuple[_Job, PrefilledPrompt]]:
         leaders = [jobs[0] for jobs in groups.values()]
         try:
@@ -436,40 +499,64 @@ class Scheduler:
                 out += self._compute_prompts({key: jobs})
             return out
         out = []
-        for leader, prompt in zip(leaders, prefilled, strict=True):
-            self.prompt_cache.put(leader.key, prompt)
-            self.stats.prefill_tokens += prompt.length
+        for leader, (prompt, reused) in zip(leaders, prefilled, strict=True):
+            self._keep(leader, prompt)
+            self.stats.prefill_tokens += prompt.length - reused
             for i, job in enumerate(groups[leader.key]):
-                if i:
-                    self._count_shared(job)
+                self._count_cached(job, job.prompt_len if i else reused)
                 out.append((job, prompt))
         return out
 
-    def _count_shared(self, job: _Job) -> None:
-        job.cached_tokens = job.prompt_len
-        self.stats.cached_tokens += job.prompt_len
+    def _count_cached(self, job: _Job, tokens: int) -> None:
+        job.cached_tokens = tokens
+        self.stats.cached_tokens += tokens
 
-    def _prefill(self, jobs: Sequence[_Job]) -> list[PrefilledPrompt]:
-        """One padded forward over the prompts of ``jobs``: each prompt's KV, last logits, delta."""
-        batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features) for job in jobs])
-        positions, deltas = prompt_positions(self.loaded, batch)
-        units = [unit for job in jobs for unit in job.units]
-        kwargs = self._forward_inputs(batch, units)
+    def _prefill(self, jobs: Sequence[_Job]) -> list[tuple[PrefilledPrompt, int]]:
+        """One padded forward over the prompts of ``jobs``, each from the end of its cached blocks
+        (``prefix``, attended to from the pool): each prompt's KV, last logits and delta, and the
+        tokens it took from the cache. Positions and deltas are the whole prompts' (M-RoPE ones
+        continue from the cached part)."""
         loaded = self.loaded
+        batch = collate(loaded, [Row(job.request.prompt_token_ids, job.features) for job in jobs])
+        positions, deltas = prompt_positions(loaded, batch)
+        starts = [job.prefix_tokens for job in jobs]
+        units = [unit for job, start in zip(jobs, starts, strict=True) for unit in job.units if unit.span[0] >= start]
+        past = {}
+        if any(starts):
+            # The rest of each prompt, right-aligned after its cached blocks (left-padded to the
+            # longest): [padding | cached prefix][padding | rest]; the mask hides both paddings.
+            rest = collate(loaded, [Row(job.request.prompt_token_ids[start:],
+                                        job.features if any(u.span[0] >= start for u in job.units) else {})
+                                    for job, start in zip(jobs, starts, strict=True)])
+            width = max(starts)
+            cached_mask = torch.tensor([[0] * (width - start) + [1] * start for start in starts],
+                                       dtype=rest["attention_mask"].dtype, device=loaded.device)
+            rest["attention_mask"] = torch.cat([cached_mask, rest["attention_mask"]], dim=1)
+            positions = positions[..., -rest["input_ids"].shape[1]:]
+            past["cache"] = prefix_cache(self.pool, [job.prefix for job in jobs], dtype=loaded.dtype)
+            batch = rest
+        kwargs = self._forward_inputs(batch, units)
         with loaded.lock, torch.inference_mode():
-            out = loaded.model(**kwargs, position_ids=positions, use_cache=True, logits_to_keep=1)
+            out = loaded.model(**kwargs, **past, position_ids=positions, use_cache=True, logits_to_keep=1)
         self.stats.prefill_forwards += 1
-        kvs = write_prompts(self.pool, _cache_of(out), batch["attention_mask"])
+        prefixes = [job.prefix for job in jobs]
+        for job in jobs:  # the prompts written take over these references (or give them back)
+            job.prefix, job.prefix_tokens = [], 0
+        kvs = write_prompts(self.pool, _cache_of(out), [job.prompt_len for job in jobs], prefixes)
         logits = out.logits[:, -1].float()
         prompts = [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
                    for i, kv in enumerate(kvs)]
         self._step_prompts += prompts
-        return prompts
+        return list(zip(prompts, starts, strict=True))
 
     def _start_chunking(self, job: _Job) -> None:
         batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features)])
         positions, deltas = prompt_positions(self.loaded, batch)
-        self._chunking = _Chunking(job.key, job, batch, positions, None if deltas is None else int(deltas[0]))
+        state = _Chunking(job.key, job, batch, positions, None if deltas is None else int(deltas[0]))
+        if job.prefix:
+            state.cache = prefix_cache(self.pool, [job.prefix], dtype=self.loaded.dtype)
+            state.done = state.reused = job.prefix_tokens
+        self._chunking = state
 
     def _prefill_chunk(self) -> list[tuple[_Job, PrefilledPrompt]]:
         """The next chunk of the long prompt being prefilled; the prompt once its last chunk ran."""
@@ -506,15 +593,18 @@ class Scheduler:
         if end < length:
             return []
         self._chunking = None
+        prefix = job.prefix
+        job.prefix, job.prefix_tokens = [], 0  # the prompt written takes over these references
         try:
-            kv = write_prompts(self.pool, state.cache, state.batch["attention_mask"])[0]
+            kv = write_prompts(self.pool, state.cache, [length], [prefix])[0]
         except Exception as error:
             self._fail(job, error)
             return []
         prompt = PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
         self._step_prompts.append(prompt)
-        self.prompt_cache.put(job.key, prompt)
-        self.stats.prefill_tokens += length
+        self._keep(job, prompt)
+        self.stats.prefill_tokens += length - state.reused
+        self._count_cached(job, state.reused)
         return [(job, prompt)]
 
     def _forward_inputs(self, batch: dict[str, torch.Tensor], units: Sequence[MediaUnit]) -> dict[str, Any]:
@@ -540,6 +630,7 @@ class Scheduler:
             if not all(row.done for row in job.rows):
                 continue
             del self._jobs[handle]
+            self._drop_prefix(job)
             if job in self._pending:
                 self._pending.remove(job)
             if job in self._admitted:

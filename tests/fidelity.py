@@ -180,9 +180,9 @@ def assert_top_logprobs(top: Sequence[Sequence], reference: Reference, prompt, c
 
 
 def poison_free_blocks(engine) -> None:
-    """NaN in every block of ``engine``'s KV pool that nothing holds (after dropping its cached
-    prompts): what a request whose forward overflowed leaves behind."""
-    engine.prompt_cache.clear()
+    """NaN in every block of ``engine``'s KV pool (after dropping what it caches, which nothing
+    holds between requests): what a request whose forward overflowed leaves behind."""
+    engine.forget_cached()
     pool = engine.kv_pool
     assert pool.in_use == 0 and pool.keys, "poison a materialized pool between requests"
     for layer in (*pool.keys, *pool.values):

@@ -8,6 +8,8 @@ The routes that carry these numbers to clients are checked in ``tests/e2e/test_f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.capacity import SchedulerLimits
@@ -147,3 +149,41 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_amid_churn(registered,
     assert_close(churned.logprobs, alone.logprobs, f"{registered} {modality} seeded logprobs amid churn")
     assert_close(churned.logprobs, reference.token_logprobs(prompt.token_ids, churned.token_ids, prompt.items),
                  f"{registered} {modality} seeded logprobs amid churn vs the forward")
+
+
+@pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
+def test_a_cached_prefix_gives_the_models_own_logprobs(registered, modality, arch_setup):
+    """Prefix reuse (engine/prefix_hash.py): a request whose first KV blocks were computed by an
+    earlier one (its prefill, and the tokens it decoded) gives the model's own numbers, media in the
+    cached part (a next turn after an image) or after it (media behind a cached text prefix)."""
+    engine, processor, reference = arch_setup(registered)
+    engine.forget_cached()
+    size = engine.kv_pool.block_size
+    tokens = processor.tokenizer
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True, top_logprobs=TOP)
+
+    # A next turn: the prompt, its completion, then more text. Its cached part holds the media.
+    prompt = make_prompt(processor, modality, text="What colour is it?")
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    [first] = engine.generate([GenerationRequest(prompt.token_ids, greedy, items=prompt.items)])[0].choices
+    turn = [*prompt.token_ids, *first.token_ids, *tokens(" Then say it again, slowly.", add_special_tokens=False)["input_ids"]]
+    second = engine.generate([GenerationRequest(turn, params, items=prompt.items)])[0]
+    assert second.cached_tokens == (len(prompt.token_ids) + len(first.token_ids) - 1) // size * size > 0
+    [choice] = second.choices
+    assert_close(choice.logprobs, reference.token_logprobs(turn, choice.token_ids, prompt.items),
+                 f"{registered} {modality} next turn after a cached prefix")
+    assert_top_logprobs(choice.top_logprobs, reference, turn, choice.token_ids, prompt.items, TOP,
+                        f"{registered} {modality} next turn top logprobs")
+
+    # Media after a cached text prefix: the part computed holds all of it, positions continued.
+    system = tokens("You are a careful assistant. Look closely and answer in one short sentence. " * 2,
+                    add_special_tokens=False)["input_ids"]
+    engine.generate([GenerationRequest(system, dataclasses.replace(greedy, max_tokens=1))])
+    shifted = [dataclasses.replace(item, offset=(item.offset[0] + len(system), item.offset[1] + len(system)))
+               for item in prompt.items]
+    full = [*system, *prompt.token_ids]
+    after = engine.generate([GenerationRequest(full, params, items=shifted)])[0]
+    assert after.cached_tokens == len(system) // size * size > 0
+    [choice] = after.choices
+    assert_close(choice.logprobs, reference.token_logprobs(full, choice.token_ids, shifted),
+                 f"{registered} {modality} media after a cached text prefix")

@@ -9,7 +9,15 @@ import torch
 from transformers import DynamicCache
 
 from engine.errors import KVPoolExhausted
-from engine.paged_kv import NULL_BLOCK, BlockPool, PagedStep, decode_mask, write_prompts
+from engine.paged_kv import (
+    NULL_BLOCK,
+    BlockPool,
+    PagedStep,
+    decode_mask,
+    flat_slots,
+    prefix_cache,
+    write_prompts,
+)
 
 HEADS, DIM, LAYERS = 2, 4, 2
 
@@ -28,7 +36,7 @@ def prefill(lengths: list[int]) -> tuple[DynamicCache, torch.Tensor, list[list[t
 def test_prompts_are_written_without_padding_and_read_back_with_each_new_token():
     pool = BlockPool(capacity=8, block_size=4)
     cache, mask, keys = prefill([3, 6])
-    short, long = write_prompts(pool, cache, mask)
+    short, long = write_prompts(pool, cache, mask.sum(-1).tolist())
     assert (short.length, len(short.blocks)) == (3, 1) and (long.length, len(long.blocks)) == (6, 2)
     assert pool.in_use == 3
     # One decode step: each row writes its new token into the slot after its prompt.
@@ -48,8 +56,8 @@ def test_prompts_are_written_without_padding_and_read_back_with_each_new_token()
 def test_blocks_are_counted_shared_and_given_back():
     pool = BlockPool(capacity=3, block_size=4)
     cache, mask, _ = prefill([5])
-    (prompt,) = write_prompts(pool, cache, mask)
-    kept = prompt.hold()  # the prompt cache's reference
+    (prompt,) = write_prompts(pool, cache, mask.sum(-1).tolist())
+    kept = prompt.hold()  # a second holder (another row)
     assert pool.in_use == 2 and all(pool.is_shared(b) for b in prompt.blocks)
     prompt.release()
     assert pool.in_use == 2 and not pool.is_shared(kept.blocks[0])
@@ -57,18 +65,78 @@ def test_blocks_are_counted_shared_and_given_back():
     with pytest.raises(KVPoolExhausted) as info:
         pool.allocate(1)
     assert info.value.http_status == 422 and info.value.errors == {"kv_blocks_free": 0, "kv_blocks": 3}
-    # An evictable holder gives its blocks back when the pool runs short.
-    pool.reclaim = lambda: bool(kept.blocks) and (kept.release() or True)
-    assert len(pool.allocate(2)) == 2 and pool.in_use == 3
+    kept.release()
     pool.release([extra])
-    assert pool.free == 1
+    assert pool.free == 3 and pool.in_use == 0
+
+
+def test_named_free_blocks_stay_findable_until_the_pool_needs_them_least_recently_used_first():
+    pool = BlockPool(capacity=4, block_size=4)
+    a, b, c = pool.allocate(3)
+    for block, name in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.name(block, name)
+    pool.release([b])
+    pool.release([a])  # b was let go first: it goes first
+    pool.release([c])
+    assert pool.free == 4 and pool.cached == 3 and pool.cached_run([b"a", b"b", b"c"]) == [a, b, c]
+    pool.share([a])  # a hit takes a cached block out of the free queue
+    assert pool.free == 3
+    [fresh] = pool.allocate(1)  # an unnamed free block goes out before any cached one
+    assert fresh not in (a, b, c) and pool.cached == 3
+    [evicted] = pool.allocate(1)
+    assert evicted == b and pool.cached_run([b"b"]) == [] and pool.cached_run([b"a", b"b"]) == [a]
+    pool.release([a])
+    pool.forget_names()  # new weights: nothing is found again
+    assert pool.cached == 0 and pool.cached_run([b"a"]) == []
+
+
+def test_a_name_keeps_its_first_block_and_the_null_block_is_never_named():
+    pool = BlockPool(capacity=3, block_size=4)
+    first, second = pool.allocate(2)
+    pool.name(first, b"x")
+    pool.name(second, b"x")  # the same K/V computed twice: the first stays the one found
+    pool.name(NULL_BLOCK, b"y")
+    assert pool.cached_run([b"x"]) == [first] and pool.cached_run([b"y"]) == [] and not pool.is_named(second)
+
+
+def test_blocks_are_handed_out_cleared_whatever_their_last_holder_left():
+    pool = BlockPool(capacity=2, block_size=4)
+    cache, mask, _ = prefill([3])
+    (prompt,) = write_prompts(pool, cache, mask.sum(-1).tolist())
+    for layer in (*pool.keys, *pool.values):
+        layer[:, prompt.blocks] = float("nan")
+    prompt.release()
+    blocks = pool.allocate(2)
+    for layer in (*pool.keys, *pool.values):
+        assert torch.equal(layer[:, blocks], torch.zeros_like(layer[:, blocks]))
+
+
+def test_a_prompt_written_after_cached_blocks_holds_them_and_its_own_and_a_prefix_is_gathered_back():
+    pool = BlockPool(capacity=8, block_size=4)
+    cache, mask, keys = prefill([9])
+    (whole,) = write_prompts(pool, cache, [9])
+    prefix = whole.blocks[:2]  # 8 tokens in two full blocks, found cached by a later request
+    pool.share(prefix)
+    gathered = prefix_cache(pool, [prefix, []], dtype=torch.float32)
+    for layer in range(LAYERS):
+        assert gathered.layers[layer].keys.shape == (2, HEADS, 8, DIM)
+        assert torch.equal(gathered.layers[layer].keys[0], keys[0][layer][:, :8])
+        assert torch.equal(gathered.layers[layer].keys[1], torch.zeros(HEADS, 8, DIM))  # no prefix: the null block
+    # The rest (here one token, the last of a 9-token row's cache) goes into a block of its own.
+    (extended,) = write_prompts(pool, cache, [9], [prefix])
+    assert extended.blocks[:2] == prefix and len(extended.blocks) == 3 and extended.length == 9
+    slot = pool.slots(extended.blocks, 8, 9, device="cpu")
+    assert torch.equal(flat_slots(pool.keys[0])[:, slot], keys[0][0][:, 8:])
+    whole.release()
+    extended.release()
+    assert pool.in_use == 0
 
 
 def test_a_failed_write_gives_back_what_it_took():
     pool = BlockPool(capacity=2, block_size=4)
     cache, mask, _ = prefill([4, 8])  # 1 + 2 blocks: the second does not fit
     with pytest.raises(KVPoolExhausted):
-        write_prompts(pool, cache, mask)
+        write_prompts(pool, cache, mask.sum(-1).tolist())
     assert pool.in_use == 0
 
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.decoding import RowDecoder
 from engine.paged_kv import BlockPool, PagedPrompt
-from engine.prompt_cache import PrefilledPrompt, PromptCache
+from engine.prompt_cache import PrefilledPrompt
 from engine.running_batch import RunningBatch
 from engine.sampling_params import SamplingParams
 
@@ -68,21 +68,48 @@ def test_a_decode_step_feeds_each_rows_last_token_at_its_next_position_into_its_
 
 def test_samples_share_their_prompt_and_copy_only_the_partial_block_they_write():
     pool = BlockPool(16, SIZE)
-    cache = PromptCache(max_tokens=100)
     batch = RunningBatch(pool)
     shared = prompt(pool, 6)  # one full block and a partial one
-    cache.put("p", shared)
+    full, partial = shared.kv.blocks
+    pool.name(full, b"full")
+    pool.name(partial, b"tail")  # as the scheduler names a prompt's blocks for later requests
     job = SimpleNamespace(prompt_len=6)
     join(batch, [shared] * 3, [1, 2, 3], job=job)
-    full, partial = shared.kv.blocks
     shared.kv.release()
-    assert pool.in_use == 2  # three samples and the cache hold the prompt once
+    assert pool.in_use == 2  # three samples hold the prompt once
     batch.decode_inputs()
     assert [t[0] for t in batch.tables] == [full] * 3  # the full block stays shared
     assert len({t[1] for t in batch.tables}) == 3 and partial not in {t[1] for t in batch.tables}
     assert torch.equal(pool.keys[0][:, batch.tables[0][1]], pool.keys[0][:, partial])  # a copy, then its own writes
-    assert pool.in_use == 5  # the cache still holds the original partial block
+    # The named partial block is never written: free now, and still found by its name.
+    assert pool.in_use == 4 and pool.cached_run([b"full", b"tail"]) == [full, partial]
     assert [f.shared_blocks for f in batch.futures()] == [1, 1, 1] and len({f.group for f in batch.futures()}) == 1
+
+
+def test_a_row_alone_on_a_named_block_writes_in_place_when_no_block_is_free():
+    pool = BlockPool(2, SIZE)
+    batch = RunningBatch(pool)
+    only = prompt(pool, 6)
+    full, partial = only.kv.blocks
+    pool.name(partial, b"tail")
+    join(batch, [only], [1])
+    only.kv.release()
+    batch.decode_inputs()  # nothing free to copy into: the cache gives the block up
+    assert batch.tables == [[full, partial]] and not pool.is_named(partial) and pool.in_use == 2
+
+
+def test_a_finished_row_is_shown_before_its_blocks_go_back():
+    pool = BlockPool(16, SIZE)
+    seen = []
+    batch = RunningBatch(pool, on_row_done=lambda row, job, blocks, length: seen.append(
+        (job.prompt_len, list(blocks), length, pool.in_use)))
+    done = prompt(pool, 5)
+    blocks = list(done.kv.blocks)
+    [finished] = join(batch, [done], [1])
+    done.kv.release()
+    finished.abort()
+    batch.drop_finished()
+    assert seen == [(5, blocks, 5, 2)] and pool.in_use == 0
 
 
 def test_finished_rows_give_their_blocks_back_at_once():

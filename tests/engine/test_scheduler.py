@@ -228,9 +228,14 @@ def test_a_prompt_group_is_prefilled_once_and_reports_cached_tokens(models):
     late = engine.generate([model.request("Describe the image.", sampled(seed=77), image)])[0]
     assert late.cached_tokens == length and engine.stats.prefill_tokens == 2 * length + len(n3.prompt_token_ids)
     assert_same_row(model.engine().generate([model.request("Describe the image.", sampled(seed=77), image)])[0], late)
-    without_lru = model.engine(prompt_cache_tokens=0)
-    without_lru.generate([group[0]])
-    assert without_lru.generate([group[1]])[0].cached_tokens == 0
+    # Without its last logits kept, a later member computes only what follows its full cached blocks.
+    without_ends = model.engine(prompt_cache_tokens=0)
+    without_ends.generate([group[0]])
+    assert without_ends.generate([group[1]])[0].cached_tokens == (length - 1) // 16 * 16
+    assert without_ends.stats.prefill_tokens == length + length - (length - 1) // 16 * 16
+    without_reuse = model.engine(prefix_caching=False)
+    without_reuse.generate([group[0]])
+    assert without_reuse.generate([group[1]])[0].cached_tokens == 0
 
 
 def test_prompts_are_shared_only_within_one_cache_scope(models):
