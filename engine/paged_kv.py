@@ -122,7 +122,10 @@ class BlockPool:
             self._refs[block] += 1
 
     def release(self, blocks: Sequence[int]) -> None:
-        for block in blocks:
+        """One reference less to each of ``blocks`` (a row's, in token order). They are freed last
+        block first, so a prompt's deepest cached blocks are evicted before the ones it starts
+        with, which more requests share (vLLM frees a request's blocks in reverse too)."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free[block] = None

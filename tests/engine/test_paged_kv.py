@@ -90,6 +90,16 @@ def test_named_free_blocks_stay_findable_until_the_pool_needs_them_least_recentl
     assert pool.cached == 0 and pool.cached_run([b"a"]) == []
 
 
+def test_a_rows_blocks_are_evicted_deepest_first_so_its_shared_start_stays_longest():
+    pool = BlockPool(capacity=3, block_size=4)
+    row = pool.allocate(3)
+    for index, block in enumerate(row):
+        pool.name(block, bytes([index]))
+    pool.release(row)  # in token order, as a finished row gives its table back
+    pool.allocate(1)
+    assert pool.cached_run([b"\x00", b"\x01", b"\x02"]) == row[:2]
+
+
 def test_a_name_keeps_its_first_block_and_the_null_block_is_never_named():
     pool = BlockPool(capacity=3, block_size=4)
     first, second = pool.allocate(2)
