@@ -56,3 +56,11 @@ class Prompts:
 
     def image_prompt(self, text: str, features) -> list[int]:
         return self.text("User: ") + self.image_tokens(features) + self.text(text)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``models(arch)``: a tiny real model of ``arch`` ("text" for a text-only one), built once per module."""
+    from tests.engine.scheduler_models import model_builder
+
+    return model_builder(tmp_path_factory)

@@ -10,7 +10,7 @@ import pytest
 
 from engine.generation import GenerationRequest
 from engine.prefix_hash import MediaSpan, prompt_hashes, root_hash
-from tests.engine.test_scheduler import assert_same_row, models, sampled  # noqa: F401 (models: a fixture)
+from tests.engine.test_scheduler import assert_same_row, sampled
 
 SIZE = 16
 
