@@ -190,6 +190,8 @@ class JobRequestSchema(Schema):
     sampling_params = fields.Nested(SamplingParamsSchema, load_default=_default_sampling_params)
     completion_token_ids = TokenIds(metadata={"description": "kind=score: the tokens to score"})
     request_id = fields.String(validate=validate.Length(min=1, max=256))
+    cache_salt = fields.String(validate=validate.Length(min=1, max=256), metadata={
+        "description": "KV blocks are reused only between requests of the same key and the same salt"})
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
 

@@ -138,6 +138,8 @@ class Settings:
     join_ratio: float = 0.5
     join_wait_steps: int = 4
     prompt_cache_tokens: int = 4096
+    # KV blocks found again by name across requests, turns and prompt groups (engine/prefix_hash.py).
+    prefix_caching: bool = True
     encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
     # The GPU worker's load-time fidelity check (engine/fidelity.py): before it takes work, its

@@ -89,7 +89,8 @@ def test_mixed_file_runs_valid_lines_and_writes_openai_results(client):
     assert body["object"] == "chat.completion" and body["model"] == model
     assert body["choices"][0]["message"]["content"] == "hi" and body["choices"][0]["finish_reason"] == "length"
     assert [t["logprob"] for t in body["choices"][0]["logprobs"]["content"]] == [-0.5, -0.25]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
     errors = {entry["custom_id"]: entry for entry in content(client, done["error_file_id"])}
     assert set(errors) == {"cmpl", "bad-body", None, "get", "other-model", "native-line", "chat-2", "embed"}

@@ -51,6 +51,23 @@ def job_error(job: dict) -> RolloutError:
     return RolloutError.from_record(job.get("error") or {})
 
 
+def usage(*results) -> dict[str, Any]:
+    """OpenAI's ``usage`` of jobs' results (``workers.jobs.results.JobResult``), with the prompt
+    tokens their KV came from cache for (``prompt_tokens_details.cached_tokens``, as OpenAI and
+    vLLM name it)."""
+    prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in results)}}
+
+
+def carry_request_fields(body: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
+    """``native`` with the dialect body's request id and cache salt, which mean what they mean natively."""
+    for name in ("request_id", "cache_salt"):
+        if body.get(name):
+            native[name] = body[name]
+    return native
+
+
 def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
                    vocab_size: int | None = None, tokenized: bool = False) -> dict[str, Any]:
     """``body`` (native field names) validated and defaulted by the native schema, its token ids

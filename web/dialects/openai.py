@@ -23,12 +23,14 @@ from engine.errors import InvalidRequestError, NotFoundError
 from web.dialects import chat_template
 from web.dialects.common import (
     TokenTexts,
+    carry_request_fields,
     media_url,
     native_request,
     prompt_logprobs_of,
     served_model_name,
     token_ids_of,
     tokenizer,
+    usage,
     vocab_size,
 )
 from web.dialects.fields import (
@@ -82,7 +84,8 @@ class _Common(_Knobs):
     return_token_ids = StrictBoolean()
     return_tokens_as_token_ids = StrictBoolean()
     request_id = fields.String(validate=validate.Length(1, 256))
-    cache_salt = fields.String(metadata={"description": "Accepted: no prompt cache is shared between keys"})
+    cache_salt = fields.String(validate=validate.Length(1, 256), metadata={
+        "description": "KV blocks are reused only between requests of the same key and the same salt"})
     add_special_tokens = StrictBoolean()
     suffix = fields.Raw()
     logit_bias = fields.Raw()
@@ -182,9 +185,7 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
             params["top_logprobs"] = k
         if body.get("echo") and k is not None:
             params.setdefault("prompt_logprobs", k)
-        native: dict[str, Any] = {"token_ids": ids, "sampling_params": params}
-        if body.get("request_id"):
-            native["request_id"] = body["request_id"]
+        native = carry_request_fields(body, {"token_ids": ids, "sampling_params": params})
         names = {f"sampling_params.{n}": n for n in params} | _NAMES
         if batch:
             names["token_ids"] = f"prompt[{i}]"
@@ -196,17 +197,16 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
     texts = TokenTexts()
     spell = _speller(texts, body.get("return_tokens_as_token_ids", False))
     prompts, _ = prompts_of(body["prompt"])
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, results = [], []
     for i, (request, job) in enumerate(zip(requests, jobs, strict=True)):
         n = request["sampling_params"]["n"]
         result = JobResult.of(job, n=n)
+        results.append(result)
         prompt_ids = result.prompt_token_ids or request["token_ids"]
-        prompt_tokens += len(prompt_ids)
         echo_text = ""
         if body.get("echo"):
             echo_text = prompts[i] if isinstance(prompts[i], str) else tokenizer().decode(prompt_ids)
         for choice in result.choices:
-            completion_tokens += len(choice.token_ids)
             entry = {"index": i * n + choice.index, "text": echo_text + (choice.text or ""),
                      "logprobs": completion_logprobs(choice, result, prompt_ids, body, spell)
                      if body.get("logprobs") is not None else None,
@@ -217,9 +217,7 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
                 entry["prompt_logprobs"] = prompt_logprobs_of(result, texts)
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
-            "model": served_model_name(), "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "model": served_model_name(), "choices": choices, "usage": usage(*results),
             "system_fingerprint": JobResult.of(jobs[0]).weight_version}
 
 
@@ -308,8 +306,7 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
     native: dict[str, Any] = {"token_ids": ids, "sampling_params": params}
     if prompt.parts:
         native["content_parts"] = prompt.parts
-    if body.get("request_id"):
-        native["request_id"] = body["request_id"]
+    carry_request_fields(body, native)
     names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
                                                             "content_parts": "messages", "token_ids": "messages"}
     return native_request(native, names, vocab_size=vocab_size(), tokenized=True)
@@ -386,8 +383,7 @@ def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> 
         choices.append(entry)
     reply = {"id": "chatcmpl-" + job["id"].removeprefix("job_"), "object": "chat.completion", "created": created,
              "model": served_model_name(), "choices": choices,
-             "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                       "total_tokens": result.prompt_tokens + result.completion_tokens},
+             "usage": usage(result),
              "system_fingerprint": result.weight_version}
     if body.get("return_token_ids"):
         reply["prompt_token_ids"] = result.prompt_token_ids or request["token_ids"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.errors import RolloutError
 from web.dialects import openai, vllm
-from web.dialects.common import TokenTexts, served_model_name
+from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
 from web.streams import sse
 from workers.jobs.follow import ChoiceDelta, TokenLedger
@@ -33,9 +33,7 @@ def _error(error: RolloutError) -> bytes:
 
 
 def _usage(jobs: list[dict]) -> dict:
-    results = [JobResult.of(job) for job in jobs]
-    prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage(*(JobResult.of(job) for job in jobs))
 
 
 class _OpenAIChunks:
@@ -178,7 +176,7 @@ class GenerateChunks:
                       for i in range(self.request["sampling_params"]["n"])]
         return [sse({"request_id": self.body.get("request_id") or job["id"],
                      "choices": [self._choice(delta) for delta in finals],
-                     "usage": vllm.usage(result), "job_id": job["id"], "weight_version": result.weight_version})]
+                     "usage": usage(result), "job_id": job["id"], "weight_version": result.weight_version})]
 
     def end(self, jobs: list[dict]) -> list[bytes]:
         return []

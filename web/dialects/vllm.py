@@ -22,7 +22,14 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.request_rules import prompt_input_problem
-from web.dialects.common import TokenTexts, native_request, prompt_logprobs_of, vocab_size
+from web.dialects.common import (
+    TokenTexts,
+    carry_request_fields,
+    native_request,
+    prompt_logprobs_of,
+    usage,
+    vocab_size,
+)
 from web.dialects.fields import NullMeansDefault, StreamOptionsSchema, refuse_non_default
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
@@ -81,7 +88,8 @@ class GenerateRequestSchema(NullMeansDefault):
     model = fields.String()
     stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
     stream_options = fields.Nested(StreamOptionsSchema)
-    cache_salt = fields.String(metadata={"description": "Accepted: no prompt cache is shared between keys"})
+    cache_salt = fields.String(validate=validate.Length(1, 256), metadata={
+        "description": "KV blocks are reused only between requests of the same key and the same salt"})
     priority = fields.Integer(strict=True)
     kv_transfer_params = fields.Raw()
 
@@ -105,8 +113,7 @@ def generate_request(body: dict[str, Any]) -> dict[str, Any]:
     parts = (body.get("features") or {}).get("content_parts") or body.get("content_parts")
     if parts:
         native["content_parts"] = parts
-    if body.get("request_id"):
-        native["request_id"] = body["request_id"]
+    carry_request_fields(body, native)
     names = {f"sampling_params.{n}": f"sampling_params.{n}" for n in params}
     names["sampling_params.top_logprobs"] = "sampling_params.logprobs"
     return native_request(native, names, vocab_size=vocab_size())
@@ -125,11 +132,6 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
             "prompt_token_ids": result.prompt_token_ids,
             "prompt_logprobs": prompt_logprobs_of(result, texts), "usage": usage(result),
             "job_id": job["id"], "weight_version": result.weight_version}
-
-
-def usage(result: JobResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
 
 
 def token_logprobs(choice: Choice, k: int) -> list[dict]:

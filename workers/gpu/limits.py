@@ -13,4 +13,5 @@ def scheduler_limits(settings: Settings):
                            prefill_chunk_tokens=settings.prefill_chunk_tokens,
                            join_ratio=settings.join_ratio, join_wait_steps=settings.join_wait_steps,
                            prompt_cache_tokens=settings.prompt_cache_tokens,
+                           prefix_caching=settings.prefix_caching,
                            encoder_cache_bytes=settings.encoder_cache_bytes)

@@ -164,9 +164,10 @@ class GenerateSession:
         attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
         for (job, prompt), attempt in zip(generating, attempts, strict=True):
             try:
+                stored = JobRequest.from_dict(job["request"])
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                                            sampling=JobRequest.from_dict(job["request"]).sampling,
-                                            enqueued_at=job["created_at"], cache_scope=job["owner"])
+                                            sampling=stored.sampling, enqueued_at=job["created_at"],
+                                            cache_scope=stored.cache_scope(job["owner"]))
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 fail_job(rt, job["id"], _job_error(job, error))

@@ -32,6 +32,7 @@ class JobRequest:
     features: list[dict[str, Any]] | None = None
     completion_token_ids: list[int] | None = None  # kind "score": the tokens to score
     request_id: str | None = None
+    cache_salt: str | None = None  # KV reuse only among requests of the same key and salt
     webhook: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     # The validated dict this was built from, as the job record stores it.
@@ -49,11 +50,16 @@ class JobRequest:
             token_ids=record.get("token_ids"), prompt=record.get("prompt"),
             content_parts=record.get("content_parts") or [], features=record.get("features"),
             completion_token_ids=record.get("completion_token_ids"), request_id=record.get("request_id"),
-            webhook=record.get("webhook"), metadata=record.get("metadata"), record=record,
+            cache_salt=record.get("cache_salt"), webhook=record.get("webhook"), metadata=record.get("metadata"), record=record,
         )
 
     def to_record(self) -> dict[str, Any]:
         return self.record
+
+    def cache_scope(self, owner: str) -> str:
+        """Whose KV blocks this request may reuse (``engine.prefix_hash``): its key's, and among
+        them only those of requests with the same ``cache_salt`` (vLLM's and SGLang's meaning)."""
+        return owner if self.cache_salt is None else f"{owner}\x1fsalt:{self.cache_salt}"
 
     @property
     def has_media(self) -> bool:
