@@ -49,12 +49,13 @@ def build_result(loaded: LoadedModel, job: Any) -> GenerationResult:
 def prompt_logprobs(loaded: LoadedModel, request, features) -> dict[str, Any]:
     """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring."""
     length, k = len(request.prompt_token_ids), request.sampling.prompt_logprobs
-    # The first prompt token has no logprob; a one-token prompt scores nothing (keep a row anyway).
-    [(logprobs, top)] = teacher_forced(loaded, [Row(request.prompt_token_ids, features)], [max(length - 1, 1)],
-                                       top_k=k)
-    logprobs = logprobs[-(length - 1):] if length > 1 else []
-    entry: dict[str, Any] = {"prompt_logprobs": [None, *logprobs]}
+    entry: dict[str, Any] = {"prompt_logprobs": [None]}  # the first prompt token has no logprob
     if k:
-        top = top[-(length - 1):] if length > 1 else []
-        entry["prompt_top_logprobs"] = [None, *[step[:k] for step in top]]
+        entry["prompt_top_logprobs"] = [None]
+    if length == 1:  # nothing to score: no forward
+        return entry
+    [(logprobs, top)] = teacher_forced(loaded, [Row(request.prompt_token_ids, features)], [length - 1], top_k=k)
+    entry["prompt_logprobs"] += logprobs[-(length - 1):]
+    if k:
+        entry["prompt_top_logprobs"] += [step[:k] for step in top[-(length - 1):]]
     return entry

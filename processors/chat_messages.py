@@ -53,7 +53,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict]
         converted = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, Mapping) else None
-            url = _media_url(part) if kind in _MEDIA_PARTS else None
+            url = _media_url(part) if isinstance(kind, str) and kind in _MEDIA_PARTS else None
             if kind == "text" and isinstance(part.get("text"), str):
                 converted.append({"type": "text", "text": part["text"]})
             elif url is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.capacity import check_capacity
-from engine.errors import InvalidRequestError, RolloutError, check_token_ids
+from engine.errors import InvalidRequestError, PlaceholderMismatchError, RolloutError, check_token_ids
 from engine.request_rules import (
     check_context,
     check_media_count,
@@ -38,6 +38,7 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
     if problems := sampling_knob_problems(params):  # again, now that max_tokens has its default
         raise InvalidRequestError("invalid sampling parameters", errors={
             "sampling_params": {field: [problem] for field, problem in problems.items()}})
+    check_placeholders_have_media(request, svc.model_facts.placeholder_token_ids)
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).
     check_context(prompt_len, new_tokens_of(request.get("kind", "generate"), params["max_tokens"],
@@ -46,6 +47,20 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
         # Image placeholders are expanded later; a prompt that can never fit is refused now.
         check_capacity(scheduler_limits(settings), prompt_len, params["max_tokens"], params.get("n", 1))
     return request
+
+
+def check_placeholders_have_media(request: dict[str, Any], placeholder_ids: frozenset[int]) -> None:
+    """A token prompt holding media placeholder ids must come with media (``content_parts`` or
+    ``features``): a sampled ``<|image_pad|>`` fed back in an agent's next turn without its image
+    would fail in the GPU worker (the model's rope index), so it is refused before queueing."""
+    token_ids = request.get("token_ids")
+    if not token_ids or not placeholder_ids or request.get("content_parts") or request.get("features"):
+        return
+    if not placeholder_ids.isdisjoint(token_ids):  # one C pass: a batch file checks thousands of lines
+        count = sum(1 for t in token_ids if t in placeholder_ids)
+        raise PlaceholderMismatchError(
+            f"token_ids hold {count} media placeholder ids but the request carries no media; give the media "
+            "(content_parts or features) or drop the placeholders", placeholders=count, items=0)
 
 
 def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:

@@ -39,6 +39,9 @@ class ModelFacts:
     media_token_ids: frozenset[int]
     # The token that stands for an image (the processor's ``image_token_id``); None without images.
     image_token_id: int | None = None
+    # The ids that stand for one media item's slots (image, video and audio placeholders): a prompt
+    # holding one needs that item's media.
+    placeholder_token_ids: frozenset[int] = frozenset()
 
     def is_plain_text(self, token_ids: list[int]) -> bool:
         """True when these ids need no preprocessing: in the vocabulary and no media tokens."""
@@ -52,6 +55,11 @@ _MEDIA_TOKEN_ATTRS = ("image_token_id", "video_token_id", "vision_start_token_id
                       "video_token_index", "audio_token_index", "audio_start_token_id", "audio_end_token_id")
 
 
+# The placeholder ids among them, as the engine names them (engine/loading.py's _media_token_ids).
+_PLACEHOLDER_ATTRS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                      "audio_token_id", "audio_token_index")
+
+
 def model_facts(model_path: str) -> ModelFacts:
     from transformers import AutoConfig
 
@@ -61,5 +69,7 @@ def model_facts(model_path: str) -> ModelFacts:
              if isinstance(getattr(c, name, None), int)}
     image = next((getattr(c, name) for name in ("image_token_id", "image_token_index") for c in (config, text_config)
                   if isinstance(getattr(c, name, None), int)), None)
+    placeholders = {getattr(c, name) for c in (config, text_config) for name in _PLACEHOLDER_ATTRS
+                    if isinstance(getattr(c, name, None), int)}
     return ModelFacts(getattr(text_config, "max_position_embeddings", None), getattr(text_config, "vocab_size", None),
-                      frozenset(media), image)
+                      frozenset(media), image, frozenset(placeholders))

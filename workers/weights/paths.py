@@ -44,6 +44,10 @@ def resolve_weights_dir(model_path: str, root: Path | None) -> Path:
     if not resolved.is_relative_to(real_root):
         raise WeightsPathError("model_path is outside ROLLOUT_WEIGHTS_ROOT",
                                errors={"model_path": ["outside the weights root"]})
-    if not resolved.is_dir():
+    try:
+        is_dir = resolved.is_dir()
+    except OSError:  # a name past the file system's limits (ENAMETOOLONG), a loop: no directory
+        is_dir = False
+    if not is_dir:
         raise WeightsPathError("model_path is not a directory", errors={"model_path": ["not a directory"]})
     return resolved
