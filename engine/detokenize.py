@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+# A window of open tokens past this long commits what has settled (IncrementalText._commit_settled).
+OPEN_TOKENS = 8
+_LONGEST_CHARACTER = 4  # bytes in UTF-8, so tokens of a byte-level BPE
 
 
 def decode_text(tokenizer: Any, token_ids: Sequence[int], *, skip_special_tokens: bool = True,
@@ -75,12 +78,28 @@ class IncrementalText:
         self.token_ids.append(token_id)
         before = self._decode(self.token_ids[self._prefix:self._read])
         after = self._decode(self.token_ids[self._prefix:])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""
-        new = after[len(before):]
-        self._prefix, self._read = self._read, len(self.token_ids)
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            return self._commit(after[len(before):], len(self.token_ids))
+        if len(self.token_ids) - self._read > OPEN_TOKENS:
+            return self._commit_settled(before, after)
+        return ""
+
+    def _commit(self, new: str, read: int) -> str:
+        self._prefix, self._read = self._read, read
         self.text += new
         return new
+
+    def _commit_settled(self, before: str, after: str) -> str:
+        """Text that ends in U+FFFD for good (bytes that never make a character: a model sampling
+        stray byte tokens) would keep the window open and decode it whole at every step, a cost
+        that grows with the square of the output. A character is at most 4 bytes, so one begun
+        more than 4 tokens back has ended, whole or broken: the window up to there is committed,
+        once its text is where the whole window's text starts (no character across the cut)."""
+        cut = len(self.token_ids) - _LONGEST_CHARACTER
+        settled = self._decode(self.token_ids[self._prefix:cut])
+        if len(settled) <= len(before) or not after.startswith(settled) or len(after) == len(settled):
+            return ""
+        return self._commit(settled[len(before):], cut)
 
     def finish(self) -> str:
         """The whole text, the open tail included."""
