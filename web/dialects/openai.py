@@ -76,7 +76,8 @@ _Knobs = type("_Knobs", (NullMeansDefault,), sampling_fields())
 
 
 class _Common(_Knobs):
-    model = fields.String(required=True, metadata={"description": "The served model (GET /v1/models)"})
+    model = fields.String(metadata={
+        "description": "The served model (GET /v1/models); absent: the served one (vLLM's rule; AReaL sends none)"})
     max_tokens = fields.Integer(strict=True)
     stream = StrictBoolean(metadata={"description": "true: Server-Sent Events chunks, then data: [DONE]"})
     stream_options = fields.Nested(StreamOptionsSchema)
@@ -171,7 +172,7 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
 def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
     if body.get("stream") and body.get("echo"):
         raise InvalidRequestError("echo is not served with stream: true", errors={"echo": ["not with stream"]})
-    check_model(body["model"])
+    check_model(body.get("model"), required=False)
     prompts, batch = prompts_of(body["prompt"])
     tok = tokenizer()
     requests = []
@@ -268,7 +269,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
-    check_model(body["model"])
+    check_model(body.get("model"), required=False)
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise InvalidRequestError("tool_choice: tools are not served", errors={"tool_choice": ["not supported"]})
