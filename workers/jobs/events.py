@@ -104,9 +104,9 @@ def plausible_event_id(value: str | None) -> bool:
     integer): a longer number is a Redis error on read, not an id of this stream."""
     if not value or len(value) > 41:
         return False
-    ms, _, seq = value.partition("-")
-    if not (ms.isascii() and ms.isdigit() and (seq == "" or (seq.isascii() and seq.isdigit()))):
-        return False
+    ms, dash, seq = value.partition("-")
+    if not (ms.isascii() and ms.isdigit() and (not dash or (seq.isascii() and seq.isdigit()))):
+        return False  # "1-" too: Redis refuses it on read
     return int(ms) < 2**64 and (seq == "" or int(seq) < 2**64)
 
 
