@@ -45,3 +45,17 @@ def test_an_admin_weights_path_longer_than_a_file_name_is_a_422(make_app, tmp_pa
     for path in ("x" * 300, "step/" + "y" * 256, "/".join(["z" * 200] * 30)):
         reply = client.post("/v1/weights", json={"model_path": path, "weight_version": "v9"}, headers=auth("admin"))
         assert reply.status_code == 422, (reply.status_code, reply.get_json())
+
+
+def test_vllm_features_this_service_never_rendered_name_the_cause(client, model):
+    """What vLLM's own render returns (media by hash, ``kwargs_data: null``) holds nothing this
+    service can run: a 422 that says so, not "invalid fields"."""
+    features = {"mm_hashes": {"image": ["9f86d081884c7d65"]}, "mm_placeholders": {"image": [{"offset": 1, "length": 4}]},
+                "kwargs_data": None}
+    reply = client.post("/inference/v1/generate", json={"model": model, "token_ids": [100, 101, 102, 103, 104, 105],
+                                                        "features": features, "sampling_params": {"max_tokens": 2}},
+                        headers=auth())
+    assert reply.status_code == 422, reply.get_json()
+    error = reply.get_json()["error"]  # the vLLM route answers in OpenAI's error shape
+    assert error["code"] == "features_not_rendered_here" and error["param"] == "features", error
+    assert "render" in error["message"]

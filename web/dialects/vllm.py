@@ -21,6 +21,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
+from engine.errors import InvalidRequestError
 from engine.request_rules import prompt_input_problem
 from web.dialects.common import (
     TokenTexts,
@@ -69,14 +70,30 @@ class VllmSamplingParamsSchema(_SamplingFields):
         refuse_non_default(data, _UNSUPPORTED)
 
 
+class UnrenderedFeaturesError(InvalidRequestError):
+    """``features`` without the media this service's render routes put in them: vLLM's own render
+    names media by hashes of tensors this service never made, so there is nothing to run."""
+
+    code = "features_not_rendered_here"
+
+
 class FeaturesSchema(NullMeansDefault):
     """What our render routes return as ``features`` (pass it back unchanged)."""
 
-    content_parts = fields.List(fields.Nested(ContentPartSchema), required=True, validate=validate.Length(max=1024))
+    content_parts = fields.List(fields.Nested(ContentPartSchema), validate=validate.Length(max=1024))
     mm_placeholders = fields.Dict()
     mm_hashes = fields.Dict()
     kwargs_data = fields.Raw(validate=validate.Equal(None, error="must be null: processed tensors do not "
                                                      "travel through clients (send content_parts)"))
+
+    @validates_schema
+    def rendered_here(self, data: dict, **_) -> None:
+        if "content_parts" not in data:
+            raise UnrenderedFeaturesError(
+                "features carry no content_parts: they were not made by this service's render routes (vLLM's "
+                "mm_hashes name processed tensors this service never saw). Render with this service's "
+                "/v1/chat/completions/render and pass its features back, or send the media as content_parts",
+                errors={"features": {"content_parts": ["missing: render here, or send the media"]}})
 
 
 class GenerateRequestSchema(NullMeansDefault):
