@@ -130,15 +130,22 @@ def _write_atomically(path: Path, text: str) -> None:
         log.warning("cannot cache the model probe in %s: %s", path.parent, error)
 
 
+_ID_SETS = ("media_token_ids", "placeholder_token_ids")  # ModelFacts' frozensets, lists in JSON
+
+
 def _to_json(found: ModelProbe) -> dict:
     facts = dataclasses.asdict(found.facts)
-    facts["media_token_ids"] = sorted(found.facts.media_token_ids)
+    for name in _ID_SETS:
+        facts[name] = sorted(facts[name])
     return {"facts": facts, "tokenizer_class": found.tokenizer_class}
 
 
 def _from_json(data: dict) -> ModelProbe:
     facts = dict(data["facts"])
-    facts["media_token_ids"] = frozenset(facts["media_token_ids"])
+    if set(facts) != {field.name for field in dataclasses.fields(ModelFacts)}:
+        raise KeyError("a probe of another build")  # probed again, so no fact is left at its default
+    for name in _ID_SETS:
+        facts[name] = frozenset(facts[name])
     return ModelProbe(ModelFacts(**facts), str(data["tokenizer_class"]))
 
 

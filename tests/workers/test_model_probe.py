@@ -35,3 +35,18 @@ def test_a_model_the_child_cannot_read_is_a_model_load_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError):
         _probe_in_child(str(tmp_path))
+
+
+def test_a_cached_probe_of_an_older_build_is_probed_again(demo_model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    from workers.model_probe import _from_json, _to_json
+
+    found = probe_here(str(demo_model_dir))
+    assert found.facts.placeholder_token_ids == {AutoConfig.from_pretrained(demo_model_dir).image_token_id,
+                                                 AutoConfig.from_pretrained(demo_model_dir).video_token_id}
+    assert _from_json(json.loads(json.dumps(_to_json(found)))) == found
+    older = _to_json(found)
+    del older["facts"]["placeholder_token_ids"]  # written before the field existed
+    with pytest.raises(KeyError):
+        _from_json(older)
