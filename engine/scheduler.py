@@ -3,45 +3,46 @@ and leave the moment they finish.
 
 Why by hand: transformers' own continuous batching (``generate_batch``, ``init_continuous_batching``)
 takes token ids only and drops ``pixel_values`` (transformers#43386; docs/architecture.md), so it cannot serve
-a multimodal request. What this module uses of transformers: the model's forward (its own mask
-building from a 2-D ``attention_mask`` and its ``DynamicCache`` for prefills; its attention over
-the paged cache's ``update`` seam for decode steps), its position handling (``_prepare_position_ids_for_generation``, which
-gives Qwen-VL's M-RoPE positions and per-row ``rope_deltas``) and its ``mm_encoder_outputs`` seam
-(media encoded before the forward). Written here: admission, the paged KV cache of the running rows
-(:mod:`engine.paged_kv`), per-row positions during decoding, chunked prefill, prompt sharing.
+a multimodal request. This module is the policy: it decides, and :class:`engine.model_runner.ModelRunner`
+runs the forwards it decides on (vLLM V1's cut: its ``Scheduler`` and ``GPUModelRunner``).
 
 One :meth:`Scheduler.step`:
 
 1. aborts and expired deadlines end their rows (a pending request ends without running);
 2. one decode forward over the running rows; each row picks its token with its own
    :class:`~engine.decoding.RowDecoder` (parameters, seeded generator, penalties, stops) and
-   rows that finished leave the batch, their KV blocks back in the pool at once;
+   rows that finished leave the batch, their KV blocks back in the pool at once (their full
+   blocks named, so a next turn that repeats them finds them);
 3. pending requests are admitted, first come first served, while the rows
    (``max_rows``) and the KV pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the
    blocks of every admitted row at the worst point of their futures) allow;
-4. admitted prompts are prefilled: each distinct prompt (token ids + media keys) once, whatever
-   the number of rows that share it (``n > 1``, or separate requests); a prompt still in the
-   small prompt LRU is not computed at all. Short prompts go together in one padded forward, at
-   most ``prefill_chunk_tokens`` tokens while rows are decoding; a longer one is prefilled alone
-   in chunks of that size, one chunk per step, so decoding rows keep their pace. A prefilled
-   prompt's K/V is written into pool blocks; each row of the prompt takes its first token from
-   the prompt's last logits and joins the running batch sharing those blocks. While rows decode,
-   prompts to compute wait until they are ``join_ratio`` of the running rows, at most
-   ``join_wait_steps`` steps (:func:`engine.prefill_plan.hold_joins`): one forward for several.
+4. admitted prompts are looked up in the pool by their blocks' names (:mod:`engine.prefix_hash`):
+   one found whole (every block, and its last logits) joins with no forward; the others are
+   prefilled from the end of the blocks found, each distinct prompt (token ids + media keys) once,
+   whatever the number of rows that share it (``n > 1``, or separate requests). Short prompts go
+   together in one padded forward, at most ``prefill_chunk_tokens`` tokens computed while rows
+   are decoding; a longer one is prefilled alone in chunks of that size, one chunk per step, so
+   decoding rows keep their pace. A prefilled prompt's K/V is written into pool blocks and named;
+   each row of the prompt takes its first token from the prompt's last logits and joins the
+   running batch sharing those blocks. While rows decode, prompts to compute wait until they are
+   ``join_ratio`` of the running rows, at most ``join_wait_steps`` steps
+   (:func:`engine.prefill_plan.hold_joins`): one forward for several.
 
 The parts, each testable without a model: the KV pool (:mod:`engine.paged_kv`), the running
 batch (:mod:`engine.running_batch`: rows, their jobs, block tables, lengths, deltas and next tokens
-as one object), admission in blocks (:func:`engine.capacity.fits_kv_pool`), prefill planning (:mod:`engine.prefill_plan`:
-prompt groups, the prompt cache, chunking), sampling (:mod:`engine.batch_sampler`) and result
-building (:mod:`engine.request_result`). This module runs the forwards and moves jobs through
-their states (pending -> admitted -> running -> done).
+as one object), admission in blocks (:func:`engine.capacity.fits_kv_pool`), prefill planning
+(:mod:`engine.prefill_plan`: prompt groups, cached blocks a prefill starts after, chunking), block
+names (:mod:`engine.prefix_hash`), sampling (:mod:`engine.batch_sampler`) and result building
+(:mod:`engine.request_result`). This module moves jobs through their states (pending -> admitted
+-> running -> done) and owns their references to cached blocks until a prompt takes them over.
 
 Positions: a row's next text position is the number of real tokens it has; M-RoPE models add the
 row's rope delta (from transformers' own ``get_rope_index``), so rows of any length and media share
 a batch and each sees the positions it would see alone.
 
-Errors: a request that fails (its prefill, or its row's sampling) ends alone with its error; the
-rest of the batch goes on. A failing decode forward ends every running request with the error.
+Errors: a request that fails (its prefill, or its row's sampling, or a forward that goes
+non-finite for it) ends alone with its error; the rest of the batch goes on. A failing decode
+forward ends every running request with the error.
 """
 
 from __future__ import annotations
@@ -53,30 +54,16 @@ from typing import Any
 
 import torch
 
-from engine.batch_inputs import (
-    Row,
-    check_placeholders,
-    check_prompt,
-    collate,
-    prompt_positions,
-    request_features,
-)
+from engine.batch_inputs import check_placeholders, check_prompt, request_features
 from engine.batch_sampler import RowTokens, sample_step
 from engine.capacity import SchedulerLimits, check_capacity, fits_kv_pool, request_rows
 from engine.decoding import RowDecoder
-from engine.encoder_cache import (
-    EncoderCache,
-    MediaUnit,
-    encode,
-    encoder_input_names,
-    supports_encoder_outputs,
-    tensors_hash,
-    unit_key,
-)
+from engine.encoder_cache import EncoderCache, MediaUnit, tensors_hash, unit_key
 from engine.errors import InvalidRequestError
 from engine.loading import LoadedModel
-from engine.paged_kv import BlockPool, PagedPrompt, prefix_cache, write_prompts
-from engine.prefill_plan import PrefillPlan, chunk_end, hold_joins, plan_prefill, reusable_blocks
+from engine.model_runner import ChunkedPrefill, ModelRunner, PromptInput
+from engine.paged_kv import BlockPool, PagedPrompt
+from engine.prefill_plan import PrefillPlan, hold_joins, plan_prefill, reusable_blocks
 from engine.prefix_hash import MediaSpan, PromptHashes, chain, prompt_hashes
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
@@ -159,14 +146,9 @@ class _Job:
 class _Chunking:
     """A long prompt being prefilled one chunk per step."""
 
-    key: tuple
     job: _Job
-    batch: dict[str, torch.Tensor]
-    positions: torch.Tensor
-    rope_delta: int | None
-    cache: Any = None
-    done: int = 0  # tokens prefilled so far
-    reused: int = 0  # of them, those found in cached blocks
+    prefill: ChunkedPrefill
+    reused: int  # its tokens found in cached blocks
 
 
 StepHook = Callable[[list[RowTokens]], None]
@@ -187,8 +169,7 @@ class Scheduler:
         self.pool = pool if pool is not None else BlockPool(limits.kv_blocks, limits.kv_block_tokens)
         self.stats = stats if stats is not None else EngineStats()
         self.on_step = on_step
-        self._uses_encoder_outputs = supports_encoder_outputs(loaded.model)
-        self._encoder_inputs = encoder_input_names(loaded.model) if self._uses_encoder_outputs else set()
+        self.runner = ModelRunner(loaded, self.pool, encoder_cache, self.stats)
         media = sorted(t for t in loaded.media_token_ids.values() if 0 <= t < loaded.vocab_size)
         self._placeholder_ids = torch.tensor(media, dtype=torch.long) if media else None
         self._next_handle = 0
@@ -196,7 +177,7 @@ class Scheduler:
         self._pending: list[_Job] = []
         self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
         self._chunking: _Chunking | None = None
-        self._batch = RunningBatch(self.pool, attn_implementation=_attn_implementation(loaded.model),
+        self._batch = RunningBatch(self.pool, attn_implementation=self.runner.attn_implementation,
                                    dtype=loaded.dtype, device=loaded.device, on_row_done=self._keep_decoded_blocks)
         self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
         self._join_waited = 0  # steps in a row that admitted prompts waited for company (hold_joins)
@@ -284,7 +265,8 @@ class Scheduler:
             self._drop_prefix(job)
         self._batch.drop_finished()
         self._jobs.clear()
-        self._pending, self._admitted, self._chunking = [], [], None
+        self._stop_chunking()
+        self._pending, self._admitted = [], []
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -314,11 +296,9 @@ class Scheduler:
         self._batch.drop_finished()
 
     def _decode(self, events: list[RowTokens]) -> None:
-        loaded, batch = self.loaded, self._batch
+        batch = self._batch
         try:
-            inputs = batch.decode_inputs()
-            with loaded.lock, torch.inference_mode():
-                out = loaded.model(**inputs, use_cache=True, logits_to_keep=1)
+            logits = self.runner.decode(batch)
         except Exception as error:  # a batch forward: every running request ends with it
             for job in {id(job): job for job in batch.jobs}.values():
                 self._fail(job, error)
@@ -329,7 +309,7 @@ class Scheduler:
         self.stats.kv_live_tokens += batch.live_tokens + len(batch)
         self.stats.kv_held_tokens += self.pool.in_use * self.pool.block_size
         self.stats.kv_read_tokens += len(batch) * (max(batch.lengths) + 1)
-        tokens = self._sample(batch.rows, batch.jobs, out.logits[:, -1].float(), events, batch_rows=len(batch))
+        tokens = self._sample(batch.rows, batch.jobs, logits, events, batch_rows=len(batch))
         batch.advance(tokens)
 
     def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
@@ -486,8 +466,9 @@ class Scheduler:
 
     def _compute_prompts(self, groups: dict[tuple, list[_Job]]) -> list[tuple[_Job, PrefilledPrompt]]:
         leaders = [jobs[0] for jobs in groups.values()]
+        starts = [job.prefix_tokens for job in leaders]
         try:
-            prefilled = self._prefill(leaders)
+            prefilled = zip(self.runner.prefill([self._prompt_input(job) for job in leaders]), starts, strict=True)
         except Exception as error:
             if len(leaders) == 1:
                 for job in groups[leaders[0].key]:
@@ -500,6 +481,7 @@ class Scheduler:
             return out
         out = []
         for leader, (prompt, reused) in zip(leaders, prefilled, strict=True):
+            self._step_prompts.append(prompt)
             self._keep(leader, prompt)
             self.stats.prefill_tokens += prompt.length - reused
             for i, job in enumerate(groups[leader.key]):
@@ -511,110 +493,42 @@ class Scheduler:
         job.cached_tokens = tokens
         self.stats.cached_tokens += tokens
 
-    def _prefill(self, jobs: Sequence[_Job]) -> list[tuple[PrefilledPrompt, int]]:
-        """One padded forward over the prompts of ``jobs``, each from the end of its cached blocks
-        (``prefix``, attended to from the pool): each prompt's KV, last logits and delta, and the
-        tokens it took from the cache. Positions and deltas are the whole prompts' (M-RoPE ones
-        continue from the cached part)."""
-        loaded = self.loaded
-        batch = collate(loaded, [Row(job.request.prompt_token_ids, job.features) for job in jobs])
-        positions, deltas = prompt_positions(loaded, batch)
-        starts = [job.prefix_tokens for job in jobs]
-        units = [unit for job, start in zip(jobs, starts, strict=True) for unit in job.units if unit.span[0] >= start]
-        past = {}
-        if any(starts):
-            # The rest of each prompt, right-aligned after its cached blocks (left-padded to the
-            # longest): [padding | cached prefix][padding | rest]; the mask hides both paddings.
-            rest = collate(loaded, [Row(job.request.prompt_token_ids[start:],
-                                        job.features if any(u.span[0] >= start for u in job.units) else {})
-                                    for job, start in zip(jobs, starts, strict=True)])
-            width = max(starts)
-            cached_mask = torch.tensor([[0] * (width - start) + [1] * start for start in starts],
-                                       dtype=rest["attention_mask"].dtype, device=loaded.device)
-            rest["attention_mask"] = torch.cat([cached_mask, rest["attention_mask"]], dim=1)
-            positions = positions[..., -rest["input_ids"].shape[1]:]
-            past["cache"] = prefix_cache(self.pool, [job.prefix for job in jobs], dtype=loaded.dtype)
-            batch = rest
-        kwargs = self._forward_inputs(batch, units)
-        with loaded.lock, torch.inference_mode():
-            out = loaded.model(**kwargs, **past, position_ids=positions, use_cache=True, logits_to_keep=1)
-        self.stats.prefill_forwards += 1
-        prefixes = [job.prefix for job in jobs]
-        for job in jobs:  # the prompts written take over these references (or give them back)
-            job.prefix, job.prefix_tokens = [], 0
-        kvs = write_prompts(self.pool, _cache_of(out), [job.prompt_len for job in jobs], prefixes)
-        logits = out.logits[:, -1].float()
-        prompts = [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
-                   for i, kv in enumerate(kvs)]
-        self._step_prompts += prompts
-        return list(zip(prompts, starts, strict=True))
+    def _prompt_input(self, job: _Job) -> PromptInput:
+        """What the runner prefills for ``job``; its cached prefix (and the references) go with it."""
+        prompt = PromptInput(job.request.prompt_token_ids, job.features, job.units, job.prefix, job.prefix_tokens)
+        job.prefix, job.prefix_tokens = [], 0
+        return prompt
 
     def _start_chunking(self, job: _Job) -> None:
-        batch = collate(self.loaded, [Row(job.request.prompt_token_ids, job.features)])
-        positions, deltas = prompt_positions(self.loaded, batch)
-        state = _Chunking(job.key, job, batch, positions, None if deltas is None else int(deltas[0]))
-        if job.prefix:
-            state.cache = prefix_cache(self.pool, [job.prefix], dtype=self.loaded.dtype)
-            state.done = state.reused = job.prefix_tokens
-        self._chunking = state
+        start = job.prefix_tokens
+        self._chunking = _Chunking(job, self.runner.start_chunked(self._prompt_input(job)), reused=start)
 
     def _prefill_chunk(self) -> list[tuple[_Job, PrefilledPrompt]]:
         """The next chunk of the long prompt being prefilled; the prompt once its last chunk ran."""
         state = self._chunking
         job = state.job
         if job.state == "done":
-            self._chunking = None
+            self._stop_chunking()
             return []
-        length = job.prompt_len
-        start = state.done
-        units = job.units
-        end = chunk_end(start, length, self.limits.prefill_chunk_tokens, [unit.span for unit in units],
-                        media_in_one_forward=not self._uses_encoder_outputs)
-        chunk_units = [unit for unit in units if start <= unit.span[0] < end]
-        batch = {name: value[:, start:end] if name in ("input_ids", "mm_token_type_ids") else value
-                 for name, value in state.batch.items()}
-        batch["attention_mask"] = state.batch["attention_mask"][:, :end]
-        if not chunk_units:
-            batch = {name: value for name, value in batch.items()
-                     if name in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        kwargs = self._forward_inputs(batch, chunk_units)
-        loaded = self.loaded
         try:
-            with loaded.lock, torch.inference_mode():
-                out = loaded.model(**kwargs, position_ids=state.positions[..., start:end], cache=state.cache,
-                                   use_cache=True, logits_to_keep=1)
+            prompt = self.runner.prefill_chunk(state.prefill, self.limits.prefill_chunk_tokens)
         except Exception as error:
             self._chunking = None
             self._fail(job, error)
             return []
-        self.stats.prefill_forwards += 1
-        state.cache = _cache_of(out)
-        state.done = end
-        if end < length:
+        if prompt is None:
             return []
         self._chunking = None
-        prefix = job.prefix
-        job.prefix, job.prefix_tokens = [], 0  # the prompt written takes over these references
-        try:
-            kv = write_prompts(self.pool, state.cache, [length], [prefix])[0]
-        except Exception as error:
-            self._fail(job, error)
-            return []
-        prompt = PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
         self._step_prompts.append(prompt)
         self._keep(job, prompt)
-        self.stats.prefill_tokens += length - state.reused
+        self.stats.prefill_tokens += prompt.length - state.reused
         self._count_cached(job, state.reused)
         return [(job, prompt)]
 
-    def _forward_inputs(self, batch: dict[str, torch.Tensor], units: Sequence[MediaUnit]) -> dict[str, Any]:
-        if not units or not self._uses_encoder_outputs:
-            return dict(batch)
-        kwargs = {name: value for name, value in batch.items() if name not in self._encoder_inputs}
-        with torch.inference_mode():
-            kwargs["mm_encoder_outputs"] = encode(self.loaded.model, [_on_device(u, self.loaded) for u in units],
-                                                  self.encoder_cache)
-        return kwargs
+    def _stop_chunking(self) -> None:
+        if self._chunking is not None:
+            self.runner.drop_chunked(self._chunking.prefill)
+            self._chunking = None
 
     # --- ending ------------------------------------------------------------------------------
 
@@ -636,7 +550,7 @@ class Scheduler:
             if job in self._admitted:
                 self._admitted.remove(job)
             if self._chunking is not None and self._chunking.job is job:
-                self._chunking = None
+                self._stop_chunking()
             job.state = "done"
             if job.error is not None:
                 finished.append(Finished(handle, job.tag, error=job.error))
@@ -662,24 +576,6 @@ def _media_units(loaded: LoadedModel, request, features) -> list[MediaUnit]:
     media = set(loaded.media_token_ids.values())
     at = [i for i, t in enumerate(request.prompt_token_ids) if t in media]
     return [MediaUnit(unit_key(loaded.weight_version, tensors_hash(features)), features, (at[0], at[-1] + 1))]
-
-
-def _on_device(unit: MediaUnit, loaded: LoadedModel) -> MediaUnit:
-    moved = {name: value.to(device=loaded.device, dtype=loaded.dtype) if value.is_floating_point()
-             else value.to(loaded.device) for name, value in unit.features.items()}
-    return MediaUnit(unit.key, moved, unit.span)
-
-
-def _attn_implementation(model) -> str | None:
-    """The attention the decoder layers run (what the decode mask is built for)."""
-    config = model.config
-    text = getattr(config, "get_text_config", lambda: config)()
-    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
-
-
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _generator(loaded: LoadedModel, params: SamplingParams, choice: int) -> torch.Generator | None:

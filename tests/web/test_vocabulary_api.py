@@ -65,9 +65,13 @@ def test_dialects_name_the_field_as_their_client_sent_it(client, route, body, fi
 
 
 def test_the_last_id_of_the_vocabulary_is_accepted(client):
-    body = {"kind": "score", "token_ids": [VOCAB - 1], "completion_token_ids": [VOCAB - 1],
+    # The demo model's last ids are its image (638) and video (639) placeholders, which a prompt
+    # may hold only with its media: the last id as a stop id, the last other one in the prompt.
+    body = {"kind": "score", "token_ids": [VOCAB - 3], "completion_token_ids": [VOCAB - 3],
             "sampling_params": {"stop_token_ids": [VOCAB - 1]}}
     assert client.post("/v1/jobs", json=body, headers=auth()).status_code == 202
+    placeholder = {**body, "token_ids": [VOCAB - 1]}
+    assert client.post("/v1/jobs", json=placeholder, headers=auth()).get_json()["code"] == "placeholder_mismatch"
 
 
 def test_batch_lines_with_ids_outside_the_vocabulary_are_line_errors(client):
