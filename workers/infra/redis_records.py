@@ -65,17 +65,19 @@ def decode_record(raw: dict[bytes, bytes] | dict[str, str], *, json_fields: Coll
 
 def page_by_creation(client: redis.Redis, index: str, *, limit: int, cursor: str | None,
                      load: Callable[[list[str]], list[Record | None]], keep: Callable[[Record], bool],
-                     newest_first: bool = True) -> tuple[list[Record], str | None]:
+                     newest_first: bool = True, filtered: bool = True) -> tuple[list[Record], str | None]:
     """Up to ``limit`` records of the sorted set ``index`` (member -> creation time), newest first
     (or oldest first), that ``keep`` accepts; and the cursor of the next page (None at the end).
 
     ``load`` reads the records of some members (None for an expired one, which is dropped from the
-    index as we pass). The cursor is the score of the last record returned.
+    index as we pass). The cursor is the score of the last record returned. ``filtered=False``
+    says ``keep`` takes every record: then no more records are read than the page returns (a
+    job's record holds its result, up to tens of MB: ``limit=1`` must read one).
     """
     bound = f"({cursor}" if cursor else ("+inf" if newest_first else "-inf")
     found: list[Record] = []
     while len(found) < limit:
-        page = max(limit * 2, 50)
+        page = max(limit * 2, 50) if filtered else limit - len(found)
         if newest_first:
             scored = client.zrevrangebyscore(index, bound, "-inf", start=0, num=page, withscores=True)
         else:

@@ -38,6 +38,7 @@ _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 _OWN_JSON_FIELDS = ("result", "timings")  # the service's own numbers only (decode_record)
 TOTAL_ACTIVE_KEY = "rq:active:_total"
 UNFINISHED_KEY = "rq:unfinished"
+_OTHER: dict[str, Any] = {}  # a listed job of another status than the one asked (JobStore._with_status)
 WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
 UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
 
@@ -336,9 +337,25 @@ class JobStore:
         self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
 
     def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
-        """The owner's jobs, newest first. The cursor is the creation time of the last job seen."""
-        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
-                                 keep=lambda job: status is None or job["status"] == status)
+        """The owner's jobs, newest first. The cursor is the creation time of the last job seen.
+        With a status, the jobs' statuses are read first and only the matching records loaded."""
+        if status is None:
+            return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+                                    keep=lambda job: True, filtered=False)
+        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor,
+                                load=lambda ids: self._with_status(ids, status), keep=lambda job: job is not _OTHER)
+
+    def _with_status(self, job_ids: list[str], status: str) -> list[dict[str, Any] | None]:
+        """Each job of ``job_ids`` whose status is ``status``; ``_OTHER`` for the others, None for
+        the expired (two round trips, the second only for the matches)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.key(job_id), "status")
+        statuses = pipe.execute()
+        matching = [job_id for job_id, found in zip(job_ids, statuses, strict=True) if found == status.encode()]
+        loaded = dict(zip(matching, self.get_many(matching), strict=True))
+        return [None if found is None else loaded.get(job_id, _OTHER)
+                for job_id, found in zip(job_ids, statuses, strict=True)]
 
     def stalled(self, *, before: float, limit: int) -> list[str]:
         """Unfinished jobs that last moved (were created or changed status) before ``before``, oldest first."""

@@ -201,6 +201,27 @@ def test_list_pages_newest_first_filters_and_drops_expired(store):
     assert store.list(owner=OTHER, status=None, limit=5, cursor=None) == ([], None)
 
 
+def test_a_page_of_jobs_reads_only_the_records_it_returns(store):
+    """A job's record holds its result (up to tens of MB): ``GET /v1/jobs?limit=1`` read 50 records
+    and took 3 s. A page reads the records it returns; a status filter reads statuses first."""
+    store.limits = Limits(100, 100, 600)
+    ids = [create(store)["id"] for _ in range(60)]
+    for job_id in ids[:30:3]:
+        store.advance(job_id, "succeeded", owner=OWNER)
+    loaded: list[str] = []
+    read = store.get_many
+    store.get_many = lambda job_ids: loaded.extend(job_ids) or read(job_ids)
+    try:
+        page, cursor = store.list(owner=OWNER, status=None, limit=1, cursor=None)
+        assert [job["id"] for job in page] == [ids[59]] and loaded == [ids[59]] and cursor is not None
+        loaded.clear()
+        done, _ = store.list(owner=OWNER, status="succeeded", limit=4, cursor=None)
+        assert [job["id"] for job in done] == [ids[27], ids[24], ids[21], ids[18]]
+        assert set(loaded) <= set(ids[:30:3])
+    finally:
+        del store.get_many
+
+
 @pytest.mark.parametrize("timeout", [0.0004, 0.0015, 0.01])
 def test_a_wait_shorter_than_a_millisecond_ends_and_does_not_block_for_ever(store, timeout):
     # Redis reads a BLPOP timeout under 1 ms as 0: block for ever. The sync routes wait whatever
