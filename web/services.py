@@ -15,6 +15,8 @@ from flask import current_app
 from engine.request_rules import context_limit
 from web.auth import KeyRing
 from workers.infra.redis_client import with_pool_size
+from workers.infra.wakeup_hub import WakeupHub
+from workers.infra.wakeups import WaitAny
 from workers.jobs.event_hub import EventHub
 from workers.jobs.events import JobEvents
 from workers.runtime import Runtime
@@ -45,6 +47,17 @@ class Services(Runtime):
         # record of a job that ended) at once: a pool sized for the stream slots.
         client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
         return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
+
+    @cached_property
+    def wakeup_hub(self) -> WakeupHub:
+        """One BLPOP for every wait this process holds (workers/infra/wakeup_hub.py), on three
+        connections of its own: a long poll or a synchronous call costs no connection of the pool
+        ``/healthz``, the admin's calls and other keys use."""
+        return WakeupHub(with_pool_size(self.redis, 3))
+
+    @property
+    def wait_any(self) -> WaitAny:
+        return self.wakeup_hub.wait_any
 
     @cached_property
     def event_hub(self) -> EventHub:

@@ -22,6 +22,7 @@ from engine.request_rules import context_limit
 from processors.fetch import FetchPolicy, GuardedFetcher
 from workers.gpu.limits import scheduler_limits
 from workers.infra.redis_client import connect
+from workers.infra.wakeups import WaitAny
 from workers.jobs.events import JobEvents
 from workers.jobs.store import JobStore, Limits
 from workers.models import model_id, resolve_model_path
@@ -100,18 +101,25 @@ class Runtime:
         """The owners with a key-wide webhook: every end of their jobs and batches owes an event."""
         return frozenset(owner for owner, url in self.settings.key_webhooks.items() if url)
 
+    @property
+    def wait_any(self) -> WaitAny | None:
+        """How this process's stores wait for a record's end: None, a BLPOP of their own per wait
+        (an API process shares one for all: web/services.py)."""
+        return None
+
     @cached_property
     def jobs(self) -> JobStore:
         s = self.settings
         return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
                                            s.stream_events_maxlen),
-                        hooked_owners=self._hooked_owners)
+                        hooked_owners=self._hooked_owners, wait_any=self.wait_any)
 
     @cached_property
     def batches(self):
         from workers.batches.store import BatchStore
 
-        return BatchStore(self.redis, result_ttl=self.settings.result_ttl, hooked_owners=self._hooked_owners)
+        return BatchStore(self.redis, result_ttl=self.settings.result_ttl, hooked_owners=self._hooked_owners,
+                          wait_any=self.wait_any)
 
     @cached_property
     def files(self):

@@ -335,3 +335,33 @@ def test_a_submit_no_replica_confirms_is_503_not_durable_and_names_the_job(make_
     assert response.status_code == 503 and body["code"] == "not_durable", body
     assert body["errors"]["replicas_acknowledged"] == 0 and body["errors"]["id"].startswith("job_")
     assert submit(make_app().test_client(), {"token_ids": [100] * 4}).status_code == 202  # 0: answered at once
+
+
+def test_waiting_takes_no_connection_of_the_shared_pool(make_app):
+    """Issue #47: 300 synchronous calls of one key took every Redis connection of the API process,
+    and /healthz, other keys and the admin answered 503. Waits share one BLPOP of their own now
+    (workers/infra/wakeup_hub.py): 60 long polls hold a few connections, and the rest answer."""
+    import threading
+    import time
+
+    app = make_app(max_queued_per_key=100)
+    services = app.extensions["rollout"]
+    jobs = [submit(app.test_client()).get_json()["id"] for _ in range(60)]
+    shared = services.redis.connection_pool
+    before = shared._created_connections
+    answers: list[str] = []
+    polls = [threading.Thread(target=lambda job_id=job_id: answers.append(app.test_client().get(
+        f"/v1/jobs/{job_id}?wait=20", headers=auth()).get_json()["status"])) for job_id in jobs]
+    for poll in polls:
+        poll.start()
+    time.sleep(1.0)  # every poll is waiting by now
+    client = app.test_client()
+    assert client.get("/healthz").status_code in (200, 503)  # answers (no worker runs here), at once
+    assert submit(client, key=KEY_B).status_code == 202
+    # The polls' short reads as they start, not one connection held by each for its 20 s (60).
+    assert shared._created_connections - before <= 20
+    for job_id in jobs:
+        services.jobs.advance(job_id, "cancelled")
+    for poll in polls:
+        poll.join(10)
+    assert sorted(answers) == ["cancelled"] * 60

@@ -208,10 +208,12 @@ class BatchStore:
     """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
     batch's end owes one."""
 
-    def __init__(self, client: redis.Redis, *, result_ttl: int, hooked_owners: frozenset[str] = frozenset()):
+    def __init__(self, client: redis.Redis, *, result_ttl: int, hooked_owners: frozenset[str] = frozenset(),
+                 wait_any: wakeups.WaitAny | None = None):
         self.redis = client
         self.result_ttl = result_ttl
         self.hooked_owners = hooked_owners
+        self.wait_any_wakeup = wait_any or wakeups.waiting_on(client)
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD)
         self._close = client.register_script(_CLOSE)
@@ -306,7 +308,7 @@ class BatchStore:
     def wait(self, batch_id: str, *, timeout: float) -> dict[str, Any]:
         """The batch once it has ended, or as it is after ``timeout`` seconds. An end since the
         caller's last read is not missed: its wake-up stays in the list."""
-        wakeups.wait_for_wakeup(self.redis, done_key(batch_id), timeout)
+        self.wait_any_wakeup([done_key(batch_id)], timeout)
         return self.get(batch_id)
 
     def list(self, *, owner: str, status: str | None, limit: int,

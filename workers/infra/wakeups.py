@@ -8,6 +8,7 @@ back for the record's other waiters: one push wakes one BLPOP.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -20,6 +21,17 @@ LONGEST_BLOCK_S = 5.0
 # Lua, formatted with ``key`` (the wake-up list) and ``value``: run by the script that ends the record.
 PUSH_LUA = """redis.call('RPUSH', {key}, {value})
 redis.call('EXPIRE', {key}, """ + str(TTL_S) + ")"
+
+
+# How a store blocks until one of some wake-up lists holds an entry: (keys, timeout) -> found.
+# A worker's stores BLPOP themselves (wait_for_any); an API process's share one BLPOP for all its
+# waits (workers/infra/wakeup_hub.py).
+WaitAny = Callable[[list[str], float], bool]
+
+
+def waiting_on(client: redis.Redis) -> WaitAny:
+    """The wait of a process that blocks in a BLPOP of its own per wait, on ``client``."""
+    return lambda keys, timeout: wait_for_any(client, keys, timeout)
 
 
 def wait_for_wakeup(client: redis.Redis, key: str, timeout: float) -> bool:

@@ -145,10 +145,12 @@ class JobStore:
     """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
     job's end owes one."""
 
-    def __init__(self, client: redis.Redis, limits: Limits, *, hooked_owners: frozenset[str] = frozenset()):
+    def __init__(self, client: redis.Redis, limits: Limits, *, hooked_owners: frozenset[str] = frozenset(),
+                 wait_any: wakeups.WaitAny | None = None):
         self.redis = client
         self.limits = limits
         self.hooked_owners = hooked_owners
+        self.wait_any_wakeup = wait_any or wakeups.waiting_on(client)
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
         self._ended_places = client.register_script(_ENDED)
@@ -289,7 +291,7 @@ class JobStore:
         job = self.get(job_id)
         if job["status"] in TERMINAL or timeout <= 0:
             return job if job["status"] in TERMINAL else None
-        if wakeups.wait_for_wakeup(self.redis, self.done_key(job_id), timeout):
+        if self.wait_any_wakeup([self.done_key(job_id)], timeout):
             return self.get(job_id)
         job = self.get(job_id)
         return job if job["status"] in TERMINAL else None
@@ -302,7 +304,7 @@ class JobStore:
         if not job_ids:
             return {}  # nothing to wait for (a BLPOP of no keys is an error)
         ended = self._ended(job_ids)
-        if not ended and timeout > 0 and wakeups.wait_for_any(self.redis, [self.done_key(j) for j in job_ids], timeout):
+        if not ended and timeout > 0 and self.wait_any_wakeup([self.done_key(j) for j in job_ids], timeout):
             ended = self._ended(job_ids)
         return dict(zip(ended, self.get_many(ended), strict=True)) if ended else {}
 
