@@ -7,7 +7,7 @@ Torch-free, so the API can refuse at submit what no GPU worker could ever run.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +99,24 @@ def peak_blocks(rows: Sequence[RowFuture], block_size: int) -> int:
     group_shared = np.array([g[1] for g in groups.values()], dtype=np.int64)
     total += ((group_left[None, :] >= ends) * group_shared[None, :]).sum(axis=1)
     return int(total.max())
+
+
+def next_admission(tenants: Sequence[Hashable], held: Mapping[Hashable, int]) -> int:
+    """Which pending request (by its tenant, in arrival order) is admitted next: the first of the
+    tenant holding the fewest rows now (``held``: running and admitted rows by tenant). A key alone
+    takes every row; keys waiting together take turns, so one key's backlog in the scheduler no
+    longer keeps another key's job queued behind all of it. A request that does not fit is waited
+    for, not passed (a large one would otherwise never start). Rows already running are not taken
+    back: a key whose long rows fill the batch keeps them until they end."""
+    best, fewest = 0, None
+    seen: set[Hashable] = set()
+    for index, tenant in enumerate(tenants):
+        if tenant in seen:
+            continue
+        seen.add(tenant)
+        if fewest is None or held.get(tenant, 0) < fewest:
+            best, fewest = index, held.get(tenant, 0)
+    return best
 
 
 def fits_kv_pool(rows: Sequence[RowFuture], blocks: int, block_size: int) -> bool:

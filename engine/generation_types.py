@@ -24,9 +24,12 @@ class GenerationRequest:
     items: Sequence[MultimodalItem] = ()  # finalized items with real tensors, or
     mm_kwargs: Mapping[str, torch.Tensor] | None = None  # ready model kwargs (pixel_values, ...)
     enqueued_at: float | None = None  # time.time() when the job was queued, for timings
-    # Requests share a prompt's KV (a prompt group, the recent-prompt cache) only within one scope:
-    # the service passes the API key, so cached_tokens never tells one key what another sent.
+    # Requests share KV blocks only within one scope: the service passes the API key (and the
+    # request's cache_salt), so cached_tokens never tells one key what another sent.
     cache_scope: str = ""
+    # Whose share of the running batch this request takes (the API key): admission serves the
+    # tenant holding the fewest rows first (engine.capacity.next_admission).
+    tenant: str = ""
 
 
 @dataclass

@@ -13,7 +13,8 @@ One :meth:`Scheduler.step`:
    :class:`~engine.decoding.RowDecoder` (parameters, seeded generator, penalties, stops) and
    rows that finished leave the batch, their KV blocks back in the pool at once (their full
    blocks named, so a next turn that repeats them finds them);
-3. pending requests are admitted, first come first served, while the rows
+3. pending requests are admitted, the tenant holding the fewest rows first (first come first served
+   within a tenant, and for a tenant alone: :func:`engine.capacity.next_admission`), while the rows
    (``max_rows``) and the KV pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the
    blocks of every admitted row at the worst point of their futures) allow;
 4. admitted prompts are looked up in the pool by their blocks' names (:mod:`engine.prefix_hash`):
@@ -48,6 +49,7 @@ forward ends every running request with the error.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,7 +58,7 @@ import torch
 
 from engine.batch_inputs import check_placeholders, check_prompt, request_features
 from engine.batch_sampler import RowTokens, sample_step
-from engine.capacity import SchedulerLimits, check_capacity, fits_kv_pool, request_rows
+from engine.capacity import SchedulerLimits, check_capacity, fits_kv_pool, next_admission, request_rows
 from engine.decoding import RowDecoder
 from engine.encoder_cache import EncoderCache, MediaUnit, tensors_hash, unit_key
 from engine.errors import InvalidRequestError
@@ -319,10 +321,14 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self._pending:
-            job = self._pending[0]
+            held = Counter(job.request.tenant for job in self._batch.jobs)  # a row each
+            for admitted in self._admitted_or_chunking():
+                held[admitted.request.tenant] += len(admitted.rows)
+            index = next_admission([job.request.tenant for job in self._pending], held)
+            job = self._pending[index]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
                 return
-            self._pending.pop(0)
+            self._pending.pop(index)
             job.state = "admitted"
             job.admitted_at = time.perf_counter()
             job.admitted_wall = time.time()

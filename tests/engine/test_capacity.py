@@ -69,3 +69,12 @@ def test_a_request_that_can_never_fit_is_refused_with_what_it_needs():
     assert info.value.errors == {"kv_cache_tokens_needed": 14 * 16, "kv_cache_tokens": 160}
     with pytest.raises(CapacityError):
         check_capacity(limits, 4, 4, 9)  # more rows than the batch has
+
+
+def test_the_tenant_holding_the_fewest_rows_is_admitted_next_first_come_within_a_tenant():
+    from engine.capacity import next_admission
+
+    assert next_admission(["a", "a", "b"], {"a": 12}) == 2  # b holds nothing: its job first
+    assert next_admission(["a", "a", "b"], {"a": 2, "b": 5}) == 0  # a holds fewer: its earliest job
+    assert next_admission(["a", "b", "c"], {"a": 3, "b": 3, "c": 3}) == 0  # ties: arrival order
+    assert next_admission(["a", "a"], {"a": 100}) == 0  # a key alone takes every row

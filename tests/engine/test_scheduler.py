@@ -359,6 +359,25 @@ def test_a_poisoned_pool_hands_out_clean_blocks(models):
         assert_same_row(want, result)
 
 
+def test_a_keys_backlog_does_not_keep_another_keys_job_waiting_behind_all_of_it(models):
+    """Issue #47: admission was first come first served, so another key's 8-token job waited behind
+    a key's whole bulk. Now the key holding the fewest rows goes next: b's job takes the first row
+    that frees, ahead of a's queued jobs."""
+    model = models("qwen2_vl")
+    scheduler = model.engine(max_rows=2).scheduler()
+    for i in range(6):  # a's bulk: two rows at a time, each job 4 tokens
+        scheduler.submit(dataclasses.replace(model.request(f"Job {i} of the bulk.", sampled(seed=i, max_tokens=4)),
+                                             tenant="key_a"), tag=f"a{i}")
+    scheduler.step()
+    other = dataclasses.replace(model.request("Mine.", sampled(seed=99, max_tokens=4)), tenant="key_b")
+    scheduler.submit(other, tag="b")
+    order = []
+    while scheduler.has_work:
+        order += [f.tag for f in scheduler.step()]
+    assert order.index("b") <= 3, order  # the first row a's first two jobs free, not after a's six
+    assert order[:2] == ["a0", "a1"]
+
+
 def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):
     model = models("qwen2_vl")
     prompt = model.text("The weather today is")

@@ -167,7 +167,7 @@ class GenerateSession:
                 stored = JobRequest.from_dict(job["request"])
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                                             sampling=stored.sampling, enqueued_at=job["created_at"],
-                                            cache_scope=stored.cache_scope(job["owner"]))
+                                            cache_scope=stored.cache_scope(job["owner"]), tenant=job["owner"])
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 fail_job(rt, job["id"], _job_error(job, error))
