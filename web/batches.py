@@ -39,7 +39,7 @@ from web.batch_upload import (
     read_upload,
 )
 from web.blueprint import Blueprint
-from web.long_poll import bounded_wait
+from web.long_poll import long_wait
 from web.openai_batch_object import batch_view
 from web.services import services
 from workers.batches.creation import BatchIntake
@@ -138,8 +138,10 @@ class Batch(MethodView):
         seconds, at most ROLLOUT_SYNC_TIMEOUT_MAX (long polling)."""
         store = services().batches
         batch = store.get(batch_id, owner=current_owner())  # 404 for another key's batch, before any wait
-        if (wait := bounded_wait(query.get("wait", 0.0))) and batch["status"] not in TERMINAL:
-            batch = store.wait(batch_id, timeout=wait)
+        if query.get("wait") and batch["status"] not in TERMINAL:
+            with long_wait(query["wait"]) as wait:
+                if wait:
+                    batch = store.wait(batch_id, timeout=wait)
         return batch_view(batch)
 
 

@@ -9,7 +9,7 @@ from flask.views import MethodView
 
 from web.auth import current_owner
 from web.blueprint import Blueprint
-from web.long_poll import bounded_wait
+from web.long_poll import long_wait
 from web.schemas import (
     BulkSubmitResultSchema,
     BulkSubmitSchema,
@@ -95,15 +95,16 @@ class JobLookup(MethodView):
         once every one of them has ended or after ``wait`` seconds."""
         svc, owner = services(), current_owner()
         ids = list(dict.fromkeys(body["ids"]))
-        deadline = time.monotonic() + bounded_wait(body.get("wait", 0.0))
         jobs = svc.jobs.owned(ids, owner)
         running = {job["id"]: place for place, job in enumerate(jobs) if job is not None and job["status"] not in TERMINAL}
-        while running and (left := deadline - time.monotonic()) > 0:
-            ended = svc.jobs.wait_any(list(running), timeout=left)
-            if not ended:
-                break
-            for job_id, job in ended.items():  # the caller's already: checked by the first read
-                jobs[running.pop(job_id)] = job
+        with long_wait(body.get("wait", 0.0)) as wait:
+            deadline = time.monotonic() + wait
+            while running and (left := deadline - time.monotonic()) > 0:
+                ended = svc.jobs.wait_any(list(running), timeout=left)
+                if not ended:
+                    break
+                for job_id, job in ended.items():  # the caller's already: checked by the first read
+                    jobs[running.pop(job_id)] = job
         return {"data": [public_job(job) for job in jobs if job is not None],
                 "missing": [job_id for job_id, job in zip(ids, jobs, strict=True) if job is None]}
 
@@ -121,9 +122,10 @@ class Job(MethodView):
         ROLLOUT_SYNC_TIMEOUT_MAX (long polling: one request instead of one per poll interval)."""
         svc = services()
         job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
-        wait = bounded_wait(query.get("wait", 0.0))
-        if wait and job["status"] not in TERMINAL:  # an ended job is answered as read, without a second read
-            job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
+        if query.get("wait") and job["status"] not in TERMINAL:  # an ended job is answered as read
+            with long_wait(query["wait"]) as wait:
+                if wait:
+                    job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
         return public_job(job)
 
     @blp.response(200, JobSchema)

@@ -14,6 +14,7 @@ from flask import current_app
 
 from engine.request_rules import context_limit
 from web.auth import KeyRing
+from web.wait_slots import WaitSlots
 from workers.infra.redis_client import with_pool_size
 from workers.infra.wakeup_hub import WakeupHub
 from workers.infra.wakeups import WaitAny
@@ -47,6 +48,11 @@ class Services(Runtime):
         # record of a job that ended) at once: a pool sized for the stream slots.
         client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
         return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
+
+    @cached_property
+    def wait_slots(self) -> WaitSlots:
+        """Long polls per key in this process: at most half its request threads (web/long_poll.py)."""
+        return WaitSlots(max(1, self.settings.api_threads // 2))
 
     @cached_property
     def wakeup_hub(self) -> WakeupHub:

@@ -344,7 +344,7 @@ def test_waiting_takes_no_connection_of_the_shared_pool(make_app):
     import threading
     import time
 
-    app = make_app(max_queued_per_key=100)
+    app = make_app(max_queued_per_key=100, api_threads=200)  # a key may hold 100 long polls
     services = app.extensions["rollout"]
     jobs = [submit(app.test_client()).get_json()["id"] for _ in range(60)]
     shared = services.redis.connection_pool
@@ -365,3 +365,30 @@ def test_waiting_takes_no_connection_of_the_shared_pool(make_app):
     for poll in polls:
         poll.join(10)
     assert sorted(answers) == ["cancelled"] * 60
+
+
+def test_a_key_holds_at_most_half_the_threads_in_long_polls_its_next_one_answers_at_once(make_app):
+    import threading
+    import time
+
+    app = make_app(api_threads=4, max_queued_per_key=10)  # a key may hold 2 waiting reads
+    mine = [submit(app.test_client()).get_json()["id"] for _ in range(3)]
+    theirs = submit(app.test_client(), key=KEY_B).get_json()["id"]
+    took: dict[str, float] = {}
+
+    def poll(job_id: str, key: str = KEY_A) -> None:
+        started = time.monotonic()
+        app.test_client().get(f"/v1/jobs/{job_id}?wait=3", headers=auth(key))
+        took[job_id] = time.monotonic() - started
+
+    holding = [threading.Thread(target=poll, args=(job_id,)) for job_id in mine[:2]]
+    for thread in holding:
+        thread.start()
+    time.sleep(0.5)
+    poll(mine[2])  # a's third: at once, with the job as it is
+    assert took[mine[2]] < 1.0, took
+    other = threading.Thread(target=poll, args=(theirs, KEY_B))
+    other.start()  # b's long poll still waits its 3 s: its own share
+    for thread in (*holding, other):
+        thread.join(10)
+    assert all(took[job_id] >= 2.5 for job_id in (*mine[:2], theirs)), took

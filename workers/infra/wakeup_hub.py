@@ -109,8 +109,11 @@ class WakeupHub:
             try:
                 popped = self._client.blpop([self._wake_key, *keys], timeout=wakeups.LONGEST_BLOCK_S)
             except redis.RedisError as error:
-                log.warning("wake-up hub: Redis is away (%s); retrying", error)
-                time.sleep(RETRY_SECONDS)
+                with self._lock:
+                    someone = bool(self._waiters)
+                if someone:  # a BLPOP nobody waits on any more (the process is ending) fails quietly
+                    log.warning("wake-up hub: Redis is away (%s); retrying", error)
+                    time.sleep(RETRY_SECONDS)
                 continue
             except Exception:  # never let the thread die: every wait of the process would run to its timeout
                 log.exception("wake-up hub: unexpected error")
