@@ -78,7 +78,10 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
     top_k = max((rows[i].params.top_logprobs for i in live), default=0)
     top = torch.topk(raw_logprobs, top_k) if top_k else None
-    finite = torch.isfinite(logits).all(dim=-1).to(chosen.dtype)
+    # A NaN or +inf logit makes the row's log-softmax NaN or its normalizer infinite, so the chosen
+    # token's logprob is not finite: one check of a value per row, where a scan of the logits cost
+    # 2 % of a decode step on the demo model.
+    finite = torch.isfinite(chosen).to(chosen.dtype)
     host_tokens, host_logprobs, host_finite = torch.stack([tokens.to(chosen.dtype), chosen, finite]).tolist()  # one copy
     for i in live:
         if i in failed:
