@@ -48,6 +48,8 @@ def test_vllm_features_kwargs_data_must_stay_null(client):
     _refused(client, "/inference/v1/generate", body, "kwargs_data")
 
 
-def test_sglang_modalities_other_than_image_are_refused(client):
-    _refused(client, "/generate", {"text": "hi", "modalities": ["video"], "sampling_params": {"max_new_tokens": 1}},
+@pytest.mark.parametrize("modalities", [["video"], [True, [{"x": 1}]], [["image"]], "image"])
+def test_sglang_modalities_other_than_image_are_refused(client, modalities):
+    # A list inside the list was a 500 (unhashable in a set): found by the schema fuzzer.
+    _refused(client, "/generate", {"text": "hi", "modalities": modalities, "sampling_params": {"max_new_tokens": 1}},
              "modalities")

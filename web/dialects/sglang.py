@@ -110,7 +110,7 @@ class SglangGenerateSchema(NullMeansDefault):
         if ("text" in data) == ("input_ids" in data):
             raise ValidationError("give exactly one of text or input_ids", "text")
         modalities = data.get("modalities")
-        if modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"image"}):
+        if modalities is not None and (not isinstance(modalities, list) or any(m != "image" for m in modalities)):
             # SGLang's modalities say how to read image_data (multi-images, video frames): here media
             # kinds have their own fields, and a video goes as video_data.
             raise ValidationError("only 'image' entries: send videos as video_data", "modalities")
