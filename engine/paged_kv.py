@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from engine.errors import KVPoolExhausted
 
@@ -240,11 +240,6 @@ class PagedPrompt:
     blocks: list[int]
     length: int
 
-    def hold(self) -> PagedPrompt:
-        """Another reference to the same blocks (the prompt cache keeps one)."""
-        self.pool.share(self.blocks)
-        return PagedPrompt(self.pool, list(self.blocks), self.length)
-
     def release(self) -> None:
         self.pool.release(self.blocks)
         self.blocks = []
@@ -281,8 +276,6 @@ def prefix_cache(pool: BlockPool, prefixes: Sequence[Sequence[int]], *, dtype: t
     """A ``DynamicCache`` holding each row's cached prefix blocks, rows left-padded with the null
     block (zeros) to the longest: what a prefill of the rest of each prompt attends to, its
     attention mask hiding the padding. One gather per layer, as a decode step's."""
-    from transformers import DynamicCache
-
     width = max(map(len, prefixes))
     table = torch.tensor([[NULL_BLOCK] * (width - len(p)) + list(p) for p in prefixes], dtype=torch.long,
                          device=pool.keys[0].device).flatten()

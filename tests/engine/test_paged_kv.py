@@ -12,6 +12,7 @@ from engine.errors import KVPoolExhausted
 from engine.paged_kv import (
     NULL_BLOCK,
     BlockPool,
+    PagedPrompt,
     PagedStep,
     decode_mask,
     flat_slots,
@@ -57,7 +58,8 @@ def test_blocks_are_counted_shared_and_given_back():
     pool = BlockPool(capacity=3, block_size=4)
     cache, mask, _ = prefill([5])
     (prompt,) = write_prompts(pool, cache, mask.sum(-1).tolist())
-    kept = prompt.hold()  # a second holder (another row)
+    pool.share(prompt.blocks)  # a second holder (another row)
+    kept = PagedPrompt(pool, list(prompt.blocks), prompt.length)
     assert pool.in_use == 2 and all(pool.is_shared(b) for b in prompt.blocks)
     prompt.release()
     assert pool.in_use == 2 and not pool.is_shared(kept.blocks[0])

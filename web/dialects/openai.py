@@ -61,9 +61,10 @@ class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
 
 
-def check_model(name: str | None, *, required: bool = True) -> str:
+def check_model(name: str | None) -> str:
+    """The served model's name; ``name`` must be it, or absent (vLLM's rule: AReaL sends none)."""
     served = served_model_name()
-    if name is None and not required:
+    if name is None:
         return served
     if name != served:
         raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves `{served}`.",
@@ -172,7 +173,7 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
 def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
     if body.get("stream") and body.get("echo"):
         raise InvalidRequestError("echo is not served with stream: true", errors={"echo": ["not with stream"]})
-    check_model(body.get("model"), required=False)
+    check_model(body.get("model"))
     prompts, batch = prompts_of(body["prompt"])
     tok = tokenizer()
     requests = []
@@ -269,7 +270,7 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
-    check_model(body.get("model"), required=False)
+    check_model(body.get("model"))
     tool_choice = body.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise InvalidRequestError("tool_choice: tools are not served", errors={"tool_choice": ["not supported"]})

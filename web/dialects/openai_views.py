@@ -101,7 +101,7 @@ class Tokenize(MethodView):
     def post(self, body):
         """Token ids of a prompt, or of chat messages through the chat template (media placeholders
         collapsed, one per item: a job expands them to each item's size)."""
-        openai.check_model(body.get("model"), required=False)
+        openai.check_model(body.get("model"))
         tok = tokenizer()
         if "prompt" in body:
             ids = tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
@@ -127,7 +127,7 @@ class Detokenize(MethodView):
     @documented(blp, _ERRORS[:4])
     def post(self, body):
         """The text of token ids."""
-        openai.check_model(body.get("model"), required=False)
+        openai.check_model(body.get("model"))
         tok = tokenizer()
         vocab = len(tok)
         bad = [t for t in body["tokens"] if t >= vocab]

@@ -119,7 +119,7 @@ class GenerateRequestSchema(NullMeansDefault):
 
 
 def generate_request(body: dict[str, Any]) -> dict[str, Any]:
-    check_model(body.get("model"), required=False)
+    check_model(body.get("model"))
     sp = body["sampling_params"]
     params = native_sampling(sp, vocab_size())
     k = sp.get("logprobs")

@@ -50,7 +50,7 @@ class ChatRender(MethodView):
     def post(self, body):
         """Render a chat request into a generate request: exact prompt ids (media runs expanded)
         and ``features`` to pass back unchanged."""
-        openai.check_model(body.get("model"), required=False)
+        openai.check_model(body.get("model"))
         _refuse_unrendered(body)
         svc = services()
         messages = [_with_media_urls(message, i) for i, message in enumerate(body["messages"])]
@@ -67,7 +67,7 @@ class CompletionRender(MethodView):
     @documented(blp)
     def post(self, body):
         """Tokenize completion prompts into generate requests (no media: features null)."""
-        openai.check_model(body.get("model"), required=False)
+        openai.check_model(body.get("model"))
         prompts, _ = openai.prompts_of(body["prompt"])
         tok, sampling = tokenizer(), vllm.render_sampling(body)
         out = [{"request_id": body.get("request_id"), "features": None, "sampling_params": sampling,
