@@ -320,15 +320,18 @@ class Scheduler:
                            batch_rows=batch_rows, fail=self._fail)
 
     def _admit(self) -> None:
+        if not self._pending:
+            return
+        held = Counter(job.request.tenant for job in self._batch.jobs)  # a row each
+        for admitted in self._admitted_or_chunking():
+            held[admitted.request.tenant] += len(admitted.rows)
         while self._pending:
-            held = Counter(job.request.tenant for job in self._batch.jobs)  # a row each
-            for admitted in self._admitted_or_chunking():
-                held[admitted.request.tenant] += len(admitted.rows)
             index = next_admission([job.request.tenant for job in self._pending], held)
             job = self._pending[index]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
                 return
             self._pending.pop(index)
+            held[job.request.tenant] += len(job.rows)
             job.state = "admitted"
             job.admitted_at = time.perf_counter()
             job.admitted_wall = time.time()
