@@ -187,3 +187,15 @@ def test_vllms_prompt_logprobs_extra_is_returned_not_dropped(server, model, stac
         native["prompt_logprobs"][1:], abs=1e-6)
     assert all(len(step) <= 2 for step in got[1:])  # the prompt token and the top 1
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"]) and chat["prompt_logprobs"][0] is None
+
+
+def test_cached_prompt_tokens_parse_as_the_openai_client_reads_them(client, model):
+    """``usage.prompt_tokens_details.cached_tokens``, read by the openai package's own models: a
+    prompt sent again under the same ``cache_salt`` is found whole in the KV pool."""
+    prompt = list(range(300, 340))
+    salt = {"cache_salt": "openai-client-usage"}
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=salt)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=salt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt)
+    assert again.choices[0].text == first.choices[0].text
