@@ -10,7 +10,7 @@ alternated round by round, medians of CPU time:
 
 - all at once: every job submitted before the first step (what the in-process baseline does);
 - one per step: a job submitted before each step, as single submits arrive;
-- fresh prompts, all at once and one per step: the same with prompts the engine's prompt cache has
+- fresh prompts, all at once and one per step: the same with prompts the engine's KV cache has
   never seen, so each join needs a prefill forward; one per step twice: with the scheduler's rule
   that joins wait for company (``engine.prefill_plan.hold_joins``) and with it off (each job
   prefilled alone as it arrives).

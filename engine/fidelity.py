@@ -31,7 +31,7 @@ from engine.scoring import ScoreRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A picture is worth a thousand words."
 NEW_TOKENS = 4
-_SCOPE = "rollout:fidelity-check"  # no API key has this cache scope: no job shares its prompt cache
+_SCOPE = "rollout:fidelity-check"  # no API key has this cache scope: no job shares its KV blocks
 
 
 def default_tolerance(dtype: torch.dtype) -> float:

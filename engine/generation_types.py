@@ -44,6 +44,6 @@ class GenerationResult:
     # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list] | None] | None = None
-    # Prompt tokens not computed for this request: its prompt's KV came from another request's
-    # prefill (a prompt group) or from the recent-prompt cache (SGLang's meta_info.cached_tokens).
+    # Prompt tokens not computed for this request: their KV blocks came from another request's
+    # prefill or decoding (same key and salt, tokens, media, weights): SGLang's meta_info.cached_tokens.
     cached_tokens: int = 0

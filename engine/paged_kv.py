@@ -3,9 +3,9 @@ table per row.
 
 A row holds the blocks its own length needs; a finished row's blocks go back at once; rows join
 and leave by editing tables, nothing is copied; a decode step writes only each row's new K/V.
-Blocks are reference-counted, so the ``n`` samples of a prompt, and the recent-prompt cache, hold
-the prompt's blocks once; a row copies a shared block only when it writes into it (the prompt's
-last, partial block: copy-on-write).
+Blocks are reference-counted, so the ``n`` samples of a prompt, and later requests that find its
+blocks cached by name, hold the prompt's blocks once; a row copies a shared or named block only
+when it writes into it (the prompt's last, partial block: copy-on-write).
 
 Why by hand, when transformers ships ``PagedAttentionCache`` for its continuous batching:
 
