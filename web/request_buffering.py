@@ -1,26 +1,28 @@
 """Whole requests before threads: a slow client costs a socket, not a thread.
 
 gunicorn's threaded worker hands a connection to a thread as soon as its first bytes arrive, and
-the thread then blocks until the request head (and the body the view reads) is complete: ten
-sockets sending partial headers, or a declared body that trickles, held threads for as long as
-they stayed open, and ~550 of them took every thread of the API for every key. Here the worker's
-event loop reads each request itself, without blocking, until its head and a body of up to
-:data:`BUFFERED_BODY_BYTES` are in, and only then hands the connection to a thread with those
-bytes already in its parser. A request not complete within ``ROLLOUT_REQUEST_READ_TIMEOUT`` is
-dropped in the loop (a JSON 408). A larger body (a batch upload) or ``Expect: 100-continue`` goes
-to a thread after its head, and each read of the rest must come within the same timeout, or the
-body ends there (the view sees a client that went away). The other way, a write that waits
+the thread then blocks until the request it reads is complete: sockets sending partial headers,
+a body that trickles (declared or chunked), a request that waits for ``100 Continue``, or the
+start of a second request pipelined behind a first held a thread each for as long as they stayed
+open, and a few hundred of them took every thread of the API for every key.
+
+Here the worker's event loop collects each request itself, without blocking, until it is whole
+(``web/request_framing.py`` finds its end), answers ``Expect: 100-continue`` itself, and only
+then hands the connection to a thread, whose parser reads those bytes and never the socket: a
+thread never waits on a client. Each request has one deadline, ``ROLLOUT_REQUEST_READ_TIMEOUT``
+plus a second per :data:`~web.request_framing.MIN_BODY_BYTES_PER_SECOND` of body; a request not
+whole by then is dropped in the loop (a JSON 408). Bytes of a pipelined next request wait in the
+loop for the first to be answered. The other way, a write that waits
 ``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped reading) fails and ends the connection.
 
-Written on gthread's own hooks (``accept``, ``on_client_socket_readable``, ``murder_pending``):
-gunicorn has no setting for header or body read timeouts, and an async front (nginx) is not part
-of ``rollout-queue up``.
+Written on gthread's own hooks (``accept``, ``on_client_socket_readable``, ``finish_request``,
+``murder_pending``): gunicorn has no setting for request read deadlines, and an async front
+(nginx) is not part of ``rollout-queue up``.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import selectors
 import socket
 import struct
@@ -30,24 +32,23 @@ from functools import partial
 from gunicorn import util
 from gunicorn.workers.gthread import TConn
 
-BUFFERED_BODY_BYTES = 1024 * 1024
-# Past this without the end of the head, the thread's parser sees it and refuses it itself (431).
-_MAX_HEAD_BYTES = 128 * 1024
-_HEAD_END = b"\r\n\r\n"
+from web.early_errors import error_response
+from web.request_framing import CONTINUE, MIN_BODY_BYTES_PER_SECOND, IncomingRequest, Progress, RequestSource
 
 
 class RequestBuffering:
-    """Mixed into a gthread worker class (``web/server.py``): each request head (and a small body)
-    is read in its event loop first. ``read_timeout`` is set on the class the server builds."""
+    """Mixed into a gthread worker class (``web/server.py``): each request is collected in its
+    event loop first. The server sets the class attributes from Settings."""
 
     read_timeout: float = 10.0
     write_timeout: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024  # the largest body any route takes
 
     def init_process(self):
-        self._reading: dict[TConn, float] = {}  # connection -> deadline for its request to be in
+        self._reading: dict[TConn, tuple[float, IncomingRequest]] = {}  # connection -> (start, request)
         super().init_process()
 
-    # --- gthread's hooks: every request is read here first ----------------------------------------
+    # --- gthread's hooks: every request is collected here first -----------------------------------
 
     def accept(self, listener):
         try:
@@ -60,24 +61,42 @@ class RequestBuffering:
         self._start_reading(TConn(self.cfg, client, address, listener.getsockname()))
 
     def on_client_socket_readable(self, conn, client):
-        """A kept-alive connection's next request: read it here too."""
+        """A kept-alive connection's next request: collected here too."""
         self.poller.unregister(client)
         self.keepalived_conns.remove(conn)
         self._start_reading(conn)
 
+    def finish_request(self, conn, fs):
+        """After a response: the start of a pipelined next request, already read, is collected here
+        (gthread would hand it straight to a thread, to wait there for the rest)."""
+        leftover = conn.__dict__.pop("leftover", b"")
+        source = getattr(getattr(conn.parser, "unreader", None), "sock", None)
+        if isinstance(source, RequestSource):
+            source.close()  # its body's memory or temporary file goes now, not at the next request
+        keepalive = not fs.cancelled() and fs.exception() is None and fs.result() is True
+        if leftover and keepalive and self.alive:
+            self._start_reading(conn, leftover)
+        else:
+            super().finish_request(conn, fs)
+
     def murder_pending(self):
         super().murder_pending()
         now = time.monotonic()
-        for conn in [c for c, deadline in self._reading.items() if deadline <= now]:
-            self._drop(conn, timed_out=True)
+        for conn in [c for c, (start, request) in self._reading.items() if self._deadline(start, request) <= now]:
+            request = self._reading[conn][1]
+            self._drop(conn, error_response(408, timeout=self.read_timeout) if request.received_any else b"")
 
-    # --- reading ------------------------------------------------------------------------------------
+    def _deadline(self, start: float, request: IncomingRequest) -> float:
+        return start + self.read_timeout + request.body_bytes / MIN_BODY_BYTES_PER_SECOND
 
-    def _start_reading(self, conn: TConn) -> None:
+    # --- collecting -----------------------------------------------------------------------------
+
+    def _start_reading(self, conn: TConn, leftover: bytes = b"") -> None:
         conn.sock.setblocking(False)
-        conn.request_bytes = bytearray()
-        self._reading[conn] = time.monotonic() + self.read_timeout
+        self._reading[conn] = (time.monotonic(), IncomingRequest(self.max_body_bytes))
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._read_some, conn))
+        if leftover:
+            self._take(conn, leftover)
 
     def _read_some(self, conn: TConn, _client) -> None:
         try:
@@ -86,93 +105,58 @@ class RequestBuffering:
             return
         except OSError:
             data = b""
-        if not data:
+        if data:
+            self._take(conn, data)
+        else:
             self._drop(conn)
-            return
-        conn.request_bytes += data
-        if _ready(conn.request_bytes):
-            self._hand_over(conn)
 
-    def _hand_over(self, conn: TConn) -> None:
+    def _take(self, conn: TConn, data: bytes) -> None:
+        request = self._reading[conn][1]
+        progress = request.feed(data)
+        if progress is Progress.NEED_MORE:
+            if request.wants_continue:  # the client waits for our word before it sends the body
+                request.wants_continue = False
+                self._write(conn, CONTINUE)
+        elif progress is Progress.INVALID:
+            self._drop(conn, error_response(request.error_status))
+        else:  # whole, or past the cap: the thread answers it (a 413 from what came, if past)
+            self._hand_over(conn, request)
+
+    def _hand_over(self, conn: TConn, request: IncomingRequest) -> None:
         self.poller.unregister(conn.sock)
         del self._reading[conn]
-        buffered = bytes(conn.request_bytes)
-        del conn.request_bytes
+        conn.leftover = request.leftover
         conn.sock.setblocking(True)
         # A send that waits this long (a reader that stopped reading: an SSE stream, a large result)
         # fails, and the connection ends: set on the socket itself, as gunicorn writes with blocking
         # sendall and keeps no timeout of its own (setblocking does not clear SO_SNDTIMEO).
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.write_timeout))
         conn.init()  # the parser (plain HTTP/1.1: no TLS or h2 preface here, so nothing is read)
-        unreader = conn.parser.unreader
-        if not isinstance(unreader.sock, _IdleLimited):
-            unreader.sock = _IdleLimited(conn.sock, self.read_timeout)
-        unreader.unread(buffered)
+        conn.parser.unreader.sock = request.source()
         conn.data_ready = True
         self.enqueue_req(conn)
 
-    def _drop(self, conn: TConn, *, timed_out: bool = False) -> None:
+    def _drop(self, conn: TConn, answer: bytes = b"") -> None:
         try:
             self.poller.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
             pass
-        self._reading.pop(conn, None)
-        if timed_out and conn.request_bytes:
-            body = json.dumps({"code": "request_timeout", "message": f"the request did not arrive within "
-                               f"{self.read_timeout:g} s"}).encode()
-            head = (f"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body)}\r\n\r\n").encode()
-            try:
-                util.write_nonblock(conn.sock, head + body)
-            except Exception:  # the client is gone or not reading: nothing more to tell it
-                pass
+        _, request = self._reading.pop(conn, (0.0, None))
+        if request is not None:
+            request.close()
+        if answer:
+            self._write(conn, answer)
         self.nr_conns -= 1
         conn.close()
 
-
-def _ready(data: bytearray) -> bool:
-    """Whether a thread may take the request now: its head and (up to the buffered size) its body
-    are in, or it is too large to wait for here."""
-    end = data.find(_HEAD_END)
-    if end < 0:
-        return len(data) > _MAX_HEAD_BYTES
-    headers = {}
-    for line in bytes(data[:end]).split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip().lower()
-    if b"100-continue" in headers.get(b"expect", b"") or b"transfer-encoding" in headers:
-        return True  # the client waits for us (Expect), or the body's end is the parser's to find
-    try:
-        length = int(headers.get(b"content-length", b"0"))
-    except ValueError:
-        return True  # the parser refuses it
-    return length > BUFFERED_BODY_BYTES or len(data) - end - len(_HEAD_END) >= length
+    @staticmethod
+    def _write(conn: TConn, data: bytes) -> None:
+        try:
+            util.write_nonblock(conn.sock, data)
+        except Exception:  # the client is gone or not reading: nothing more to tell it
+            pass
 
 
 def _timeval(seconds: float) -> bytes:
     whole = int(seconds)
     return struct.pack("ll", whole, int((seconds - whole) * 1_000_000))
-
-
-class _IdleLimited:
-    """The socket as the parser reads a large body in its thread: a read that waits longer than
-    ``timeout`` ends the body there (EOF), so a trickling sender holds a thread at most that long
-    per read."""
-
-    def __init__(self, sock: socket.socket, timeout: float):
-        self._sock = sock
-        self._timeout = timeout
-
-    def recv(self, size: int) -> bytes:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._sock, selectors.EVENT_READ)
-            if not selector.select(self._timeout):
-                try:
-                    self._sock.shutdown(socket.SHUT_RDWR)  # and no keep-alive after this request
-                except OSError:
-                    pass
-                return b""
-        return self._sock.recv(size)
-
-    def __getattr__(self, name):
-        return getattr(self._sock, name)

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 from gunicorn import util
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
+from web.batch_upload import MULTIPART_OVERHEAD
+from web.early_errors import error_response
 from web.request_buffering import RequestBuffering
 from workers.settings import Settings
-
-# Codes for the statuses gunicorn answers itself, before the app sees a request.
-_GUNICORN_ERRORS = {
-    400: ("bad_request", "the request is not valid HTTP (its request line or a header is malformed)"),
-    403: ("forbidden", "the request was refused"),
-    414: ("uri_too_long", "the request line is longer than {limit} bytes"),
-    417: ("expectation_failed", "the Expect header cannot be met"),
-    431: ("headers_too_large", "the request headers are too many or too large"),
-    501: ("not_implemented", "the transfer coding is not supported"),
-}
 
 
 class _ErrorCapture:
@@ -44,8 +34,7 @@ class JsonErrorWorker(ThreadWorker):
     ``limit_request_line``, a NUL in a header, ...) in our error shape instead of HTML.
 
     gunicorn has no setting for its error pages. Its own ``handle_error`` still decides status
-    and logging; only the HTML it writes is swapped for JSON (hand-written HTTP, as gunicorn's own
-    ``util.write_error`` is, because no request or WSGI response exists at that point).
+    and logging; only the HTML it writes is swapped for JSON (``web/early_errors.py``).
     """
 
     def handle_error(self, req, client, addr, exc):
@@ -55,13 +44,9 @@ class JsonErrorWorker(ThreadWorker):
         parts = status_line.split(" ", 2)
         if len(parts) < 2 or not parts[1].isdigit():
             return
-        status = int(parts[1])
-        code, message = _GUNICORN_ERRORS.get(status, ("internal_error", "internal error"))
-        body = json.dumps({"code": code, "message": message.format(limit=self.cfg.limit_request_line)}).encode()
-        head = (f"{status_line}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+        response = error_response(int(parts[1]), status_line, limit=self.cfg.limit_request_line)
         try:
-            util.write_nonblock(client, head + body)
+            util.write_nonblock(client, response)
         except Exception:
             self.log.debug("Failed to send error message.")
 
@@ -88,8 +73,9 @@ class ApiServer(BaseApplication):
         # each parked in a blocking Redis read that releases the GIL, and a stream past the slots
         # is refused (503), so streams never take the api_threads ordinary requests run on. gthread
         # times a worker by its main loop's heartbeat, not by request, so a stream of minutes is fine.
-        self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {"read_timeout": s.request_read_timeout,
-                                                                     "write_timeout": s.stream_write_timeout}))
+        self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {
+            "read_timeout": s.request_read_timeout, "write_timeout": s.stream_write_timeout,
+            "max_body_bytes": max(s.max_body_bytes, s.batch_max_bytes + MULTIPART_OVERHEAD)}))
         self.cfg.set("threads", s.api_threads + s.api_stream_slots)
         self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)

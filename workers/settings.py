@@ -90,8 +90,8 @@ class Settings:
     # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
     # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
     api_threads: int = 16
-    # A request's head (and a body up to 1 MiB) must arrive within this, or it is dropped with a
-    # 408; a larger body's every read must come within it (web/request_buffering.py).
+    # A whole request must arrive within this (plus a second per 256 KiB of body), or it is
+    # dropped with a 408 (web/request_buffering.py).
     request_read_timeout: float = 10.0
     api_stream_slots: int = 256
     # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
