@@ -107,7 +107,7 @@ def next_admission(tenants: Sequence[Hashable], held: Mapping[Hashable, int]) ->
     takes every row; keys waiting together take turns, so one key's backlog in the scheduler no
     longer keeps another key's job queued behind all of it. A request that does not fit is waited
     for, not passed (a large one would otherwise never start). Rows already running are not taken
-    back: a key whose long rows fill the batch keeps them until they end."""
+    back here: :func:`fair_share_victim` says which give way to a tenant below its share."""
     best, fewest = 0, None
     seen: set[Hashable] = set()
     for index, tenant in enumerate(tenants):
@@ -117,6 +117,37 @@ def next_admission(tenants: Sequence[Hashable], held: Mapping[Hashable, int]) ->
         if fewest is None or held.get(tenant, 0) < fewest:
             best, fewest = index, held.get(tenant, 0)
     return best
+
+
+def dominant_share(rows: int, blocks: int, limits: SchedulerLimits) -> float:
+    """A tenant's share of the batch as dominant resource fairness counts it: the larger of its
+    fractions of the rows and of the KV pool (its rows' blocks at their peak)."""
+    return max(rows / limits.max_rows, blocks / limits.kv_blocks)
+
+
+def fair_share_victim(waiting: Hashable, need: float, shares: Mapping[Hashable, float],
+                      running: Sequence[tuple[Hashable, float]], tenants: int) -> int | None:
+    """Which running request gives way so that tenant ``waiting``, whose next request (``need``,
+    its dominant share) does not fit now, gets an even share of the batch; its index in ``running``
+    (each running request's tenant and share, in admission order), or None.
+
+    ``shares``: each tenant's dominant share now (running and admitted requests); ``tenants``: how
+    many have work (running or waiting). A request gives way only when ``waiting`` would stay
+    within an even share with it and the giving tenant keeps at least an even share without it:
+    the newest request (least work lost) of the tenant holding the most. So a key alone keeps the
+    whole batch, and no key is pushed below its share, which keeps two keys from taking turns
+    preempting each other. A request larger than an even share waits for rows to end instead."""
+    if tenants < 2:
+        return None
+    even = 1 / tenants
+    if shares.get(waiting, 0.0) + need > even:
+        return None
+    by_share = sorted({t for t, _ in running if t != waiting}, key=lambda t: shares.get(t, 0.0), reverse=True)
+    for tenant in by_share:
+        index = max(i for i, (t, _) in enumerate(running) if t == tenant)
+        if shares.get(tenant, 0.0) - running[index][1] >= even:
+            return index
+    return None
 
 
 def fits_kv_pool(rows: Sequence[RowFuture], blocks: int, block_size: int) -> bool:

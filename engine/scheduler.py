@@ -16,7 +16,11 @@ One :meth:`Scheduler.step`:
 3. pending requests are admitted, the tenant holding the fewest rows first (first come first served
    within a tenant, and for a tenant alone: :func:`engine.capacity.next_admission`), while the rows
    (``max_rows``) and the KV pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the
-   blocks of every admitted row at the worst point of their futures) allow;
+   blocks of every admitted row at the worst point of their futures) allow. When they do not, and
+   the tenant is below an even share of the batch while another is above it, that tenant's newest
+   running request is preempted (:func:`engine.capacity.fair_share_victim`): its rows stop, its
+   blocks go back (named, so its prompt is found again), and it ends ``preempted`` for its caller to
+   run again;
 4. admitted prompts are looked up in the pool by their blocks' names (:mod:`engine.prefix_hash`):
    one found whole (every block, and its last logits) joins with no forward; the others are
    prefilled from the end of the blocks found, each distinct prompt (token ids + media keys) once,
@@ -58,7 +62,16 @@ import torch
 
 from engine.batch_inputs import check_placeholders, check_prompt, request_features
 from engine.batch_sampler import RowTokens, sample_step
-from engine.capacity import SchedulerLimits, check_capacity, fits_kv_pool, next_admission, request_rows
+from engine.capacity import (
+    SchedulerLimits,
+    check_capacity,
+    dominant_share,
+    fair_share_victim,
+    fits_kv_pool,
+    next_admission,
+    request_peak_blocks,
+    request_rows,
+)
 from engine.decoding import RowDecoder
 from engine.encoder_cache import EncoderCache, MediaUnit, tensors_hash, unit_key
 from engine.errors import InvalidRequestError
@@ -82,6 +95,7 @@ class EngineStats:
     prefill_forwards: int = 0  # forwards that computed prompts (a chunk of a long prompt counts one)
     cached_tokens: int = 0  # prompt tokens served by cached KV blocks or a shared prefill
     decode_steps: int = 0
+    preempted_requests: int = 0  # running requests stopped to give another tenant its share
     decode_rows: int = 0  # sum over decode steps of the rows in them
     kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
     kv_held_tokens: int = 0  # sum over decode steps of the KV pool's blocks in use, in tokens
@@ -100,6 +114,7 @@ class Finished:
     result: Any = None  # engine.generation.GenerationResult
     error: BaseException | None = None
     timed_out: bool = False  # its deadline stopped it (its rows end with "abort")
+    preempted: bool = False  # stopped to give another tenant its share: run it again (no result)
     batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
 
 
@@ -121,7 +136,7 @@ class _Job:
     key: tuple
     names: PromptHashes | None  # its prompt's block names (None: prefix caching is off)
     rows: list[RowDecoder]
-    deadline: float | None
+    time_limit: float | None  # seconds from admission: its deadline is set then
     state: str = "pending"  # pending -> admitted -> running -> done
     admitted_at: float | None = None
     admitted_wall: float | None = None
@@ -129,6 +144,8 @@ class _Job:
     cached_tokens: int = 0
     error: BaseException | None = None
     timed_out: bool = False
+    preempted: bool = False
+    deadline: float | None = None
     abort_requested: bool = False
     peak_rows: int = 0
     prefix: list[int] = field(default_factory=list)  # cached blocks its prefill starts from (held)
@@ -198,10 +215,11 @@ class Scheduler:
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
         return features
 
-    def submit(self, request, *, tag: Any = None, deadline: float | None = None,
+    def submit(self, request, *, tag: Any = None, time_limit: float | None = None,
                features: dict[str, torch.Tensor] | None = None) -> int:
         """Queue ``request`` (an ``engine.generation.GenerationRequest``); returns its handle.
-        ``deadline`` (``time.monotonic()``): its rows stop then and it ends ``timed_out``."""
+        ``time_limit``: seconds from its admission (not its wait); its rows stop then and it ends
+        ``timed_out``."""
         if features is None:
             features = self.check(request)
         loaded = self.loaded
@@ -218,7 +236,7 @@ class Scheduler:
         rows = [RowDecoder(handle, c, request.sampling, _generator(loaded, request.sampling, c),
                            prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)
                 for c in range(request.sampling.n)]
-        job = _Job(handle, tag, request, features, units, key, names, rows, deadline)
+        job = _Job(handle, tag, request, features, units, key, names, rows, time_limit)
         self._jobs[handle] = job
         self._pending.append(job)
         return handle
@@ -251,8 +269,15 @@ class Scheduler:
 
     @property
     def free_rows(self) -> int:
-        """Rows a new request could take now (the GPU worker reserves no more messages than this)."""
+        """Rows a new request could take now."""
         return max(0, self.free_rows_for_admission - sum(len(j.rows) for j in self._pending))
+
+    @property
+    def intake_room(self) -> int:
+        """How many more requests the caller may submit now: two batches' worth wait here at most.
+        Every tenant among them is seen by admission (and may preempt), where requests held back
+        outside until rows were free would wait behind one tenant's backlog in arrival order."""
+        return max(0, 2 * self.limits.max_rows - len(self._pending))
 
     def close(self) -> None:
         """Give every KV block this scheduler holds back to the pool and drop its requests: a
@@ -329,13 +354,47 @@ class Scheduler:
             index = next_admission([job.request.tenant for job in self._pending], held)
             job = self._pending[index]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
-                return
+                victim = self._preempt_for(job)
+                if victim is None:
+                    return
+                held[victim.request.tenant] -= len(victim.rows)
+                continue
             self._pending.pop(index)
             held[job.request.tenant] += len(job.rows)
             job.state = "admitted"
             job.admitted_at = time.perf_counter()
             job.admitted_wall = time.time()
+            if job.time_limit is not None:
+                job.deadline = time.monotonic() + job.time_limit
             self._admitted.append(job)
+
+    def _preempt_for(self, waiting: _Job) -> _Job | None:
+        """Preempt the running request that gives way to ``waiting``'s tenant, if one does
+        (:func:`engine.capacity.fair_share_victim`); its blocks are free when this returns."""
+        live = [job for job in self._jobs.values() if job.state != "done" and not job.preempted]
+        rows, blocks = Counter(), Counter()
+        for job in live:
+            if job.state != "pending":
+                rows[job.request.tenant] += len(job.rows)
+                blocks[job.request.tenant] += self._peak_blocks(job)
+        shares = {tenant: dominant_share(rows[tenant], blocks[tenant], self.limits) for tenant in rows}
+        running = sorted((job for job in live if job.state == "running"), key=lambda job: job.admitted_at)
+        victim = fair_share_victim(
+            waiting.request.tenant, dominant_share(len(waiting.rows), self._peak_blocks(waiting), self.limits), shares,
+            [(job.request.tenant, dominant_share(len(job.rows), self._peak_blocks(job), self.limits)) for job in running],
+            tenants=len({job.request.tenant for job in live}))
+        if victim is None:
+            return None
+        job = running[victim]
+        job.preempted = True
+        for row in job.rows:
+            row.abort()
+        self._batch.drop_finished()
+        self.stats.preempted_requests += 1
+        return job
+
+    def _peak_blocks(self, job: _Job) -> int:
+        return request_peak_blocks(job.prompt_len, job.request.sampling.max_tokens, len(job.rows), self.pool.block_size)
 
     @property
     def free_rows_for_admission(self) -> int:
@@ -561,6 +620,9 @@ class Scheduler:
             if self._chunking is not None and self._chunking.job is job:
                 self._stop_chunking()
             job.state = "done"
+            if job.preempted:
+                finished.append(Finished(handle, job.tag, preempted=True))
+                continue
             if job.error is not None:
                 finished.append(Finished(handle, job.tag, error=job.error))
                 continue

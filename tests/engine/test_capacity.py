@@ -78,3 +78,27 @@ def test_the_tenant_holding_the_fewest_rows_is_admitted_next_first_come_within_a
     assert next_admission(["a", "a", "b"], {"a": 2, "b": 5}) == 0  # a holds fewer: its earliest job
     assert next_admission(["a", "b", "c"], {"a": 3, "b": 3, "c": 3}) == 0  # ties: arrival order
     assert next_admission(["a", "a"], {"a": 100}) == 0  # a key alone takes every row
+
+
+def test_a_tenant_below_an_even_share_preempts_the_newest_request_of_the_one_above_it():
+    from engine.capacity import fair_share_victim
+
+    bulk = [("b", 0.25)] * 4  # b's four requests fill the batch
+    assert fair_share_victim("a", 0.01, {"b": 1.0}, bulk, tenants=2) == 3  # b's newest gives way
+    assert fair_share_victim("a", 0.01, {"b": 1.0}, bulk, tenants=1) is None  # no one waits: a key alone
+    assert fair_share_victim("a", 0.6, {"b": 1.0}, bulk, tenants=2) is None  # a asks past an even share
+    assert fair_share_victim("a", 0.01, {"a": 0.5, "b": 0.5}, [("a", 0.5), ("b", 0.5)], tenants=2) is None
+    # b's one request is the whole batch: b would drop below its share, so a waits for it to end.
+    assert fair_share_victim("a", 0.01, {"b": 1.0}, [("b", 1.0)], tenants=2) is None
+    # Three keys: c holds the most, and keeps a third without its newest; b would not.
+    shares = {"b": 0.4, "c": 0.6}
+    running = [("c", 0.2), ("b", 0.2), ("c", 0.2), ("b", 0.2), ("c", 0.2)]
+    assert fair_share_victim("a", 0.1, shares, running, tenants=3) == 4
+
+
+def test_a_tenants_share_is_its_larger_fraction_of_rows_and_blocks():
+    from engine.capacity import dominant_share
+
+    limits = SchedulerLimits(max_rows=8, kv_cache_tokens=160, kv_block_tokens=16)  # 10 blocks
+    assert dominant_share(2, 1, limits) == 0.25
+    assert dominant_share(1, 5, limits) == 0.5

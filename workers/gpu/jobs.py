@@ -129,8 +129,9 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
 
 
 def requeue_generate(rt, job_id: str, prompt) -> None:
-    """Queue the job's generation again (a weight update in mode retract): it runs from its prompt
-    on the new weights; its feature handles stay held on this node."""
+    """Queue the job's generation again (a weight update in mode retract, or the scheduler preempted
+    it for another key's share): it runs from its prompt, on the new weights if they changed; its
+    feature handles stay held on this node."""
     queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
     send_generate(rt.celery, job_id, queue=queue)
 

@@ -3,12 +3,16 @@
 The pool thread runs a session (``workers.tasks.gpu.generate``): it opens the jobs of the messages
 it was handed, submits them to the engine's scheduler, and steps it. Between steps it polls
 cancels and new readers (one MGET at most every ``ABORT_POLL_SECONDS``), ends the jobs that
-finished (one round trip for all of a step's results), acknowledges their messages, and takes as
-many buffered messages as the batch has free rows; Celery's event loop goes on reserving messages meanwhile
+finished (one round trip for all of a step's results), acknowledges their messages, and hands the
+scheduler the buffered messages it has room for (``Scheduler.intake_room``: all of the worker's
+prefetch, so the scheduler's fair admission sees every key waiting, not only those at the head of
+the queue); Celery's event loop goes on reserving messages meanwhile
 (``workers/tasks/gpu_batching.py``). The session returns when nothing runs and nothing is buffered.
 
-Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joined: its rows
-stop then and it fails with ``job_time_limit_exceeded`` while the others go on. A request that
+Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after the scheduler
+admitted it: its rows stop then and it fails with ``job_time_limit_exceeded`` while the others go
+on. A job the scheduler preempted (another key was below its share) goes back to the queue, as a
+retracted one does, and runs again from its prompt (a ``restart`` event on its stream). A request that
 fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
 
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
@@ -129,8 +133,8 @@ class GenerateSession:
             self._publish(finished)
             if finished:
                 self._end(finished)
-            if self.scheduler.free_rows and not sync.update_pending:
-                more = self.batches.take(self.scheduler.free_rows)
+            if self.scheduler.intake_room and not sync.update_pending:
+                more = self.batches.take(self.scheduler.intake_room)
                 if more:
                     self._admit(more)
             self._report(every=STATS_REPORT_SECONDS)
@@ -159,7 +163,6 @@ class GenerateSession:
             finally:
                 release_prompts(rt.redis, [prompt for _job, prompt in scores])
                 self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
-        deadline = time.monotonic() + rt.settings.task_soft_time_limit
         generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
         attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
         for (job, prompt), attempt in zip(generating, attempts, strict=True):
@@ -174,7 +177,8 @@ class GenerateSession:
                 release_prompts(rt.redis, [prompt])
                 self.batches.acknowledge(messages[job["id"]])
                 continue
-            handle = self.scheduler.submit(request, tag=job["id"], deadline=deadline, features=features)
+            handle = self.scheduler.submit(request, tag=job["id"], time_limit=rt.settings.task_soft_time_limit,
+                                           features=features)
             live = _Live(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
             self.live[handle] = live
             self._by_job[job["id"]] = live
@@ -288,8 +292,8 @@ class GenerateSession:
             live = self.live.pop(item.handle)
             self._by_job.pop(item.tag, None)
             job = live.job
-            if live.stopped_by == "retract" and item.error is None:
-                retracted.append(live)  # runs again on the new weights: its prompt stays held
+            if (live.stopped_by == "retract" or item.preempted) and item.error is None:
+                retracted.append(live)  # runs again (on the new weights, or later): its prompt stays held
                 continue
             done.append(live)
             elapsed = time.perf_counter() - live.started
