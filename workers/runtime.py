@@ -215,7 +215,7 @@ class Runtime:
             s = self.settings
             per_key, lease = {
                 # No task outlives its hard time limit; an attempt no more than its deadline.
-                "cpu": (s.cpu_per_key, s.task_time_limit + 30),
+                "cpu": (s.cpu_key_slots, s.task_time_limit + 30),
                 "webhooks": (s.webhook_per_key, s.webhook_timeout + 30),
             }[kind]
             self._shares[kind] = KeyShare(self.redis, kind, per_key=per_key, lease_s=lease)

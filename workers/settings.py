@@ -148,11 +148,12 @@ class Settings:
     fidelity_check: bool = True
     fidelity_tolerance: float | None = None
     # Fairness between keys (workers/infra/fair_share.py): a CPU worker runs this many jobs at once, and
-    # one key holds at most cpu_per_key of all CPU workers' slots, so its slow media never fill them.
+    # one key holds at most cpu_per_key of all CPU workers' slots (None: half of cpu_concurrency, at
+    # least one), so its slow media never fill them.
     # One per usable core: more processes than cores preprocess no faster and take the cores the
     # GPU worker's decode loop runs on (the rollout benchmark lost a quarter of its speed to it).
     cpu_concurrency: int = field(default_factory=usable_cores)
-    cpu_per_key: int = 2
+    cpu_per_key: int | None = None
     render_per_key: int = 4
     # Who may read GET /metrics (web/metrics.py): its counters move per job, so not every caller.
     metrics_allow_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
@@ -212,6 +213,11 @@ class Settings:
         if self.gpu_batch_size is not None:
             return self.gpu_batch_size
         return max(1, min(4096, self.kv_cache_tokens // self.typical_row_tokens))
+
+    @property
+    def cpu_key_slots(self) -> int:
+        """The CPU slots one key holds at most: ROLLOUT_CPU_PER_KEY, or half of a worker's."""
+        return self.cpu_per_key or max(1, self.cpu_concurrency // 2)
 
     @property
     def generate_queue(self) -> str:

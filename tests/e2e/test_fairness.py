@@ -1,5 +1,6 @@
 """One key cannot stall another: slow media, hanging webhook receivers and slow renders of key A
-leave room for key B's work (issue 14, item 3), and /v1/render keeps the configured limits.
+leave room for key B's work (issue 14, item 3; at the CPU defaults of a two-core machine, issue
+#47), and /v1/render keeps the configured limits.
 
 Real slow servers on loopback (the shared loopback host answers a route after a delay), real CPU
 and webhook workers with the default per-key shares. Each test first waits until A's slow work
@@ -17,7 +18,8 @@ import pytest
 from PIL import Image
 
 from tests.conftest import empty_db_url
-from tests.e2e.conftest import OTHER_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.conftest import API_KEY, OTHER_KEY, build_stack, log_dir_for, make_stack_env
+from web.auth import key_id
 from workers.celery_app import PREPROCESS_QUEUE
 from workers.infra.fair_share import KeyShare
 
@@ -42,6 +44,8 @@ def fair(redis_url, demo_model_dir, loopback_host, tmp_path_factory):
         redis_url=empty_db_url(redis_url, 12), model_dir=demo_model_dir,
         state_dir=tmp_path_factory.mktemp("fair-state"), loopback=loopback_host, node_id="fair-node",
         ROLLOUT_FETCH_TIMEOUT="20", ROLLOUT_FETCH_RETRIES="0",
+        # The defaults on two cores: two preprocessing slots, a key's share half of them.
+        ROLLOUT_CPU_CONCURRENCY="2",
         ROLLOUT_WEBHOOK_TIMEOUT="20", ROLLOUT_WEBHOOK_RETRY_SCHEDULE="60",
         # Fewer threads than A has hanging receivers: only the per-key share lets B through.
         ROLLOUT_WEBHOOK_CONCURRENCY="16",
@@ -84,10 +88,10 @@ def test_a_keys_slow_media_leave_room_for_another_keys_job(fair):
         wait_for(lambda: status(fair, b_job) != "queued", 30, "B's job starting")
         waited = time.monotonic() - started
         assert waited < B_WITHIN_S, f"B's one-image job waited {waited:.1f} s behind A's slow media"
-        assert sum(status(fair, j) == "preprocessing" for j in a_jobs) <= 2, "A held more than its share"
+        assert sum(status(fair, j) == "preprocessing" for j in a_jobs) <= 1, "A held more than its share"
         # A's other jobs wait parked, not cycling through the queue or the worker's memory.
         owner = fair.services.jobs.get(a_jobs[0])["owner"]
-        assert KeyShare(fair.services.redis, "cpu", per_key=2, lease_s=1).parked(owner) >= 12
+        assert KeyShare(fair.services.redis, "cpu", per_key=1, lease_s=1).parked(owner) >= 12
         assert fair.services.redis.llen(PREPROCESS_QUEUE) == 0
     finally:
         for job_id in a_jobs:
@@ -144,7 +148,10 @@ def test_a_keys_slow_renders_hold_only_its_share(fair):
     threads = [threading.Thread(target=slow_render) for _ in range(2)]
     for thread in threads:
         thread.start()
-    wait_for(lambda: len(fair.host.requests["/fair/render-slow.png"]) >= 2, 20, "A's renders fetching")
+    # Both of A's renders wait in the API (one fetching, the other parked behind A's CPU share).
+    api_renders = KeyShare(fair.services.redis, "api-render", per_key=2, lease_s=1)
+    wait_for(lambda: api_renders.held(key_id(API_KEY)) >= 2 and fair.host.requests["/fair/render-slow.png"], 20,
+             "A's renders waiting")
     third = fair.client.post("/v1/render", json={"messages": messages(slow)}, headers=fair.headers())
     assert (third.status_code, third.get_json().get("code")) == (429, "too_many_renders")
     assert third.headers["Retry-After"]

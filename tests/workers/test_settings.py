@@ -79,6 +79,16 @@ def test_preprocessing_processes_default_to_the_cores_this_process_may_use(monke
     assert load_settings().cpu_concurrency == 7
 
 
+def test_a_key_holds_half_the_preprocessing_slots_unless_set(monkeypatch):
+    """Issue #47: on two cores the share was two of two slots, so a key's slow media took them all."""
+    monkeypatch.delenv("ROLLOUT_CPU_PER_KEY", raising=False)
+    for cores, share in ((1, 1), (2, 1), (3, 1), (8, 4)):
+        monkeypatch.setenv("ROLLOUT_CPU_CONCURRENCY", str(cores))
+        assert load_settings().cpu_key_slots == share
+    monkeypatch.setenv("ROLLOUT_CPU_PER_KEY", "3")
+    assert load_settings().cpu_key_slots == 3
+
+
 def test_the_gpu_batch_is_sized_by_the_kv_pool_unless_set(monkeypatch):
     from workers.gpu.limits import scheduler_limits
 
