@@ -51,7 +51,7 @@ from engine.loading import load_model
 from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 from web.app import create_app
-from workers.infra.heartbeats import alive_workers
+from workers.infra.heartbeats import alive_workers, statuses
 from workers.infra.redis_server import EmbeddedRedis
 from workers.settings import Settings
 
@@ -81,15 +81,20 @@ class Service:
     """Redis, worker subprocesses and the API's test client, all on one state directory."""
 
     def __init__(self, state: Path, model_dir: Path, *, admin_key: str | None = None, weights_root: Path | None = None,
-                 batch: int | None = BATCH):
-        """``batch``: the GPU worker's rows (``ROLLOUT_GPU_BATCH_SIZE``); None leaves the default (from the KV pool)."""
+                 batch: int | None = BATCH, workers: tuple[str, ...] = WORKERS, **settings):
+        """``batch``: the GPU worker's rows (``ROLLOUT_GPU_BATCH_SIZE``); None leaves the default (from the KV pool).
+        ``workers``: the kinds started, one process each (a kind twice: two workers); ``settings``:
+        more Settings fields, for the API and the workers alike."""
         self.state = state
         self.redis_server = EmbeddedRedis(state / "redis", persistent=False).start()
         self.env = {
             "ROLLOUT_REDIS_URL": self.redis_server.url, "ROLLOUT_MODEL": str(model_dir),
             "ROLLOUT_STATE_DIR": str(state), "ROLLOUT_NODE_ID": "bench-node", "ROLLOUT_TORCH_THREADS": "1",
             "ROLLOUT_LOG_LEVEL": "WARNING", "ROLLOUT_API_KEYS": KEY,
+            **{f"ROLLOUT_{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+               for name, value in settings.items()},
         }
+        self.kinds = workers
         if batch is not None:
             self.env["ROLLOUT_GPU_BATCH_SIZE"] = str(batch)
         if admin_key is not None:
@@ -98,7 +103,7 @@ class Service:
             self.env["ROLLOUT_WEIGHTS_ROOT"] = str(weights_root)
         settings = Settings(redis_url=self.redis_server.url, state_dir=state, model=str(model_dir), api_keys=(KEY,),
                             node_id="bench-node", gpu_batch_size=batch, log_level="WARNING",
-                            admin_keys=(admin_key,) if admin_key else (), weights_root=weights_root)
+                            admin_keys=(admin_key,) if admin_key else (), weights_root=weights_root, **settings)
         try:
             self.app = create_app(settings, self.redis_server.url)
         except BaseException:
@@ -109,9 +114,10 @@ class Service:
         self.workers: dict[str, subprocess.Popen] = {}
 
     def start_workers(self) -> None:
-        for kind in WORKERS:
-            with open(self.state / f"worker-{kind}.log", "ab") as log:
-                self.workers[kind] = subprocess.Popen(
+        for i, kind in enumerate(self.kinds):
+            name = kind if kind not in self.kinds[:i] else f"{kind}{i}"
+            with open(self.state / f"worker-{name}.log", "ab") as log:
+                self.workers[name] = subprocess.Popen(
                     [sys.executable, "-m", "web.cli", "worker", kind], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                     env={**os.environ, "OMP_NUM_THREADS": "1", **self.env}, preexec_fn=_die_with_parent)
 
@@ -122,10 +128,11 @@ class Service:
                 if process.poll() is not None:
                     raise RuntimeError(f"{kind} worker exited:\n{self.log_tail(kind)}")
             alive = alive_workers(self.svc.redis)
-            if all(kind in alive for kind in WORKERS) and alive["gpu"].get("model_ready"):
+            gpus = [s for s in statuses(self.svc.redis, "gpu") if s.get("model_ready")]
+            if all(kind in alive for kind in self.kinds) and len(gpus) == self.kinds.count("gpu"):
                 return
             time.sleep(0.2)
-        raise TimeoutError("workers not ready:\n" + "\n".join(self.log_tail(kind) for kind in WORKERS))
+        raise TimeoutError("workers not ready:\n" + "\n".join(self.log_tail(name) for name in self.workers))
 
     def log_tail(self, kind: str) -> str:
         return (self.state / f"worker-{kind}.log").read_text(errors="replace")[-3000:]
@@ -157,15 +164,19 @@ class Service:
         assert job["status"] == "succeeded", job
         return job
 
-    def close(self) -> None:
+    def close_workers(self) -> None:
         for process in self.workers.values():
-            process.send_signal(signal.SIGTERM)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         for process in self.workers.values():
             try:
                 process.wait(15)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+    def close(self) -> None:
+        self.close_workers()
         self.svc.redis.close()
         self.redis_server.stop()
 

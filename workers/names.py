@@ -4,11 +4,14 @@ A name is a contract between processes that may run different builds (the API se
 another node consumes), so it lives here and nowhere else; modules import these constants.
 
 Queues: ``preprocess`` (CPU workers), ``generate.<node_id>`` (the GPU workers of one node; items
-that carry feature handles must stay on the node that made them), ``generate.shared`` (inline work
-any GPU worker may take), ``webhooks`` and ``batches``.
+that carry feature handles must stay on the node that made them), ``generate.gpu.<worker>`` (one
+GPU worker's own: the prompts whose prefix it holds), ``generate.shared`` (inline work any GPU
+worker may take), ``webhooks`` and ``batches``.
 """
 
 from __future__ import annotations
+
+import os
 
 PREPROCESS_QUEUE = "preprocess"
 SHARED_GENERATE_QUEUE = "generate.shared"
@@ -19,6 +22,16 @@ BATCHES_QUEUE = "batches"
 def node_generate_queue(node_id: str) -> str:
     """The generate queue of one node's GPU workers."""
     return f"generate.{node_id}"
+
+
+def worker_name(node_id: str) -> str:
+    """This worker process's name: its heartbeat's, and a GPU worker's own queue's."""
+    return f"{node_id}-{os.getpid()}"
+
+
+def direct_queue(worker: str) -> str:
+    """One GPU worker's own generate queue (``workers/infra/gpu_affinity.py``)."""
+    return f"generate.gpu.{worker}"
 
 
 PREPROCESS_TASK = "rollout.preprocess"

@@ -140,6 +140,9 @@ class Settings:
     prompt_cache_tokens: int = 4096
     # KV blocks found again by name across requests, turns and prompt groups (engine/prefix_hash.py).
     prefix_caching: bool = True
+    # Generate messages go to the GPU worker their prompt's prefix went to (workers/infra/gpu_affinity.py);
+    # false: to the node's or the shared queue, whichever worker takes them.
+    gpu_affinity: bool = True
     encoder_cache_bytes: int = 256 * 1024 * 1024
     torch_threads: int = 1
     # The GPU worker's load-time fidelity check (engine/fidelity.py): before it takes work, its

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from celery import signals
 
 from workers.celery_app import create_celery
+from workers.infra.gpu_affinity import register_direct_queue
 from workers.infra.heartbeats import start_heartbeat
 from workers.infra.logs import configure_logging
 from workers.names import (
@@ -25,6 +26,8 @@ from workers.names import (
     SCORE_LINES_TASK,
     SHARED_GENERATE_QUEUE,
     WEBHOOKS_QUEUE,
+    direct_queue,
+    worker_name,
 )
 from workers.settings import Settings
 
@@ -74,6 +77,10 @@ def worker_kind(kind: str, settings: Settings) -> WorkerKind:
 def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
     app = create_celery(settings, redis_url)
     spec = worker_kind(kind, settings)
+    name = worker_name(settings.node_id)
+    queues = spec.queues
+    if kind == "gpu":  # the prompts whose prefix it holds come to its own queue (gpu_affinity)
+        queues = (*queues, direct_queue(name))
     app.conf.worker_prefetch_multiplier = spec.prefetch
     app.loader.import_default_modules()
     if kind == "gpu":
@@ -81,6 +88,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         generate.flush_every = settings.batch_rows
         generate.max_wait = settings.gpu_batch_wait_ms / 1000
         generate.flush_interval = 0.001  # a tick: each decides whether to flush (see workers/tasks/gpu_batching.py)
+        generate.queues = queues
 
     @signals.setup_logging.connect(weak=False)
     def keep_our_logging(**_):
@@ -115,10 +123,11 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
 
             start_sweeper(rt.share(kind), rt.publish)  # wakes what a dead worker left parked
         if kind in ("cpu", "gpu"):
-            from workers.jobs.reaper import start_after_death_reaper, start_reaper
+            from workers.jobs.reaper import start_after_death_reaper, start_direct_queue_drain, start_reaper
 
             start_reaper(rt, stall_s=settings.stalled_job_after)  # jobs whose message a crash lost
             start_after_death_reaper(rt)  # ... looked for at once when a worker dies
+            start_direct_queue_drain(rt)  # ... and what waited in a dead GPU worker's own queue
         if kind == "batches":
             from workers.batches.reaper import start_batch_reaper
 
@@ -132,13 +141,17 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         # heartbeat lists what it holds (a prefork worker's main process tracks its children's too).
         start_held_message_sweep(rt, kind, TASKS_HELD_BY[kind])
 
+        if kind == "gpu":
+            register_direct_queue(rt.redis, name)
+
         def status() -> dict:
             held = celery_held_tags(consumer)
             if kind == "gpu":
-                return {**_gpu_status(rt), "held": held + _held_generate_tags(rt)}
+                return {**_gpu_status(rt), "held": held + _held_generate_tags(rt), "node": settings.node_id,
+                        "direct_queue": direct_queue(name)}
             return {"held": held}
 
-        start_heartbeat(rt.redis, kind, f"{settings.node_id}-{os.getpid()}", status)
+        start_heartbeat(rt.redis, kind, name, status)
 
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
@@ -191,7 +204,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             os._exit(3)
 
     app.worker_main([
-        "worker", "--queues", ",".join(spec.queues), "--pool", spec.pool, "--concurrency", str(spec.concurrency),
+        "worker", "--queues", ",".join(queues), "--pool", spec.pool, "--concurrency", str(spec.concurrency),
         "--hostname", f"{kind}-{os.getpid()}@{settings.node_id}", "--loglevel", settings.log_level,
         "--without-gossip", "--without-mingle",
     ])

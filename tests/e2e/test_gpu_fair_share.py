@@ -19,7 +19,7 @@ SHORT = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def gpu(redis_url, demo_model_dir, loopback_host, tmp_path_factory):
-    env = make_stack_env(redis_url=empty_db_url(redis_url, 13), model_dir=demo_model_dir,
+    env = make_stack_env(redis_url=empty_db_url(redis_url, 17), model_dir=demo_model_dir,
                          state_dir=tmp_path_factory.mktemp("gpu-share-state"), loopback=loopback_host,
                          node_id="gpu-share-node", ROLLOUT_GPU_BATCH_SIZE=str(ROWS))
     with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "gpu-share"), workers=("gpu",)) as stack:

@@ -19,9 +19,9 @@ from workers.jobs.prompt_codec import open_prompt, release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.results import engine_result
 from workers.jobs.store import TERMINAL, JobStore
-from workers.jobs.submission import enqueue_preprocess, send_generate
+from workers.jobs.submission import enqueue_preprocess, placement, send_placed
 from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
-from workers.names import SHARED_GENERATE_QUEUE
+from workers.names import worker_name
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,14 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         fail_unexpected(rt, job_id, "generating")
 
 
-def requeue_generate(rt, job_id: str, prompt) -> None:
+def requeue_generate(rt, job: dict, prompt) -> None:
     """Queue the job's generation again (a weight update in mode retract, or the scheduler preempted
-    it for another key's share): it runs from its prompt, on the new weights if they changed; its
-    feature handles stay held on this node."""
-    queue = rt.settings.generate_queue if prompt.transport != "inline" else SHARED_GENERATE_QUEUE
-    send_generate(rt.celery, job_id, queue=queue)
+    it for another key's share): it runs from its prompt, on the new weights if they changed, most
+    likely on this worker (its prefix is here); its feature handles stay held on this node."""
+    media = [(item.offset[0], item.content_hash) for item in prompt.items if item.content_hash]
+    send_placed(rt.celery, rt.redis, [
+        placement(job["id"], job["owner"], JobRequest.from_dict(job["request"]), prompt.token_ids, media=media,
+                  transport=prompt.transport, node_id=rt.settings.node_id)])
 
 
 def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,
@@ -147,6 +149,7 @@ def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size:
                            placeholder_ranges=prompt.placeholder_ranges, weight_version=engine.weight_version,
                            transport=prompt.transport, timings=timings,
                            # Handles never cross nodes: where the prompt was preprocessed and where it ran.
-                           nodes={"preprocess": prompt.node_id, "generate": rt.settings.node_id})
+                           nodes={"preprocess": prompt.node_id, "generate": rt.settings.node_id,
+                                  "generate_worker": worker_name(rt.settings.node_id)})
     aborted = any(choice["finish_reason"] == "abort" for choice in result.get("choices", ()))
     return job, "cancelled" if aborted and not stopped_by_weights else "succeeded", {"result": result}

@@ -311,7 +311,7 @@ class GenerateSession:
         self._metrics.observe_stage("generate", *durations)
         release_prompts(rt.redis, [live.prompt for live in done])
         for live in retracted:
-            requeue_generate(rt, live.job["id"], live.prompt)
+            requeue_generate(rt, live.job, live.prompt)
         self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])
         interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
         if interrupted:

@@ -71,6 +71,12 @@ def live(client: redis.Redis, kinds: tuple[str, ...]) -> dict[str, dict]:
     return {key: json.loads(raw) for key, raw in zip(keys, client.mget(keys), strict=True) if raw is not None}
 
 
+def indexed(client: redis.Redis, kind: str) -> set[str]:
+    """The workers of ``kind`` that beat within ``INDEX_KEEP_S`` (live or not): what may still hold
+    messages that the held-message sweep has yet to give back."""
+    return {name.decode() for name in client.zrangebyscore(_index_key(kind), time.time() - INDEX_KEEP_S, "+inf")}
+
+
 def alive_workers(client: redis.Redis) -> dict[str, dict]:
     """For each worker kind with a live heartbeat: the status of one of its workers (model ready first)."""
     alive: dict[str, dict] = {}

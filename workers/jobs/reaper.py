@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from workers.infra.gpu_affinity import DirectQueueDrain, direct_queues
 from workers.infra.heartbeats import HEARTBEAT_SECONDS, vanished
 from workers.infra.lost_messages import Suspects, ids_in_messages, start_sweeping, sweep_every
 from workers.jobs.store import TERMINAL
@@ -74,7 +75,8 @@ class JobReaper:
                    if raw is not None}
         node_queues = {_generate_queue(prompt) for prompt in prompts.values()} - {SHARED_GENERATE_QUEUE}
         carried = ids_in_messages(self.redis, _JOB_ID, parked=self.rt.share("cpu").entries(),
-                                  queues=(PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, *sorted(node_queues)))
+                                  queues=(PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, *sorted(node_queues),
+                                          *sorted(direct_queues(self.redis))))
         missing = [job_id for job_id in live if job_id not in carried]
         lost = self.suspects.confirm(missing)
         for job_id in lost:
@@ -125,6 +127,21 @@ def start_reaper(rt, *, stall_s: float) -> threading.Event:
     """Sweep in a daemon thread, at most once per interval across all workers, until the event is set."""
     reaper = JobReaper(rt, stall_s=stall_s)
     return start_sweeping(rt.redis, "jobs", reaper.sweep, every_s=sweep_every(stall_s))
+
+
+def send_generate_again(rt, job_ids: list[str]) -> None:
+    """Each job's generate message again, to its node's queue or the shared one (what waited in a
+    GPU worker's own queue when the worker went away)."""
+    jobs = rt.jobs
+    for job_id, raw in zip(job_ids, jobs.prompts(job_ids), strict=True):
+        if raw is not None:
+            send_generate(rt.celery, job_id, queue=_generate_queue(json.loads(raw)))
+
+
+def start_direct_queue_drain(rt) -> threading.Event:
+    """:class:`workers.infra.gpu_affinity.DirectQueueDrain`, a heartbeat apart, in one worker at a time."""
+    drain = DirectQueueDrain(rt.redis, lambda job_ids: send_generate_again(rt, job_ids), _JOB_ID)
+    return start_sweeping(rt.redis, "direct-queues", drain.sweep, every_s=HEARTBEAT_SECONDS)
 
 
 def start_after_death_reaper(rt) -> threading.Event:

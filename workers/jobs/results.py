@@ -18,7 +18,7 @@ def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder
                   weight_version: str, transport: str, timings: dict[str, float],
                   nodes: dict[str, str] | None = None) -> dict[str, Any]:
     """The stored ``result`` of an engine ``output``: a ``ScoreResult`` for ``kind`` score, else a
-    ``GenerationResult``. ``nodes``: where the prompt was preprocessed and where it ran."""
+    ``GenerationResult``. ``nodes``: where the prompt was preprocessed and where it ran (the node, and the GPU worker)."""
     result: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "placeholder_ranges": placeholder_ranges,
                               "weight_version": weight_version, "timings": timings, "transport": transport}
     if nodes is not None:

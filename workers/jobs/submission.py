@@ -9,6 +9,7 @@ to reserve hold a whole batch while the fleet's others idle.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -16,6 +17,7 @@ from celery import Celery
 from kombu.exceptions import BatchPublishError, OperationalError
 
 from engine.errors import ServiceUnavailableError
+from workers.infra.gpu_affinity import GpuRouter, Placement
 from workers.jobs.prompt_codec import text_prompt
 from workers.jobs.request import JobRequest
 from workers.jobs.store import JobStore, NewJob, QueueFullError
@@ -37,7 +39,7 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
     job = store.add(_new_job(owner, request, extra, plain, watched))
     try:
         if plain:
-            send_generate(celery, job["id"])
+            send_placed(celery, store.redis, [placement(job["id"], owner, request, request.token_ids)])
         else:
             enqueue_preprocess(celery, job["id"])
     except Exception:
@@ -61,11 +63,13 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
         # kombu's publish batch: the messages' LPUSHes go to Redis in one pipeline when the block
         # ends (one round trip, where each publish was one). A batch that fails is "uncertain": some
         # messages may be in; every job is failed, and a worker handed one of them settles it unrun.
+        plain_jobs = [placement(job["id"], owner, request, request.token_ids)
+                      for job, (request, _), is_plain in zip(outcomes, requests, plain, strict=True)
+                      if is_plain and not isinstance(job, QueueFullError)]
         with celery.producer_or_acquire() as producer, producer.batch():
+            send_placed(celery, store.redis, plain_jobs, producer=producer)
             for job_id, is_plain in created:
-                if is_plain:
-                    send_generate(celery, job_id, producer=producer)
-                else:
+                if not is_plain:
                     enqueue_preprocess(celery, job_id, producer=producer)
     except Exception as error:
         _fail_unqueued(store, [job_id for job_id, _ in created])
@@ -77,6 +81,24 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
 
 def send_generate(celery: Celery, job_id: str, *, queue: str = SHARED_GENERATE_QUEUE, producer=None) -> None:
     celery.send_task(GENERATE_TASK, args=[job_id], queue=queue, producer=producer)
+
+
+def placement(job_id: str, owner: str, request: JobRequest, token_ids: Sequence[int], *,
+              media: Sequence[tuple[int, str]] = (), transport: str = "inline", node_id: str = "") -> Placement:
+    """A generate message to place on the GPU worker that holds its prefix: its prompt as the
+    engine sees it, in its caller's cache scope; handles keep it on ``node_id``."""
+    return Placement(job_id, token_ids, request.cache_scope(owner), media, node_id if transport != "inline" else None)
+
+
+def send_placed(celery: Celery, client: redis.Redis, placements: Sequence[Placement], *, producer=None) -> None:
+    """Each job's generate message to the queue its prefix chooses (``workers/infra/gpu_affinity.py``;
+    with ``ROLLOUT_GPU_AFFINITY`` off, its node's or the shared queue)."""
+    if celery.rollout_settings.gpu_affinity:
+        queues = GpuRouter(client).queues(placements)
+    else:
+        queues = [place.fallback_queue for place in placements]
+    for place, queue in zip(placements, queues, strict=True):
+        send_generate(celery, place.job_id, queue=queue, producer=producer)
 
 
 def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:

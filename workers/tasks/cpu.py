@@ -30,9 +30,9 @@ from workers.infra.redis_client import REDIS_DOWN
 from workers.jobs.prompt_codec import encode_prompt
 from workers.jobs.request import JobRequest
 from workers.jobs.store import TERMINAL
-from workers.jobs.submission import send_generate
+from workers.jobs.submission import placement, send_placed
 from workers.lifecycle import fail_job, fail_unexpected, resume_followups
-from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
+from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 
@@ -94,7 +94,8 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     started = time.perf_counter()
     try:
-        processed = run_processor(rt, JobRequest.from_dict(job["request"]), owner=job["owner"])
+        request = JobRequest.from_dict(job["request"])
+        processed = run_processor(rt, request, owner=job["owner"])
     except SoftTimeLimitExceeded:
         fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"))
         return
@@ -113,9 +114,11 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
         count(rt.redis, "mm_cache_miss", len(processed.items) - processed.cache_hits)
     payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
     rt.jobs.save_prompt(job_id, json.dumps(payload))
-    # Handles name memory on this node: only this node's GPU workers may open them.
-    queue = rt.settings.generate_queue if payload["transport"] != "inline" else SHARED_GENERATE_QUEUE
-    send_generate(app, job_id, queue=queue)
+    # To the GPU worker that holds its prefix; handles name memory on this node, so only this
+    # node's GPU workers may open them.
+    media = [(item["offset"][0], item["content_hash"]) for item in payload["items"] if item["content_hash"]]
+    send_placed(app, rt.redis, [placement(job_id, job["owner"], request, payload["token_ids"], media=media,
+                                          transport=payload["transport"], node_id=rt.settings.node_id)])
 
 
 def run_processor(rt, request: JobRequest, *, owner: str):

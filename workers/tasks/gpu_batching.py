@@ -58,6 +58,8 @@ from workers.runtime import runtime
 class GenerateBatches(Batches):
     #: Longest a partial batch is held while more jobs wait in this worker's queues (seconds).
     max_wait = 0.02
+    #: The generate queues this worker consumes (its node's, the shared one, its own).
+    queues: tuple[str, ...] = ()
     _oldest_buffered = 0.0
     # The event loop (ticks) and the pool thread (a batch ending) both start batches; ``_running``
     # changes only under the lock, so a message that arrives as a batch ends is never left waiting.
@@ -115,7 +117,7 @@ class GenerateBatches(Batches):
         rt = runtime(self.app)
         try:
             pipe = rt.redis.pipeline(transaction=False)
-            for queue in (rt.settings.generate_queue, SHARED_GENERATE_QUEUE):
+            for queue in self.queues or (rt.settings.generate_queue, SHARED_GENERATE_QUEUE):
                 pipe.llen(queue)
             return sum(pipe.execute()) > 0
         except REDIS_DOWN:

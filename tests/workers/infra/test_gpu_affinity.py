@@ -1,0 +1,136 @@
+"""Which GPU worker a generate message goes to (workers/infra/gpu_affinity.py): the one its
+prompt's prefix went to, among live workers, unless that one is far busier; and what waits in a
+dead worker's own queue is sent again. Real Redis; the workers are heartbeats as the GPU worker
+writes them."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import redis
+
+from tests.conftest import empty_db_url
+from workers.infra import gpu_affinity
+from workers.infra.gpu_affinity import (
+    BALANCE_MIN_GAP,
+    PREFIX_STEP,
+    DirectQueueDrain,
+    GpuRouter,
+    Placement,
+    Worker,
+    choose,
+    direct_queues,
+    prefix_hashes,
+    register_direct_queue,
+    rendezvous,
+)
+from workers.infra.heartbeats import beat
+from workers.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_queue
+
+
+@pytest.fixture
+def client(redis_url):
+    with redis.Redis.from_url(empty_db_url(redis_url, 18)) as client:
+        yield client
+
+
+def gpu_worker(client, name: str, node: str = "node-a", *, held: int = 0) -> str:
+    queue = direct_queue(name)
+    register_direct_queue(client, name)
+    beat(client, "gpu", name, {"model_ready": True, "node": node, "direct_queue": queue, "held": ["t"] * held})
+    return queue
+
+
+def prompt(seed: int, length: int = 150) -> list[int]:
+    return [(seed * 7919 + i * 31) % 5000 for i in range(length)]
+
+
+def test_prefixes_are_named_by_their_tokens_scope_and_media():
+    tokens = prompt(1, 3 * PREFIX_STEP + 10)
+    names = prefix_hashes("key-a", tokens)
+    assert len(names) == 4  # three whole steps and the tail
+    assert prefix_hashes("key-a", tokens[:2 * PREFIX_STEP]) == names[:2]  # a prefix names alike
+    assert prefix_hashes("key-b", tokens)[0] != names[0]  # two keys never share
+    with_image = prefix_hashes("key-a", tokens, media=[(PREFIX_STEP + 3, "sha-of-image")])
+    assert with_image[0] == names[0] and with_image[1] != names[1]  # from the piece that holds it on
+
+
+def test_rendezvous_moves_only_the_keys_of_a_queue_that_leaves():
+    queues = [f"q{i}" for i in range(4)]
+    before = {key: rendezvous(key, queues) for key in map(str, range(400))}
+    assert len(set(before.values())) == 4
+    after = {key: rendezvous(key, queues[:3]) for key in before}
+    assert all(after[key] == q for key, q in before.items() if q != "q3")
+
+
+def test_a_prompt_follows_a_deep_enough_routed_prefix_unless_its_worker_is_far_busier():
+    workers = [Worker("qa", "n", 0), Worker("qb", "n", 0)]
+    names = ["p1", "p2", "p3", "p4"]
+    assert choose(names, [None, None, "qb", None], workers).queue == "qb"  # 3 of 4 prefixes went to qb
+    alone = rendezvous("p4", ["qa", "qb"])
+    assert choose(names, ["qa", None, None, None], workers).queue == alone  # a shared system prompt only
+    assert choose(names, [None, None, "qgone", None], workers).queue == alone  # its worker is gone
+    busy = [Worker("qa", "n", 0), Worker("qb", "n", BALANCE_MIN_GAP)]
+    assert choose(names, [None, None, "qb", None], busy).queue == "qa"
+    assert choose(names, [None, None, "qb", None], [Worker("qa", "n", 40), Worker("qb", "n", 100)]).queue == "qb"
+
+
+def test_a_group_and_an_agents_turns_reach_one_worker_and_distinct_prompts_spread(client):
+    queues = [gpu_worker(client, f"node-a-{pid}") for pid in (1, 2, 3, 4)]
+    router = GpuRouter(client)
+    group = [Placement(f"job_{i}", prompt(1), "key-a") for i in range(8)]
+    assert len(set(router.queues(group))) == 1  # a GRPO group's samples, in one call
+    turn_1 = prompt(2, 300)
+    first = router.queues([Placement("job_t1", turn_1, "key-a")])
+    turn_2 = turn_1 + prompt(3, 80)  # the history, its completion and a tool's answer
+    assert router.queues([Placement("job_t2", turn_2, "key-a")]) == first  # in a later call
+    spread = router.queues([Placement(f"job_p{i}", prompt(100 + i), "key-a") for i in range(32)])
+    assert set(spread) == set(queues)
+
+
+def test_handles_stay_on_their_node_and_no_live_worker_means_the_old_queues(client):
+    router = GpuRouter(client)
+    assert router.queues([Placement("job_1", prompt(1), "k"), Placement("job_2", prompt(1), "k", node="node-a")]) \
+        == [SHARED_GENERATE_QUEUE, node_generate_queue("node-a")]
+    gpu_worker(client, "node-a-1", "node-a")
+    b = gpu_worker(client, "node-b-1", "node-b")
+    assert set(router.queues([Placement(f"job_{i}", prompt(i), "k", node="node-b") for i in range(10)])) == {b}
+
+
+def test_a_busy_worker_sheds_new_groups_to_an_idle_one(client):
+    idle = gpu_worker(client, "node-a-1")
+    busy = gpu_worker(client, "node-a-2", held=3 * BALANCE_MIN_GAP)
+    queues = GpuRouter(client).queues([Placement(f"job_{i}", prompt(i), "k") for i in range(16)])
+    assert busy not in queues and set(queues) == {idle}
+
+
+def test_what_waits_in_a_gone_workers_queue_is_sent_again_and_a_live_ones_stays(client, monkeypatch):
+    monkeypatch.setattr(gpu_affinity, "REGISTERED_GRACE_S", 0.0)
+    live_queue = gpu_worker(client, "node-a-1")
+    gone = direct_queue("node-a-2")
+    register_direct_queue(client, "node-a-2")  # registered, never beating (or its heartbeat lapsed)
+    for queue, job in ((gone, "job_" + "a" * 22), (gone, "job_" + "b" * 22), (live_queue, "job_" + "c" * 22)):
+        client.lpush(queue, json.dumps({"body": "", "headers": {"argsrepr": f"['{job}']"}}))
+    sent = []
+    time.sleep(0.01)
+    drain = DirectQueueDrain(client, sent.extend, re.compile(rb"job_[A-Za-z0-9_-]{22}"))
+    assert drain.sweep() == ["job_" + "a" * 22, "job_" + "b" * 22]
+    assert sent == ["job_" + "a" * 22, "job_" + "b" * 22]
+    assert not client.exists(gone) and set(direct_queues(client)) == {live_queue}
+    assert client.llen(live_queue) == 1 and drain.sweep() == []
+
+
+def test_a_dead_workers_queue_is_watched_while_its_held_messages_may_still_come_back(client, monkeypatch):
+    monkeypatch.setattr(gpu_affinity, "REGISTERED_GRACE_S", 0.0)
+    gone = gpu_worker(client, "node-a-3")
+    client.delete("rq:worker:gpu:node-a-3")  # its heartbeat lapsed; the index still names it
+    time.sleep(0.01)
+    drain = DirectQueueDrain(client, lambda job_ids: None, re.compile(rb"job_[A-Za-z0-9_-]{22}"))
+    assert drain.sweep() == [] and gone in direct_queues(client)
+    client.lpush(gone, json.dumps({"headers": {"argsrepr": "['job_" + "d" * 22 + "']"}}))  # given back late
+    assert drain.sweep() == ["job_" + "d" * 22]
+    client.zrem("rq:workers:gpu", "node-a-3")  # past the index's memory
+    assert drain.sweep() == [] and gone not in direct_queues(client)

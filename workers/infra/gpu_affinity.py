@@ -1,0 +1,230 @@
+"""Which GPU worker a ``generate`` message goes to: the one that already holds its prompt's prefix.
+
+Each GPU worker keeps the KV blocks it computed (``engine/paged_kv.py``), so a prompt that starts
+like one it served recently prefills only what is new there (a GRPO group's samples, an agent's
+next turn, a batch's lines with one prompt). Spread over the node queue instead, a group's samples
+landed on every worker and each prefilled and encoded the prompt itself.
+
+How a message finds its worker:
+
+- Each GPU worker consumes a queue of its own, ``generate.gpu.<worker>`` (``workers.names``),
+  beside its node's queue and the shared one; its heartbeat names it.
+- A prompt is named by a chain of hashes, one per :data:`PREFIX_STEP` tokens and one for the whole
+  prompt, over the caller's cache scope (key and ``cache_salt``: two keys never share blocks, so
+  they need not share a worker), its tokens and the content hashes of its media.
+- A small index in Redis, ``rq:affinity:<hash>`` -> worker queue (:data:`ROUTE_TTL_S`), says where
+  each prefix went last. A prompt goes where its deepest prefix went, if that worker lives and
+  the prefix is at least :data:`MATCH_THRESHOLD` of the prompt (an agent's next turn, a group's
+  next sample); otherwise to the worker that rendezvous hashing (highest random weight) gives the
+  whole prompt over the live workers, so prompts that share only a system prompt still spread and
+  a prompt keeps its worker while others come and go. This is SGLang's cache-aware router (an
+  approximate radix tree of what each worker was sent, its ``cache_threshold``) kept in Redis, so
+  every API process and CPU worker routes alike.
+- Load comes first when a worker is far busier than the least loaded one (the messages its
+  heartbeat says it holds plus its queue's length; more than twice as many and
+  :data:`BALANCE_MIN_GAP` more): the message goes to the least loaded worker, as that router's
+  balance thresholds do.
+- Items with feature handles choose among their node's workers only. With no live GPU worker to
+  choose (none up yet), a message goes to its node or the shared queue, as before.
+- A worker that dies or leaves: :class:`DirectQueueDrain` moves the messages left in its queue to
+  its node's queue (or the shared one) within a sweep; what it held is restored to its queue by
+  the held-message sweep and moved on the same way.
+
+Celery's routing is by queue name (each queue its own direct exchange, ``workers/celery_app.py``),
+so a direct queue is an ordinary Celery queue: no broker of our own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from workers.infra.heartbeats import indexed, live
+from workers.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_queue
+
+log = logging.getLogger(__name__)
+
+PREFIX_STEP = 64  # tokens per named prefix: a few KV blocks
+ROUTE_TTL_S = 900  # a prefix's route outlives a long agent turn, not a worker's cache
+BALANCE_MIN_GAP = 64  # messages: a typical GPU batch; below it, a worker is never "far busier"
+MATCH_THRESHOLD = 0.5  # of a prompt's prefixes, routed before, to follow them
+_ROUTE_KEY = "rq:affinity:"
+DIRECT_QUEUES_KEY = "rq:affinity:queues"  # hash: direct queue -> {worker, registered at} (the drain's list)
+# A queue registered this recently is not drained: its worker may not have beaten yet.
+REGISTERED_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One generate message to place: its prompt, as the engine will see it."""
+
+    job_id: str
+    token_ids: Sequence[int]
+    scope: str  # the caller's cache scope: blocks are never shared across scopes
+    media: Sequence[tuple[int, str]] = ()  # (offset, content hash) of each item
+    node: str | None = None  # the node that holds its feature handles; None: inline, any node
+
+    @property
+    def fallback_queue(self) -> str:
+        return node_generate_queue(self.node) if self.node else SHARED_GENERATE_QUEUE
+
+
+@dataclass
+class Worker:
+    queue: str
+    node: str
+    load: int  # messages it holds or has waiting
+
+
+def prefix_hashes(scope: str, token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (),
+                  step: int = PREFIX_STEP) -> list[str]:
+    """The prompt's prefixes named, shortest first: one per ``step`` tokens, then the whole prompt
+    (when it does not end on a step). Each hash chains its prefix's, so equal names mean equal
+    prefixes; a medium's content hash joins the piece that holds its first placeholder."""
+    names, digest = [], hashlib.blake2b(scope.encode(), digest_size=16).digest()
+    by_piece: dict[int, list[str]] = {}
+    for offset, content_hash in media:
+        by_piece.setdefault(offset // step, []).append(content_hash)
+    for piece, start in enumerate(range(0, len(token_ids), step)):
+        chunk = token_ids[start:start + step]
+        h = hashlib.blake2b(digest, digest_size=16)
+        h.update(json.dumps([list(chunk), by_piece.get(piece, [])]).encode())
+        digest = h.digest()
+        names.append(digest.hex())
+    return names
+
+
+def rendezvous(key: str, queues: Sequence[str]) -> str:
+    """Highest random weight: the queue whose hash with ``key`` is largest. A key keeps its queue
+    while others are added or removed; only the keys of a queue that leaves move."""
+    return max(queues, key=lambda q: hashlib.blake2b(f"{key}|{q}".encode(), digest_size=8).digest())
+
+
+def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker]) -> Worker:
+    """Where a prompt goes (pure; see the module docstring): the live worker of its deepest routed
+    prefix when that covers enough of it, else rendezvous over ``workers`` by the whole prompt;
+    the least loaded one instead when that worker is far busier."""
+    by_queue = {w.queue: w for w in workers}
+    depth = next((i + 1 for i in reversed(range(len(routed))) if routed[i] in by_queue), 0)
+    if depth and depth >= MATCH_THRESHOLD * len(names):
+        chosen = by_queue[routed[depth - 1]]
+    else:
+        chosen = by_queue[rendezvous(names[-1] if names else "", sorted(by_queue))]
+    least = min(workers, key=lambda w: (w.load, w.queue))
+    if chosen.load > 2 * least.load and chosen.load - least.load >= BALANCE_MIN_GAP:
+        return least
+    return chosen
+
+
+@dataclass
+class GpuRouter:
+    """Places generate messages on GPU workers' own queues (one Redis round trip to look, one to
+    note the routes, for any number of messages)."""
+
+    client: redis.Redis
+
+    def queues(self, placements: Sequence[Placement]) -> list[str]:
+        if not placements:
+            return []
+        workers = live_workers(self.client)
+        if not workers:
+            return [p.fallback_queue for p in placements]
+        named = [prefix_hashes(p.scope, p.token_ids, p.media) for p in placements]
+        keys = [_ROUTE_KEY + name for names in named for name in names]
+        routed_all = [None if raw is None else raw.decode() for raw in self.client.mget(keys)] if keys else []
+        queues, notes, at = [], {}, 0
+        for placement, names in zip(placements, named, strict=True):
+            routed = routed_all[at:at + len(names)]
+            at += len(names)
+            # Messages placed earlier in this call count: a group's samples follow its first.
+            routed = [notes.get(name, r) for name, r in zip(names, routed, strict=True)]
+            candidates = [w for w in workers if placement.node is None or w.node == placement.node]
+            if not candidates:
+                queues.append(placement.fallback_queue)
+                continue
+            worker = choose(names, routed, candidates)
+            worker.load += 1
+            queues.append(worker.queue)
+            notes.update(dict.fromkeys(names, worker.queue))
+        if notes:
+            pipe = self.client.pipeline(transaction=False)
+            for name, queue in notes.items():
+                pipe.set(_ROUTE_KEY + name, queue, ex=ROUTE_TTL_S)
+            pipe.execute()
+        return queues
+
+
+def live_workers(client: redis.Redis) -> list[Worker]:
+    """The live GPU workers that take direct messages, with their load: held messages (from their
+    heartbeat) plus their queue's length now."""
+    statuses = [s for s in live(client, ("gpu",)).values() if s.get("direct_queue") and s.get("model_ready")]
+    if not statuses:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for status in statuses:
+        pipe.llen(status["direct_queue"])
+    lengths = pipe.execute()
+    return [Worker(s["direct_queue"], s.get("node", ""), len(s.get("held", ())) + length)
+            for s, length in zip(statuses, lengths, strict=True)]
+
+
+def register_direct_queue(client: redis.Redis, worker: str) -> None:
+    """A GPU worker's queue, noted for the drain and the reaper (before its heartbeat names it)."""
+    client.hset(DIRECT_QUEUES_KEY, direct_queue(worker), json.dumps({"worker": worker, "at": time.time()}))
+
+
+def direct_queues(client: redis.Redis) -> dict[str, dict]:
+    """Every registered direct queue (live workers' and those not drained yet) -> its worker and
+    when it registered."""
+    return {q.decode(): json.loads(entry) for q, entry in client.hgetall(DIRECT_QUEUES_KEY).items()}
+
+
+class DirectQueueDrain:
+    """Sends again what waits in the queue of a GPU worker that is gone (``resend``: the jobs'
+    generate messages, to their node's or the shared queue), so nothing waits for a worker that
+    will not come back. The queue is renamed first (atomic), so a worker that only seemed dead and
+    resumes finds it empty rather than racing the move. ``job_id``: how a job id looks in a message."""
+
+    def __init__(self, client: redis.Redis, resend: Callable[[list[str]], None], job_id: re.Pattern[bytes]):
+        self.client = client
+        self.resend = resend
+        self.job_id = job_id
+
+    def sweep(self) -> list[str]:
+        registered = direct_queues(self.client)
+        if not registered:
+            return []
+        alive = {s.get("direct_queue") for s in live(self.client, ("gpu",)).values()}
+        # A dead worker's held messages come back to its queue when the held-message sweep gives
+        # them back: its queue stays on the list while its heartbeat is still indexed.
+        remembered = indexed(self.client, "gpu")
+        settled = time.time() - REGISTERED_GRACE_S
+        moved = []
+        for queue, entry in registered.items():
+            if queue not in alive and entry["at"] < settled:
+                moved += self._drain(queue, forget=entry["worker"] not in remembered)
+        return moved
+
+    def _drain(self, queue: str, *, forget: bool) -> list[str]:
+        draining = f"{queue}:draining"
+        try:
+            self.client.rename(queue, draining)
+        except redis.ResponseError:  # no such key: nothing waits there
+            if forget:
+                self.client.hdel(DIRECT_QUEUES_KEY, queue)
+            return []
+        job_ids = sorted({m.decode() for raw in self.client.lrange(draining, 0, -1) for m in self.job_id.findall(raw)})
+        self.resend(job_ids)
+        self.client.delete(draining)
+        if forget:
+            self.client.hdel(DIRECT_QUEUES_KEY, queue)
+        if job_ids:
+            log.warning("sent %d generate messages left in %s (its worker is gone) again", len(job_ids), queue)
+        return job_ids
