@@ -12,7 +12,9 @@ then hands the connection to a thread, whose parser reads those bytes and never 
 thread never waits on a client. Each request has one deadline, ``ROLLOUT_REQUEST_READ_TIMEOUT``
 plus a second per :data:`~web.request_framing.MIN_BODY_BYTES_PER_SECOND` of body; a request not
 whole by then is dropped in the loop (a JSON 408). Bytes of a pipelined next request wait in the
-loop for the first to be answered. The other way, a write that waits
+loop for the first to be answered. A whole request then waits in the loop for a thread of its
+key's share (``web/thread_share.py``): one key's calls that wait for their jobs never take every
+thread, and ``/healthz``, ``/metrics`` and admin calls have threads of their own. The other way, a write that waits
 ``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped reading) fails and ends the connection.
 
 Written on gthread's own hooks (``accept``, ``on_client_socket_readable``, ``finish_request``,
@@ -27,6 +29,7 @@ import selectors
 import socket
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from gunicorn import util
@@ -34,6 +37,7 @@ from gunicorn.workers.gthread import TConn
 
 from web.early_errors import error_response
 from web.request_framing import CONTINUE, MIN_BODY_BYTES_PER_SECOND, IncomingRequest, Progress, RequestSource
+from web.thread_share import OPS_THREADS, ThreadShare, is_ops, key_digest
 
 
 class RequestBuffering:
@@ -43,10 +47,15 @@ class RequestBuffering:
     read_timeout: float = 10.0
     write_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024  # the largest body any route takes
+    per_key_threads: int | None = None  # None: a key may hold every thread (no keys configured)
+    admin_keys: frozenset[bytes] = frozenset()  # their digests (web/thread_share.py)
 
     def init_process(self):
         self._reading: dict[TConn, tuple[float, IncomingRequest]] = {}  # connection -> (start, request)
-        super().init_process()
+        threads = self.cfg.threads
+        self._share = ThreadShare(threads, self.per_key_threads or threads)
+        self._ops_pool = ThreadPoolExecutor(OPS_THREADS, thread_name_prefix="ops")
+        super().init_process()  # runs the worker's loop until it stops
 
     # --- gthread's hooks: every request is collected here first -----------------------------------
 
@@ -69,6 +78,9 @@ class RequestBuffering:
     def finish_request(self, conn, fs):
         """After a response: the start of a pipelined next request, already read, is collected here
         (gthread would hand it straight to a thread, to wait there for the rest)."""
+        key = conn.__dict__.pop("share_key", None)
+        if key is not None:
+            self._share.done(key)
         leftover = conn.__dict__.pop("leftover", b"")
         source = getattr(getattr(conn.parser, "unreader", None), "sock", None)
         if isinstance(source, RequestSource):
@@ -78,6 +90,7 @@ class RequestBuffering:
             self._start_reading(conn, leftover)
         else:
             super().finish_request(conn, fs)
+        self._give_threads()
 
     def murder_pending(self):
         super().murder_pending()
@@ -134,7 +147,20 @@ class RequestBuffering:
         conn.init()  # the parser (plain HTTP/1.1: no TLS or h2 preface here, so nothing is read)
         conn.parser.unreader.sock = request.source()
         conn.data_ready = True
-        self.enqueue_req(conn)
+        key = key_digest(request.bearer)
+        if is_ops(request.target, key, self.admin_keys):
+            done = self._ops_pool.submit(self.handle, conn)
+            done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
+        else:
+            self._share.add(key, conn)
+            self._give_threads()
+
+    def _give_threads(self) -> None:
+        """Free threads to the requests waiting for them, each key within its share."""
+        while (taken := self._share.take()) is not None:
+            key, conn = taken
+            conn.share_key = key
+            self.enqueue_req(conn)
 
     def _drop(self, conn: TConn, answer: bytes = b"") -> None:
         try:

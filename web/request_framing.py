@@ -56,6 +56,8 @@ class IncomingRequest:
         self.body_bytes = 0  # the body's own bytes (chunk framing not counted)
         self.leftover = b""  # what came after this request: the start of a pipelined next one
         self.wants_continue = False  # Expect: 100-continue, not yet answered
+        self.target = b""  # the request's path and query, once its head is in
+        self.bearer = b""  # the key it presents (Authorization: Bearer), for sharing threads by key
         self.error_status = 400
         self.progress = Progress.NEED_MORE
         if leftover:
@@ -104,6 +106,11 @@ class IncomingRequest:
         head, body_start = bytes(self._pending[:head_length]), bytes(self._pending[head_length:])
         self._pending.clear()
         self.wants_continue = self._framing.they_are_waiting_for_100_continue
+        self.target = request.target
+        for name, value in request.headers:
+            scheme, _, token = value.partition(b" ")
+            if name == b"authorization" and scheme.lower() == b"bearer":
+                self.bearer = token.strip()
         # The loop answers the expectation itself (or refuses the request): gunicorn must not
         # send a second 100 Continue once the body is already here.
         self._head = _without_header(head, b"expect") if self.wants_continue else head

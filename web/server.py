@@ -9,6 +9,7 @@ from gunicorn.workers.gthread import ThreadWorker
 from web.batch_upload import MULTIPART_OVERHEAD
 from web.early_errors import error_response
 from web.request_buffering import RequestBuffering
+from web.thread_share import digests
 from workers.settings import Settings
 
 
@@ -73,10 +74,16 @@ class ApiServer(BaseApplication):
         # each parked in a blocking Redis read that releases the GIL, and a stream past the slots
         # is refused (503), so streams never take the api_threads ordinary requests run on. gthread
         # times a worker by its main loop's heartbeat, not by request, so a stream of minutes is fine.
+        threads = s.api_threads + s.api_stream_slots
+        # One key holds all but half the ordinary threads (its streams have their own slots), so
+        # other keys always find some; the open demo has one caller: it may hold every thread.
+        keyed = bool(s.api_keys or s.admin_keys)
         self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {
             "read_timeout": s.request_read_timeout, "write_timeout": s.stream_write_timeout,
-            "max_body_bytes": max(s.max_body_bytes, s.batch_max_bytes + MULTIPART_OVERHEAD)}))
-        self.cfg.set("threads", s.api_threads + s.api_stream_slots)
+            "max_body_bytes": max(s.max_body_bytes, s.batch_max_bytes + MULTIPART_OVERHEAD),
+            "per_key_threads": threads - max(1, s.api_threads // 2) if keyed else None,
+            "admin_keys": digests(s.admin_keys)}))
+        self.cfg.set("threads", threads)
         self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)
         self.cfg.set("graceful_timeout", 5)
