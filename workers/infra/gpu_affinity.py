@@ -12,14 +12,17 @@ How a message finds its worker:
 - A prompt is named by a chain of hashes, one per :data:`PREFIX_STEP` tokens and one for the whole
   prompt, over the caller's cache scope (key and ``cache_salt``: two keys never share blocks, so
   they need not share a worker), its tokens and the content hashes of its media.
-- A small index in Redis, ``rq:affinity:<hash>`` -> worker queue (:data:`ROUTE_TTL_S`), says where
-  each prefix went last. A prompt goes where its deepest prefix went, if that worker lives and
-  the prefix is at least :data:`MATCH_THRESHOLD` of the prompt (an agent's next turn, a group's
-  next sample); otherwise to the worker that rendezvous hashing (highest random weight) gives the
-  whole prompt over the live workers, so prompts that share only a system prompt still spread and
-  a prompt keeps its worker while others come and go. This is SGLang's cache-aware router (an
-  approximate radix tree of what each worker was sent, its ``cache_threshold``) kept in Redis, so
-  every API process and CPU worker routes alike.
+- A small index in Redis, ``rq:affinity:route:<hash>`` -> worker queue (:data:`ROUTE_TTL_S`), says
+  where each prefix went last. A prompt goes where its deepest prefix went, if that worker lives
+  and the prefix is at least :data:`MATCH_THRESHOLD` of the prompt (an agent's next turn, a group's
+  next sample); otherwise it starts a new prefix on the first worker, in rendezvous order (highest
+  random weight) over the live workers for the whole prompt, that has started no more than
+  :data:`GROUP_BOUND` times its even share of new prefixes in the last minute or two
+  (``rq:affinity:groups:<window>``): prompts that share only a system prompt still spread, a burst
+  of groups spreads evenly, and a prompt keeps its worker while others come and go. This is
+  SGLang's cache-aware router (an approximate radix tree of what each worker was sent, its
+  ``cache_threshold``) kept in Redis, so every API process and CPU worker routes alike, with
+  consistent hashing with bounded loads for what is new.
 - Load comes first when a worker is far busier than the least loaded one (the messages its
   heartbeat says it holds plus its queue's length; more than twice as many and
   :data:`BALANCE_MIN_GAP` more): the message goes to the least loaded worker, as that router's
@@ -39,8 +42,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,7 +60,10 @@ PREFIX_STEP = 64  # tokens per named prefix: a few KV blocks
 ROUTE_TTL_S = 900  # a prefix's route outlives a long agent turn, not a worker's cache
 BALANCE_MIN_GAP = 64  # messages: a typical GPU batch; below it, a worker is never "far busier"
 MATCH_THRESHOLD = 0.5  # of a prompt's prefixes, routed before, to follow them
-_ROUTE_KEY = "rq:affinity:"
+GROUP_BOUND = 1.25  # a worker takes a new prefix while it has started at most this x the even share
+GROUP_WINDOW_S = 60  # new prefixes are counted per window; the last two count
+_ROUTE_KEY = "rq:affinity:route:"
+_GROUPS_KEY = "rq:affinity:groups:"  # per window: queue -> new prefixes sent to it
 DIRECT_QUEUES_KEY = "rq:affinity:queues"  # hash: direct queue -> {worker, registered at} (the drain's list)
 # A queue registered this recently is not drained: its worker may not have beaten yet.
 REGISTERED_GRACE_S = 30.0
@@ -81,6 +89,7 @@ class Worker:
     queue: str
     node: str
     load: int  # messages it holds or has waiting
+    groups: int = 0  # new prefixes sent to it lately (this minute and the last)
 
 
 def prefix_hashes(scope: str, token_ids: Sequence[int], media: Sequence[tuple[int, str]] = (),
@@ -104,23 +113,34 @@ def prefix_hashes(scope: str, token_ids: Sequence[int], media: Sequence[tuple[in
 def rendezvous(key: str, queues: Sequence[str]) -> str:
     """Highest random weight: the queue whose hash with ``key`` is largest. A key keeps its queue
     while others are added or removed; only the keys of a queue that leaves move."""
-    return max(queues, key=lambda q: hashlib.blake2b(f"{key}|{q}".encode(), digest_size=8).digest())
+    return max(queues, key=lambda q: _weight(key, q))
 
 
-def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker]) -> Worker:
-    """Where a prompt goes (pure; see the module docstring): the live worker of its deepest routed
-    prefix when that covers enough of it, else rendezvous over ``workers`` by the whole prompt;
-    the least loaded one instead when that worker is far busier."""
+def _weight(key: str, queue: str) -> bytes:
+    return hashlib.blake2b(f"{key}|{queue}".encode(), digest_size=8).digest()
+
+
+def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker]) -> tuple[Worker, bool]:
+    """Where a prompt goes (pure; see the module docstring), and whether it starts a new prefix
+    there: the live worker of its deepest routed prefix when that covers enough of it; else the
+    first worker in rendezvous order over the whole prompt that has started at most
+    :data:`GROUP_BOUND` times the even number of new prefixes lately (consistent hashing with
+    bounded loads, Mirrokni et al.: a burst of groups spreads evenly, each still keeping its
+    worker); the least loaded one instead when that worker is far busier."""
     by_queue = {w.queue: w for w in workers}
     depth = next((i + 1 for i in reversed(range(len(routed))) if routed[i] in by_queue), 0)
-    if depth and depth >= MATCH_THRESHOLD * len(names):
-        chosen = by_queue[routed[depth - 1]]
+    new = not (depth and depth >= MATCH_THRESHOLD * len(names))
+    if new:
+        key = names[-1] if names else ""
+        order = sorted(workers, key=lambda w: _weight(key, w.queue), reverse=True)
+        bound = math.ceil(GROUP_BOUND * (sum(w.groups for w in workers) + 1) / len(workers))
+        chosen = next(w for w in order if w.groups < bound)
     else:
-        chosen = by_queue[rendezvous(names[-1] if names else "", sorted(by_queue))]
+        chosen = by_queue[routed[depth - 1]]
     least = min(workers, key=lambda w: (w.load, w.queue))
     if chosen.load > 2 * least.load and chosen.load - least.load >= BALANCE_MIN_GAP:
-        return least
-    return chosen
+        return least, True
+    return chosen, new
 
 
 @dataclass
@@ -138,8 +158,17 @@ class GpuRouter:
             return [p.fallback_queue for p in placements]
         named = [prefix_hashes(p.scope, p.token_ids, p.media) for p in placements]
         keys = [_ROUTE_KEY + name for names in named for name in names]
-        routed_all = [None if raw is None else raw.decode() for raw in self.client.mget(keys)] if keys else []
-        queues, notes, at = [], {}, 0
+        window = int(time.time() // GROUP_WINDOW_S)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.mget(keys or ["rq:affinity:-"])
+        pipe.hgetall(f"{_GROUPS_KEY}{window}")
+        pipe.hgetall(f"{_GROUPS_KEY}{window - 1}")
+        routed_raw, *recent = pipe.execute()
+        routed_all = [None if raw is None else raw.decode() for raw in routed_raw]
+        for counts in recent:
+            for worker in workers:
+                worker.groups += int(counts.get(worker.queue.encode(), 0))
+        queues, notes, started, at = [], {}, Counter(), 0
         for placement, names in zip(placements, named, strict=True):
             routed = routed_all[at:at + len(names)]
             at += len(names)
@@ -149,14 +178,20 @@ class GpuRouter:
             if not candidates:
                 queues.append(placement.fallback_queue)
                 continue
-            worker = choose(names, routed, candidates)
+            worker, new = choose(names, routed, candidates)
             worker.load += 1
+            if new:
+                worker.groups += 1
+                started[worker.queue] += 1
             queues.append(worker.queue)
             notes.update(dict.fromkeys(names, worker.queue))
         if notes:
             pipe = self.client.pipeline(transaction=False)
             for name, queue in notes.items():
                 pipe.set(_ROUTE_KEY + name, queue, ex=ROUTE_TTL_S)
+            for queue, count in started.items():
+                pipe.hincrby(f"{_GROUPS_KEY}{window}", queue, count)
+            pipe.expire(f"{_GROUPS_KEY}{window}", 3 * GROUP_WINDOW_S)
             pipe.execute()
         return queues
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import Counter
 
 import pytest
 import redis
@@ -69,13 +70,23 @@ def test_rendezvous_moves_only_the_keys_of_a_queue_that_leaves():
 def test_a_prompt_follows_a_deep_enough_routed_prefix_unless_its_worker_is_far_busier():
     workers = [Worker("qa", "n", 0), Worker("qb", "n", 0)]
     names = ["p1", "p2", "p3", "p4"]
-    assert choose(names, [None, None, "qb", None], workers).queue == "qb"  # 3 of 4 prefixes went to qb
+    assert choose(names, [None, None, "qb", None], workers) == (workers[1], False)  # 3 of 4 went to qb
     alone = rendezvous("p4", ["qa", "qb"])
-    assert choose(names, ["qa", None, None, None], workers).queue == alone  # a shared system prompt only
-    assert choose(names, [None, None, "qgone", None], workers).queue == alone  # its worker is gone
+    assert choose(names, ["qa", None, None, None], workers)[0].queue == alone  # a shared system prompt only
+    assert choose(names, [None, None, "qgone", None], workers) == (choose(names, [None] * 4, workers)[0], True)
     busy = [Worker("qa", "n", 0), Worker("qb", "n", BALANCE_MIN_GAP)]
-    assert choose(names, [None, None, "qb", None], busy).queue == "qa"
-    assert choose(names, [None, None, "qb", None], [Worker("qa", "n", 40), Worker("qb", "n", 100)]).queue == "qb"
+    assert choose(names, [None, None, "qb", None], busy)[0].queue == "qa"
+    assert choose(names, [None, None, "qb", None], [Worker("qa", "n", 40), Worker("qb", "n", 100)])[0].queue == "qb"
+
+
+def test_a_new_prefix_skips_a_worker_that_started_more_than_its_bounded_share():
+    names = ["p1"]
+    first = rendezvous("p1", ["qa", "qb"])
+    other = "qb" if first == "qa" else "qa"
+    even = [Worker("qa", "n", 0, groups=5), Worker("qb", "n", 0, groups=5)]
+    assert choose(names, [None], even)[0].queue == first
+    lopsided = [Worker(first, "n", 0, groups=9), Worker(other, "n", 0, groups=3)]  # bound: ceil(1.25 x 13 / 2) = 9
+    assert choose(names, [None], lopsided) == (lopsided[1], True)
 
 
 def test_a_group_and_an_agents_turns_reach_one_worker_and_distinct_prompts_spread(client):
@@ -89,6 +100,7 @@ def test_a_group_and_an_agents_turns_reach_one_worker_and_distinct_prompts_sprea
     assert router.queues([Placement("job_t2", turn_2, "key-a")]) == first  # in a later call
     spread = router.queues([Placement(f"job_p{i}", prompt(100 + i), "key-a") for i in range(32)])
     assert set(spread) == set(queues)
+    assert max(Counter(spread).values()) <= 11  # bounded: 1.25 x an even share of the 34 groups started
 
 
 def test_handles_stay_on_their_node_and_no_live_worker_means_the_old_queues(client):
