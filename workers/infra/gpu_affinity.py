@@ -65,7 +65,7 @@ GROUP_WINDOW_S = 60  # new prefixes are counted per window; the last two count
 _ROUTE_KEY = "rq:affinity:route:"
 _GROUPS_KEY = "rq:affinity:groups:"  # per window: queue -> new prefixes sent to it
 DIRECT_QUEUES_KEY = "rq:affinity:queues"  # hash: direct queue -> {worker, registered at} (the drain's list)
-# A queue registered this recently is not drained: its worker may not have beaten yet.
+# A queue registered this recently, whose worker never beat, is not drained: it may be starting.
 REGISTERED_GRACE_S = 30.0
 
 
@@ -243,8 +243,9 @@ class DirectQueueDrain:
         settled = time.time() - REGISTERED_GRACE_S
         moved = []
         for queue, entry in registered.items():
-            if queue not in alive and entry["at"] < settled:
-                moved += self._drain(queue, forget=entry["worker"] not in remembered)
+            beat = entry["worker"] in remembered
+            if queue not in alive and (beat or entry["at"] < settled):
+                moved += self._drain(queue, forget=not beat)
         return moved
 
     def _drain(self, queue: str, *, forget: bool) -> list[str]:

@@ -135,8 +135,9 @@ def test_what_waits_in_a_gone_workers_queue_is_sent_again_and_a_live_ones_stays(
     assert client.llen(live_queue) == 1 and drain.sweep() == []
 
 
-def test_a_dead_workers_queue_is_watched_while_its_held_messages_may_still_come_back(client, monkeypatch):
-    monkeypatch.setattr(gpu_affinity, "REGISTERED_GRACE_S", 0.0)
+def test_a_starting_workers_queue_waits_and_a_dead_ones_is_watched_while_its_messages_may_come_back(
+        client, monkeypatch):
+    register_direct_queue(client, "node-a-4")  # starting: registered, not beating yet
     gone = gpu_worker(client, "node-a-3")
     client.delete("rq:worker:gpu:node-a-3")  # its heartbeat lapsed; the index still names it
     time.sleep(0.01)
@@ -144,5 +145,7 @@ def test_a_dead_workers_queue_is_watched_while_its_held_messages_may_still_come_
     assert drain.sweep() == [] and gone in direct_queues(client)
     client.lpush(gone, json.dumps({"headers": {"argsrepr": "['job_" + "d" * 22 + "']"}}))  # given back late
     assert drain.sweep() == ["job_" + "d" * 22]
-    client.zrem("rq:workers:gpu", "node-a-3")  # past the index's memory
-    assert drain.sweep() == [] and gone not in direct_queues(client)
+    assert direct_queue("node-a-4") in direct_queues(client)  # within its start-up grace: left alone
+    client.zrem("rq:workers:gpu", "node-a-3")  # past the index's memory (600 s, far past the grace)
+    monkeypatch.setattr(gpu_affinity, "REGISTERED_GRACE_S", 0.0)
+    assert drain.sweep() == [] and not direct_queues(client)  # and node-a-4 never came up
