@@ -150,6 +150,6 @@ class JobEventStream(MethodView):
         """Follow a job: its events as they happen, from the start or after ``Last-Event-ID`` (the
         header, or ``?last_event_id=``). A view of a durable job: disconnecting cancels nothing."""
         svc = services()
-        svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job
+        svc.jobs.check_owner(job_id, current_owner())  # 404 for another key's job
         after = last_event_id(http_request.headers.get("Last-Event-ID"), http_request.args.get("last_event_id"))
         return stream_response(svc, job_events(svc, job_id, after))

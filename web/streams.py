@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -28,6 +29,8 @@ from flask import Response
 
 from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
 from web.auth import current_owner
+from web.stored_json import respelled
+from workers.infra.redis_records import StoredJSON
 from workers.jobs.events import plausible_event_id
 from workers.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
 from workers.jobs.view import public_job
@@ -39,6 +42,11 @@ KEEPALIVE = b": keep-alive\n\n"
 # size: it never exists as one encoded string, and each piece meets the write timeout on its own.
 PIECE_BYTES = 64 * 1024
 _SLICE = 256  # list items the C encoder turns into text at once
+
+
+# The stored results this process's streams are sending, by job: the streams of one job share one
+# copy (an ended job's result never changes), gone with the last stream that holds it.
+_SENDING: weakref.WeakValueDictionary[str, StoredJSON] = weakref.WeakValueDictionary()
 
 
 class TooManyStreamsError(ServiceUnavailableError):
@@ -58,13 +66,14 @@ def sse(data: Any, *, event: str | None = None, event_id: str | None = None) -> 
 
 
 def sse_pieces(data: Any, *, event: str | None = None) -> Iterator[bytes]:
-    """:func:`sse` of ``data`` (the same bytes), in pieces of about :data:`PIECE_BYTES`."""
+    """:func:`sse` of ``data`` (the same bytes), in pieces of about :data:`PIECE_BYTES`. A
+    :class:`StoredJSON` in ``data`` is sent from its bytes, as :func:`sse` writes its value."""
     if isinstance(data, str):
         yield sse(data, event=event)
         return
     piece = bytearray(f"event: {event}\ndata: " if event is not None else "data: ", "utf-8")
     for part in _json_parts(data):
-        piece += part.encode()
+        piece += part if isinstance(part, bytes) else part.encode()
         if len(piece) >= PIECE_BYTES:
             yield bytes(piece)
             piece.clear()
@@ -72,11 +81,13 @@ def sse_pieces(data: Any, *, event: str | None = None) -> Iterator[bytes]:
     yield bytes(piece)
 
 
-def _json_parts(value: Any) -> Iterator[str]:
+def _json_parts(value: Any) -> Iterator[str | bytes]:
     """``value`` as :func:`sse` encodes it, in parts: dicts key by key, lists a slice at a time, the
     rest by the C encoder. Written by hand because the standard library's incremental encoder
     (``JSONEncoder.iterencode``) runs in pure Python: four times slower on a large result."""
-    if isinstance(value, dict):
+    if isinstance(value, StoredJSON):
+        yield from respelled(value.data, PIECE_BYTES)
+    elif isinstance(value, dict):
         yield "{"
         for index, (key, item) in enumerate(value.items()):
             yield ("," if index else "") + _dumps(key) + ":"  # job views come from JSON: keys are str
@@ -165,12 +176,13 @@ def last_event_id(header: str | None, query: str | None) -> str:
 
 def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
     """The native events of one job: ``status``, ``restart`` and ``tokens`` as stored (each with its
-    id), keep-alive comments while idle, then ``result`` (the job as GET /v1/jobs/{id} shows it) or,
-    for a failed job, ``error``. A dead attempt's late tokens are left out (see job_events)."""
+    id), keep-alive comments while idle, then ``result`` (the job as GET /v1/jobs/{id} shows it, its
+    result sent from the stored bytes, never decoded) or, for a failed job, ``error``. A dead
+    attempt's late tokens are left out (see job_events)."""
     attempts = AttemptFilter()
     try:
         for item in follow(svc.event_hub, svc.jobs, {job_id: after}, keepalive=svc.settings.stream_keepalive_seconds,
-                           outage_s=svc.settings.stream_outage_seconds):
+                           outage_s=svc.settings.stream_outage_seconds, stored_results=True):
             if isinstance(item, KeepAlive):
                 yield KEEPALIVE
                 continue
@@ -181,6 +193,8 @@ def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
                     yield sse({**(job.get("error") or {"code": "internal_error", "message": "job failed"}),
                                "job_id": job_id}, event="error")
                 else:
+                    if isinstance(job.get("result"), StoredJSON):  # in the record: nothing keeps this read's copy
+                        job["result"] = _SENDING.setdefault(job_id, job["result"])
                     yield from sse_pieces(public_job(job), event="result")
                 return
             if attempts.keep(job_id, event):

@@ -49,8 +49,8 @@ class Ended:
     job: dict[str, Any]
 
 
-def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *,
-           keepalive: float, outage_s: float = 0.0) -> Iterator[tuple[str, JobEvent | Ended] | KeepAlive]:
+def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *, keepalive: float, outage_s: float = 0.0,
+           stored_results: bool = False) -> Iterator[tuple[str, JobEvent | Ended] | KeepAlive]:
     """Events of the jobs in ``positions`` (job id -> last entry id seen, ``"0"`` for all), each
     job's ``Ended`` after its terminal status, until every job ended. The reading is the process's
     :class:`~workers.jobs.event_hub.EventHub` (one XREAD for all its streams).
@@ -58,6 +58,9 @@ def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *,
     Redis away for less than ``outage_s`` seconds (a blip, a failover) is ridden out: keep-alives
     while it is away, then the events from where the stream was, none lost or twice. A longer
     outage raises its RedisError.
+
+    ``stored_results``: each ``Ended`` job's result is left as stored (a ``StoredJSON``), for a
+    reader that sends it on as it is.
 
     The jobs are marked as read first: their tokens are written only then (see job_events)."""
     positions = dict(positions)
@@ -75,10 +78,10 @@ def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *,
                 if isinstance(got, Outage):
                     raise got.error
                 if got is None:
-                    items, moved = _ended_quietly(events, jobs, positions)
+                    items, moved = _ended_quietly(events, jobs, positions, stored_results)
                 else:
                     delivered = got
-                    items, moved = _items(jobs, positions, got)
+                    items, moved = _items(jobs, positions, got, stored_results)
                     delivered = None
             except redis.RedisError:
                 now = time.monotonic()
@@ -90,16 +93,17 @@ def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *,
                 continue
             down_since = None
             positions = moved
-            for item in items:
-                if isinstance(item, tuple) and isinstance(item[1], Ended):
-                    subscription.drop(item[0])
-            yield from items
+            for ended in [item[0] for item in items if isinstance(item, tuple) and isinstance(item[1], Ended)]:
+                subscription.drop(ended)
+            items.reverse()
+            while items:  # handed over, not kept: an ended job's record is its reader's to drop
+                yield items.pop()
     finally:
         if subscription is not None:
             subscription.close()
 
 
-def _items(jobs: JobStore, positions: dict[str, str], batch: list[tuple[str, JobEvent]]):
+def _items(jobs: JobStore, positions: dict[str, str], batch: list[tuple[str, JobEvent]], stored: bool):
     """The items of the entries the hub delivered, and the positions past them (without the jobs
     that ended). ``positions`` itself is left as it was, so a read that fails halfway moves nothing."""
     positions = dict(positions)
@@ -111,18 +115,19 @@ def _items(jobs: JobStore, positions: dict[str, str], batch: list[tuple[str, Job
         items.append((job_id, event))
         if event.type == "status" and event.data.get("status") in TERMINAL:
             positions.pop(job_id)
-            job = jobs.get_many([job_id])[0]
+            job = jobs.get_many([job_id], stored_result=stored)[0]
             items.append((job_id, Ended(job if job is not None else {"id": job_id, "status": event.data["status"]})))
     return items, positions
 
 
-def _ended_quietly(events: JobEvents, jobs: JobStore, positions: dict[str, str]):
+def _ended_quietly(events: JobEvents, jobs: JobStore, positions: dict[str, str], stored: bool):
     """Nothing came for a keep-alive period: a :class:`KeepAlive`, and the end of each job whose
     record ended while its stream says nothing (the stream trimmed, expired, or the job ended by a
     path that predates streams), after a last read of its stream; and the positions after them."""
     positions = dict(positions)
     items: list = [KeepAlive()]
-    ended = [(job_id, job) for job, job_id in zip(jobs.get_many(list(positions)), list(positions), strict=True)
+    records = jobs.get_many(list(positions), stored_result=stored)
+    ended = [(job_id, job) for job, job_id in zip(records, list(positions), strict=True)
              if job is not None and job["status"] in TERMINAL]
     for job_id, job in ended:
         for _, event in events.read({job_id: positions[job_id]}, block_ms=None):

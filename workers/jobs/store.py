@@ -235,17 +235,27 @@ class JobStore:
             raise NotFoundError(f"no job {job_id!r}")
         return self._decode(raw)
 
+    def check_owner(self, job_id: str, owner: str) -> None:
+        """NotFoundError where ``get`` with ``owner`` raises one, reading two short fields: the
+        record holds the result (up to tens of MB), which a stream reads later, once."""
+        found, owned_by = self.redis.hmget(self.key(job_id), ["id", "owner"]) if plausible_id(job_id) else (None, None)
+        if found is None or (owned_by or b"").decode() != owner:
+            raise NotFoundError(f"no job {job_id!r}")
+
     def owned(self, job_ids: list[str], owner: str) -> list[dict[str, Any] | None]:
         """``get`` of many ids in one round trip: each job, or None where it is not ``owner``'s."""
         jobs = self.get_many([job_id for job_id in job_ids if plausible_id(job_id)])
         found = {job["id"]: job for job in jobs if job is not None and job.get("owner") == owner}
         return [found.get(job_id) for job_id in job_ids]
 
-    def get_many(self, job_ids: list[str]) -> list[dict[str, Any] | None]:
+    def get_many(self, job_ids: list[str], *, stored_result: bool = False) -> list[dict[str, Any] | None]:
+        """The jobs (None where gone), in one round trip. ``stored_result``: each result left as
+        stored, a :class:`~workers.infra.redis_records.StoredJSON` (for a stream that sends it on)."""
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hgetall(self.key(job_id))
-        return [self._decode(raw) if raw else None for raw in pipe.execute()]
+        decode = _decode_stored_result if stored_result else self._decode
+        return [decode(raw) if raw else None for raw in pipe.execute()]
 
     def existing(self, job_ids: list[str]) -> set[str]:
         """Which of ``job_ids`` have a record here, in one round trip."""
@@ -394,6 +404,10 @@ class JobStore:
     @staticmethod
     def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
         return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS)
+
+
+def _decode_stored_result(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS, stored_fields=("result",))
 
 
 def _encode(name: str, value: Any) -> str:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
+import orjson
 import pytest
 
 from engine.errors import InternalError, NotFoundError
 from tests.conftest import empty_db_url
 from workers.gpu.jobs import poll_running
+from workers.infra.redis_records import StoredJSON
 from workers.jobs.store import TOTAL_ACTIVE_KEY, WEBHOOK_OWED_KEY, JobStore, Limits, QueueFullError
 
 OWNER, OTHER = "key_owner", "key_other"
@@ -48,6 +50,14 @@ def test_another_owner_and_implausible_ids_are_not_found(store):
     for bad in ("", "x" * 65, "job_1:prompt", "job_*"):
         with pytest.raises(NotFoundError):
             store.get(bad)
+
+
+def test_check_owner_says_what_get_says_without_reading_the_record(store):
+    job = create(store)
+    store.check_owner(job["id"], OWNER)
+    for job_id, owner in ((job["id"], OTHER), ("job_gone", OWNER), ("job_*", OWNER), ("", "")):
+        with pytest.raises(NotFoundError):
+            store.check_owner(job_id, owner)
 
 
 def test_status_moves_forward_only_and_ends_once(store):
@@ -142,6 +152,17 @@ def test_a_users_big_integers_read_back_exact_and_a_result_as_written(store):
     read = store.get(job["id"])
     assert read["metadata"] == {"step": big} and type(read["metadata"]["step"]) is int
     assert read["error"]["errors"]["token_id"] == big and read["result"] == result
+
+
+def test_a_result_read_as_stored_is_its_bytes_and_the_rest_reads_as_get_reads_it(store):
+    done, running = create(store, metadata={"step": 2**70}), create(store)
+    result = {"choices": [{"index": 0, "token_ids": [7], "logprobs": [-1e-05], "text": "é"}]}
+    store.advance(done["id"], "succeeded", owner=OWNER, result=result)
+    stored, unfinished = store.get_many([done["id"], running["id"]], stored_result=True)
+    assert isinstance(stored["result"], StoredJSON) and unfinished.get("result") is None
+    assert stored["result"].data == store.redis.hget(store.key(done["id"]), "result")
+    assert orjson.loads(stored["result"].data) == result
+    assert {**stored, "result": result} == store.get(done["id"])
 
 
 def test_advance_each_moves_many_in_one_call(store):
