@@ -1,7 +1,8 @@
 """A stream of a finished job holds about its stored result once, not its decoded objects
-(issue #47 item 5: an 8 MB result held 49 MB per unread stream). The streams are the app's own
-route on a real Redis (the Flask test client, its response read lazily as a WSGI server writes it),
-and what they send is the bytes they always sent."""
+(issue #47 item 5: an 8 MB result held 49 MB per unread stream), and a dialect's stream holds its
+last chunk's bytes, not the record they were made of. The streams are the app's own routes on a
+real Redis (the Flask test client, the response read lazily as a WSGI server writes it), and what
+they send is the bytes they always sent."""
 
 from __future__ import annotations
 
@@ -98,3 +99,26 @@ def test_a_stream_sends_a_stored_result_as_it_always_did(client):
     assert message == sse(public_job(job), event="result")
     assert b"1e-05" in message or b"e-06" in message  # floats Python spells unlike orjson were there
 
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}, "stream": True, "return_logprob": True}),
+    ("/inference/v1/generate", {"token_ids": [5], "sampling_params": {"max_tokens": 1, "logprobs": 1}, "stream": True}),
+])
+def test_an_unread_dialect_stream_holds_its_last_chunk_not_the_record_it_was_made_of(client, redis_client, path, body):
+    response = client.post(path, json=body, headers=auth(), buffered=False)
+    assert response.status_code == 200
+    job = client.get("/v1/jobs?limit=1", headers=auth()).get_json()["data"][0]  # the stream's own job, queued
+    assert client.application.extensions["rollout"].jobs.advance(job["id"], "succeeded",
+                                                                 result=large_result(20_000, top=0))
+    stored = len(redis_client.hget(f"rq:job:{job['id']}", "result"))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        last = next(piece for piece in response.response if piece != b": keep-alive\n\n")
+        held = tracemalloc.get_traced_memory()[0] - before - len(last)
+    finally:
+        tracemalloc.stop()
+    assert b'"job_id"' in last and len(last) > stored  # the job's last chunk: its every token and logprob
+    # The decoded record it was made of (three times the stored result here) is gone.
+    assert held < stored / 2, (held / stored, stored)
+    response.close()

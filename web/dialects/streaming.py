@@ -3,7 +3,10 @@ each chunk, and cancel the jobs when the client goes away.
 
 A dialect gives :func:`dialect_stream` a :class:`ChunkWriter`: ``delta`` for new tokens of one
 choice, ``done`` with a job that ended (its result as the non-streamed reply sees it), ``end`` for
-what follows the last job (usage chunks), and ``error`` for the dialect's in-stream error shape.
+what follows the last job (usage chunks: it gets the ended jobs with their results' usage only),
+and ``error`` for the dialect's in-stream error shape. Once a job's chunks are made, the stream
+keeps them and drops the job's record and ledger: a reader that stops reading holds its reply's
+bytes, not the objects they were made of.
 The tokens come through :class:`workers.jobs.follow.TokenLedger`: each once, in order, equal to the
 result's (the ledger's ``finish`` checks it), also across a redo after a worker died.
 
@@ -83,12 +86,9 @@ def _chunks(svc, jobs: list[dict[str, Any]], writer: ChunkWriter, state: dict) -
                 continue
             job_id, event = item
             if isinstance(event, Ended):
-                job = event.job
-                if job.get("status") == "failed":
-                    raise job_error(job)
-                ended[job_id] = job
-                finals = ledger.finish(job_id, JobResult.of(job, n=0).choices)  # none: the dialect ends each aborted
-                yield from writer.done(job, finals, ledger)
+                ended[job_id], chunks = _job_end(job_id, event.job, writer, ledger)
+                del item, event  # the record: while the chunks wait for the reader, they alone are held
+                yield from chunks
                 continue
             for delta in ledger.take(job_id, event):
                 if delta.token_ids or delta.text:
@@ -108,6 +108,20 @@ def _chunks(svc, jobs: list[dict[str, Any]], writer: ChunkWriter, state: dict) -
         log.exception("unexpected error while streaming a dialect reply")
         yield writer.error(InternalError("internal error while streaming"))
         yield DONE
+
+
+def _job_end(job_id: str, job: dict[str, Any], writer: ChunkWriter,
+             ledger: TokenLedger) -> tuple[dict[str, Any], list[bytes]]:
+    """What ``end`` keeps of an ended job (its usage) and the chunks that end it; the ledger forgets it."""
+    if job.get("status") == "failed":
+        raise job_error(job)
+    finals = ledger.finish(job_id, JobResult.of(job, n=0).choices)  # none: the dialect ends each aborted
+    chunks = writer.done(job, finals, ledger)
+    ledger.forget(job_id)
+    result = job.get("result")
+    if result:
+        job = {**job, "result": {"usage": result.get("usage"), "cached_tokens": result.get("cached_tokens")}}
+    return job, chunks
 
 
 def _cancel(svc, owner: str, jobs: list[dict[str, Any]]) -> None:

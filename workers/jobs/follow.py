@@ -236,6 +236,11 @@ class TokenLedger:
         seen.text = now
         return now[len(sent):]
 
+    def forget(self, job_id: str) -> None:
+        """Drop what was delivered of an ended job (as many tokens and logprobs as its result)."""
+        for key in [key for key in self.delivered if key[0] == job_id]:
+            del self.delivered[key]
+
     def finish(self, job_id: str, choices: list[Choice]) -> list[ChoiceDelta]:
         """The rest of each choice from the job's result: normally nothing but its finish reason;
         the stream then ends with exactly the result's tokens and text."""
