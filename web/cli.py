@@ -61,8 +61,10 @@ def _run(args) -> int:
         return run_stack(settings)
     redis_url = _require_redis(settings)
     if args.command == "api":
+        from web.allocator import return_large_blocks
         from web.server import ApiServer
 
+        return_large_blocks()  # before gunicorn forks its workers: they inherit it
         ApiServer(settings, redis_url).run()
         return 0
     from workers.worker_main import run_worker
