@@ -28,7 +28,7 @@ RESULTS = ROOT / "bench" / "results" / "latest.md"
 MODULES = ("service", "http_service", "preprocess_cache", "media_cache", "transport", "generation_batching", "uniform_batches",
            "kv_memory", "rollout", "streaming", "message_take", "batch_submit", "weights", "durability",
            "argument_schemas", "message_publish", "chunk_jobs", "batch_intake", "arrivals", "responses", "prefix_reuse",
-           "grpo_fleet", "stream_memory")
+           "grpo_fleet", "stream_memory", "tenant_load")
 MODULE_TIMEOUT_S = 600
 
 
