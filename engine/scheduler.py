@@ -372,17 +372,21 @@ class Scheduler:
         """Preempt the running request that gives way to ``waiting``'s tenant, if one does
         (:func:`engine.capacity.fair_share_victim`); its blocks are free when this returns."""
         live = [job for job in self._jobs.values() if job.state != "done" and not job.preempted]
+        tenants = len({job.request.tenant for job in live})
+        if tenants < 2:  # a key alone keeps the whole batch (and the common case costs one pass)
+            return None
+        holding = [job for job in live if job.state != "pending"]  # admitted or running
+        peak = {job.handle: self._peak_blocks(job) for job in [*holding, waiting]}
         rows, blocks = Counter(), Counter()
-        for job in live:
-            if job.state != "pending":
-                rows[job.request.tenant] += len(job.rows)
-                blocks[job.request.tenant] += self._peak_blocks(job)
+        for job in holding:
+            rows[job.request.tenant] += len(job.rows)
+            blocks[job.request.tenant] += peak[job.handle]
         shares = {tenant: dominant_share(rows[tenant], blocks[tenant], self.limits) for tenant in rows}
-        running = sorted((job for job in live if job.state == "running"), key=lambda job: job.admitted_at)
+        running = sorted((job for job in holding if job.state == "running"), key=lambda job: job.admitted_at)
         victim = fair_share_victim(
-            waiting.request.tenant, dominant_share(len(waiting.rows), self._peak_blocks(waiting), self.limits), shares,
-            [(job.request.tenant, dominant_share(len(job.rows), self._peak_blocks(job), self.limits)) for job in running],
-            tenants=len({job.request.tenant for job in live}))
+            waiting.request.tenant, dominant_share(len(waiting.rows), peak[waiting.handle], self.limits), shares,
+            [(job.request.tenant, dominant_share(len(job.rows), peak[job.handle], self.limits)) for job in running],
+            tenants=tenants)
         if victim is None:
             return None
         job = running[victim]
