@@ -45,6 +45,7 @@ import logging
 import math
 import re
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ BALANCE_MIN_GAP = 64  # messages: a typical GPU batch; below it, a worker is nev
 MATCH_THRESHOLD = 0.5  # of a prompt's prefixes, routed before, to follow them
 GROUP_BOUND = 1.25  # a worker takes a new prefix while it has started at most this x the even share
 GROUP_WINDOW_S = 60  # new prefixes are counted per window; the last two count
+LIVE_REFRESH_S = 1.0  # how stale the list of live workers may be in one process
 _ROUTE_KEY = "rq:affinity:route:"
 _GROUPS_KEY = "rq:affinity:groups:"  # per window: queue -> new prefixes sent to it
 DIRECT_QUEUES_KEY = "rq:affinity:queues"  # hash: direct queue -> {worker, registered at} (the drain's list)
@@ -145,25 +147,31 @@ def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence
 
 @dataclass
 class GpuRouter:
-    """Places generate messages on GPU workers' own queues (one Redis round trip to look, one to
-    note the routes, for any number of messages)."""
+    """Places generate messages on GPU workers' own queues: one Redis round trip to look (the live
+    workers themselves are read at most every :data:`LIVE_REFRESH_S`), and one to note the routes
+    when something new was routed, for any number of messages."""
 
     client: redis.Redis
 
     def queues(self, placements: Sequence[Placement]) -> list[str]:
         if not placements:
             return []
-        workers = live_workers(self.client)
-        if not workers:
+        statuses = _live_statuses(self.client)
+        if not statuses:
             return [p.fallback_queue for p in placements]
         named = [prefix_hashes(p.scope, p.token_ids, p.media) for p in placements]
         keys = [_ROUTE_KEY + name for names in named for name in names]
         window = int(time.time() // GROUP_WINDOW_S)
         pipe = self.client.pipeline(transaction=False)
-        pipe.mget(keys or ["rq:affinity:-"])
+        pipe.mget(keys)
         pipe.hgetall(f"{_GROUPS_KEY}{window}")
         pipe.hgetall(f"{_GROUPS_KEY}{window - 1}")
+        for status in statuses:
+            pipe.llen(status["direct_queue"])
         routed_raw, *recent = pipe.execute()
+        recent, lengths = recent[:2], recent[2:]
+        workers = [Worker(s["direct_queue"], s.get("node", ""), len(s.get("held", ())) + length)
+                   for s, length in zip(statuses, lengths, strict=True)]
         routed_all = [None if raw is None else raw.decode() for raw in routed_raw]
         for counts in recent:
             for worker in workers:
@@ -184,8 +192,8 @@ class GpuRouter:
                 worker.groups += 1
                 started[worker.queue] += 1
             queues.append(worker.queue)
-            notes.update(dict.fromkeys(names, worker.queue))
-        if notes:
+            notes.update({name: worker.queue for name, r in zip(names, routed, strict=True) if r != worker.queue})
+        if notes or started:  # a group's later samples, routed as noted, write nothing
             pipe = self.client.pipeline(transaction=False)
             for name, queue in notes.items():
                 pipe.set(_ROUTE_KEY + name, queue, ex=ROUTE_TTL_S)
@@ -196,18 +204,20 @@ class GpuRouter:
         return queues
 
 
-def live_workers(client: redis.Redis) -> list[Worker]:
-    """The live GPU workers that take direct messages, with their load: held messages (from their
-    heartbeat) plus their queue's length now."""
+# Connection pool -> (read at, statuses): a process's clients of one Redis share what they read.
+_live_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _live_statuses(client: redis.Redis) -> list[dict]:
+    """The heartbeats of the live GPU workers that take direct messages, read at most every
+    :data:`LIVE_REFRESH_S` per connection pool (a heartbeat is written every 2 s anyway)."""
+    key, now = client.connection_pool, time.monotonic()
+    cached = _live_cache.get(key)
+    if cached is not None and now - cached[0] < LIVE_REFRESH_S:
+        return cached[1]
     statuses = [s for s in live(client, ("gpu",)).values() if s.get("direct_queue") and s.get("model_ready")]
-    if not statuses:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for status in statuses:
-        pipe.llen(status["direct_queue"])
-    lengths = pipe.execute()
-    return [Worker(s["direct_queue"], s.get("node", ""), len(s.get("held", ())) + length)
-            for s, length in zip(statuses, lengths, strict=True)]
+    _live_cache[key] = (now, statuses)
+    return statuses
 
 
 def register_direct_queue(client: redis.Redis, worker: str) -> None:

@@ -33,7 +33,8 @@ from workers.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_que
 
 
 @pytest.fixture
-def client(redis_url):
+def client(redis_url, monkeypatch):
+    monkeypatch.setattr(gpu_affinity, "LIVE_REFRESH_S", 0.0)  # each call sees the heartbeats as written
     with redis.Redis.from_url(empty_db_url(redis_url, 18)) as client:
         yield client
 
@@ -110,6 +111,16 @@ def test_handles_stay_on_their_node_and_no_live_worker_means_the_old_queues(clie
     gpu_worker(client, "node-a-1", "node-a")
     b = gpu_worker(client, "node-b-1", "node-b")
     assert set(router.queues([Placement(f"job_{i}", prompt(i), "k", node="node-b") for i in range(10)])) == {b}
+
+
+def test_a_process_reads_the_live_workers_at_most_once_a_refresh(client, monkeypatch):
+    monkeypatch.setattr(gpu_affinity, "LIVE_REFRESH_S", 60.0)
+    router = GpuRouter(client)
+    assert router.queues([Placement("job_1", prompt(1), "k")]) == [SHARED_GENERATE_QUEUE]
+    queue = gpu_worker(client, "node-a-1")
+    assert router.queues([Placement("job_2", prompt(2), "k")]) == [SHARED_GENERATE_QUEUE]  # read a moment ago
+    monkeypatch.setattr(gpu_affinity, "LIVE_REFRESH_S", 0.0)
+    assert router.queues([Placement("job_3", prompt(3), "k")]) == [queue]
 
 
 def test_a_busy_worker_sheds_new_groups_to_an_idle_one(client):
