@@ -9,9 +9,7 @@ import time
 import pytest
 
 from tests.conftest import empty_db_url
-from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
-from web.auth import key_id
-from workers.infra.gpu_affinity import prefix_hashes, rendezvous
+from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
 
 PROMPT_TOKENS = 40
 SAMPLE = {"max_tokens": 4, "temperature": 1.0, "ignore_eos": True}
@@ -54,14 +52,19 @@ def test_a_groups_samples_run_on_one_worker_and_each_prompt_is_computed_once(fle
 
 def test_messages_waiting_for_a_worker_that_died_run_on_another(fleet):
     gone = fleet.heartbeat("gpu2")["direct_queue"]
-    queues = sorted([fleet.heartbeat("gpu")["direct_queue"], gone])
-    owner = key_id(API_KEY)
-    seed = next(s for s in range(1000, 2000) if rendezvous(prefix_hashes(owner, prompt(s))[-1], queues) == gone)
-    fleet.kill("gpu2")  # its heartbeat lingers for its TTL: the router still sends it this group
-    jobs = [fleet.submit({"token_ids": prompt(seed), "sampling_params": {**SAMPLE, "seed": s}})["id"] for s in range(3)]
+    # A group that started on gpu2: its late samples follow it there (its prefix's route).
+    for seed in range(1000, 1020):
+        first = fleet.wait(fleet.submit({"token_ids": prompt(seed), "sampling_params": {**SAMPLE, "seed": 0}})["id"])
+        if "generate.gpu." + first["result"]["nodes"]["generate_worker"] == gone:
+            break
+    else:
+        pytest.fail("no new group started on gpu2 in 20 tries")
+    fleet.kill("gpu2")  # its heartbeat lingers for its TTL: the router still sends it the group's samples
+    jobs = [fleet.submit({"token_ids": prompt(seed), "sampling_params": {**SAMPLE, "seed": s}})["id"]
+            for s in range(1, 4)]
     assert fleet.services.redis.llen(gone) == 3
     for job in jobs:  # the drain sends them again once the heartbeat lapses (10 s)
         result = fleet.wait(job, timeout=60)
         assert result["status"] == "succeeded", result
-        assert result["result"]["nodes"]["generate_worker"] != gone.removeprefix("generate.gpu.")
+        assert "generate.gpu." + result["result"]["nodes"]["generate_worker"] != gone
     assert not fleet.services.redis.exists(gone)

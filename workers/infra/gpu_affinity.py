@@ -112,14 +112,10 @@ def prefix_hashes(scope: str, token_ids: Sequence[int], media: Sequence[tuple[in
     return names
 
 
-def rendezvous(key: str, queues: Sequence[str]) -> str:
-    """Highest random weight: the queue whose hash with ``key`` is largest. A key keeps its queue
-    while others are added or removed; only the keys of a queue that leaves move."""
-    return max(queues, key=lambda q: _weight(key, q))
-
-
-def _weight(key: str, queue: str) -> bytes:
-    return hashlib.blake2b(f"{key}|{queue}".encode(), digest_size=8).digest()
+def rendezvous_order(key: str, queues: Sequence[str]) -> list[str]:
+    """Highest random weight first: the queues by their hash with ``key``. A key keeps its first
+    queue while others are added or removed; only the keys of a queue that leaves move."""
+    return sorted(queues, key=lambda q: hashlib.blake2b(f"{key}|{q}".encode(), digest_size=8).digest(), reverse=True)
 
 
 def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker]) -> tuple[Worker, bool]:
@@ -127,16 +123,15 @@ def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence
     there: the live worker of its deepest routed prefix when that covers enough of it; else the
     first worker in rendezvous order over the whole prompt that has started at most
     :data:`GROUP_BOUND` times the even number of new prefixes lately (consistent hashing with
-    bounded loads, Mirrokni et al.: a burst of groups spreads evenly, each still keeping its
+    bounded loads: a burst of groups spreads evenly, each still keeping its
     worker); the least loaded one instead when that worker is far busier."""
     by_queue = {w.queue: w for w in workers}
     depth = next((i + 1 for i in reversed(range(len(routed))) if routed[i] in by_queue), 0)
     new = not (depth and depth >= MATCH_THRESHOLD * len(names))
     if new:
-        key = names[-1] if names else ""
-        order = sorted(workers, key=lambda w: _weight(key, w.queue), reverse=True)
         bound = math.ceil(GROUP_BOUND * (sum(w.groups for w in workers) + 1) / len(workers))
-        chosen = next(w for w in order if w.groups < bound)
+        order = rendezvous_order(names[-1] if names else "", list(by_queue))
+        chosen = next(by_queue[q] for q in order if by_queue[q].groups < bound)
     else:
         chosen = by_queue[routed[depth - 1]]
     least = min(workers, key=lambda w: (w.load, w.queue))

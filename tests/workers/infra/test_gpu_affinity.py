@@ -26,7 +26,7 @@ from workers.infra.gpu_affinity import (
     direct_queues,
     prefix_hashes,
     register_direct_queue,
-    rendezvous,
+    rendezvous_order,
 )
 from workers.infra.heartbeats import beat
 from workers.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_queue
@@ -62,9 +62,9 @@ def test_prefixes_are_named_by_their_tokens_scope_and_media():
 
 def test_rendezvous_moves_only_the_keys_of_a_queue_that_leaves():
     queues = [f"q{i}" for i in range(4)]
-    before = {key: rendezvous(key, queues) for key in map(str, range(400))}
+    before = {key: rendezvous_order(key, queues)[0] for key in map(str, range(400))}
     assert len(set(before.values())) == 4
-    after = {key: rendezvous(key, queues[:3]) for key in before}
+    after = {key: rendezvous_order(key, queues[:3])[0] for key in before}
     assert all(after[key] == q for key, q in before.items() if q != "q3")
 
 
@@ -72,7 +72,7 @@ def test_a_prompt_follows_a_deep_enough_routed_prefix_unless_its_worker_is_far_b
     workers = [Worker("qa", "n", 0), Worker("qb", "n", 0)]
     names = ["p1", "p2", "p3", "p4"]
     assert choose(names, [None, None, "qb", None], workers) == (workers[1], False)  # 3 of 4 went to qb
-    alone = rendezvous("p4", ["qa", "qb"])
+    alone = rendezvous_order("p4", ["qa", "qb"])[0]
     assert choose(names, ["qa", None, None, None], workers)[0].queue == alone  # a shared system prompt only
     assert choose(names, [None, None, "qgone", None], workers) == (choose(names, [None] * 4, workers)[0], True)
     busy = [Worker("qa", "n", 0), Worker("qb", "n", BALANCE_MIN_GAP)]
@@ -82,7 +82,7 @@ def test_a_prompt_follows_a_deep_enough_routed_prefix_unless_its_worker_is_far_b
 
 def test_a_new_prefix_skips_a_worker_that_started_more_than_its_bounded_share():
     names = ["p1"]
-    first = rendezvous("p1", ["qa", "qb"])
+    first = rendezvous_order("p1", ["qa", "qb"])[0]
     other = "qb" if first == "qa" else "qa"
     even = [Worker("qa", "n", 0, groups=5), Worker("qb", "n", 0, groups=5)]
     assert choose(names, [None], even)[0].queue == first
