@@ -145,6 +145,8 @@ def fair_share_victim(waiting: Hashable, need: float, shares: Mapping[Hashable, 
     by_share = sorted({t for t, _ in running if t != waiting}, key=lambda t: shares.get(t, 0.0), reverse=True)
     for tenant in by_share:
         index = max(i for i, (t, _) in enumerate(running) if t == tenant)
+        # Its share less the request's is at most what it keeps (a max of sums minus a max of
+        # parts): it errs toward no preemption.
         if shares.get(tenant, 0.0) - running[index][1] >= even:
             return index
     return None

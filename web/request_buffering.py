@@ -14,8 +14,10 @@ plus a second per :data:`~web.request_framing.MIN_BODY_BYTES_PER_SECOND` of body
 whole by then is dropped in the loop (a JSON 408). Bytes of a pipelined next request wait in the
 loop for the first to be answered. A whole request then waits in the loop for a thread of its
 key's share (``web/thread_share.py``): one key's calls that wait for their jobs never take every
-thread, and ``/healthz``, ``/metrics`` and admin calls have threads of their own. The other way, a write that waits
-``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped reading) fails and ends the connection.
+thread, and ``/healthz``, ``/metrics`` and admin calls have threads of their own.
+
+The other way, a write that waits ``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped
+reading) fails and ends the connection.
 
 Written on gthread's own hooks (``accept``, ``on_client_socket_readable``, ``finish_request``,
 ``murder_pending``): gunicorn has no setting for request read deadlines, and an async front
