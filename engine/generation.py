@@ -122,6 +122,10 @@ class Engine:
                 for finished in scheduler.step():
                     if finished.error is not None:
                         raise finished.error
+                    if finished.preempted:  # another key's share came first: it runs again
+                        index = finished.tag
+                        handles[index] = scheduler.submit(requests[index], tag=index, features=features[index])
+                        continue
                     results[finished.tag] = finished.result
         finally:  # an error ends the call with other rows running: their blocks go back
             scheduler.close()

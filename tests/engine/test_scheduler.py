@@ -408,6 +408,30 @@ def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models
     assert scheduler.running_rows == 4
 
 
+def test_engine_generate_runs_a_preempted_request_again_to_the_tokens_it_has_alone(models, monkeypatch):
+    """Requests of several keys in one Engine.generate: one preempted for another's share is
+    submitted again, and every result comes back, equal to the request alone (seeded)."""
+    from engine import scheduler as scheduler_module
+
+    model = models("qwen2_vl")
+    engine = model.engine(kv_cache_tokens=4 * 16, kv_block_tokens=16)  # one request's 3 blocks at a time
+    requests = [_tenant(model, "First.", "a", seed=1, max_tokens=30), _tenant(model, "Second.", "b", seed=2, max_tokens=30)]
+    alone = [engine.generate([request])[0] for request in requests]
+    real, forced = scheduler_module.fair_share_victim, []
+
+    def once_the_oldest_running(waiting, need, shares, running, tenants):  # forced once, whatever the shares
+        if running and not forced:
+            forced.append(running[0])
+            return 0
+        return real(waiting, need, shares, running, tenants)
+
+    monkeypatch.setattr(scheduler_module, "fair_share_victim", once_the_oldest_running)
+    together = engine.generate(requests)
+    assert forced == [("a", forced[0][1])] and engine.stats.preempted_requests == 1
+    for got, want in zip(together, alone, strict=True):
+        assert got is not None and got.choices[0].token_ids == want.choices[0].token_ids
+
+
 def test_a_request_that_is_the_whole_batch_is_not_preempted_and_others_wait_for_it(models):
     model = models("qwen2_vl")
     scheduler = model.engine(max_rows=4).scheduler()
