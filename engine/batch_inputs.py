@@ -16,6 +16,7 @@ import torch
 from engine.errors import InvalidRequestError, PlaceholderMismatchError, check_token_ids
 from engine.items import MultimodalItem, placeholder_range
 from engine.loading import LoadedModel
+from engine.model_facts import ModelFacts
 from engine.model_inputs import build_mm_kwargs
 from engine.request_rules import check_context
 
@@ -41,17 +42,17 @@ def request_features(
     return {k: v for k, v in (mm_kwargs or {}).items() if k not in _PER_TOKEN_KEYS}
 
 
-def check_prompt(loaded: LoadedModel, prompt_token_ids: Sequence[int], new_tokens: int) -> None:
+def check_prompt(facts: ModelFacts, prompt_token_ids: Sequence[int], new_tokens: int) -> None:
     """Reject an empty prompt, an id outside the vocabulary, or a prompt that with ``new_tokens``
     more exceeds the context."""
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    check_token_ids(prompt_token_ids, loaded.vocab_size, "prompt_token_ids")
-    check_context(len(prompt_token_ids), new_tokens, loaded.max_context_length)
+    check_token_ids(prompt_token_ids, facts.vocab_size, "prompt_token_ids")
+    check_context(len(prompt_token_ids), new_tokens, facts.max_context_length)
 
 
 def check_placeholders(
-    loaded: LoadedModel,
+    facts: ModelFacts,
     prompt_token_ids: Sequence[int],
     features: Mapping[str, torch.Tensor],
     completion_token_ids: Sequence[int] = (),
@@ -63,7 +64,7 @@ def check_placeholders(
     placeholder would shift every neighbour's media in the batch, so it is refused per request.
     Counting placeholders per item is the processors' job (it is model specific).
     """
-    media_ids = set(loaded.media_token_ids.values())
+    media_ids = set(facts.media_token_ids.values())
     placeholders = sum(1 for t in prompt_token_ids if t in media_ids)
     if bool(placeholders) != bool(features):
         raise PlaceholderMismatchError(
@@ -147,13 +148,13 @@ def _to_device(value: torch.Tensor, loaded: LoadedModel, name: str = "") -> torc
 
 
 def placeholder_ranges(
-    loaded: LoadedModel, token_ids: Sequence[int], items: Sequence[MultimodalItem] = ()
+    facts: ModelFacts, token_ids: Sequence[int], items: Sequence[MultimodalItem] = ()
 ) -> list[dict]:
     """Media placeholder ranges of a prompt (``engine.items.placeholder_range``): the items' own
     offsets when given, else the runs of the model's media token ids."""
     if items:
         return [placeholder_range(item.modality, *item.offset) for item in items]
-    modality_of = {token_id: modality for modality, token_id in loaded.media_token_ids.items()}
+    modality_of = {token_id: modality for modality, token_id in facts.media_token_ids.items()}
     runs: list[list] = []  # [modality, start, end]
     for pos, token in enumerate(token_ids):
         modality = modality_of.get(token)

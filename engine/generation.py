@@ -27,6 +27,7 @@ from engine.choice import Choice
 from engine.encoder_cache import EncoderCache
 from engine.generation_types import GenerationRequest, GenerationResult
 from engine.loading import LoadedModel
+from engine.model_runner import ModelRunner
 from engine.paged_kv import BlockPool
 from engine.prompt_cache import PromptEnds
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook
@@ -68,8 +69,9 @@ class Engine:
 
     def scheduler(self, *, on_step: StepHook | None = None, limits: SchedulerLimits | None = None) -> Scheduler:
         """A continuous batch over this engine's model, sharing its caches and counters."""
-        return Scheduler(self.loaded, limits or self.limits, encoder_cache=self.encoder_cache,
-                         prompt_ends=self.prompt_ends, pool=self.kv_pool, stats=self.stats, on_step=on_step)
+        runner = ModelRunner(self.loaded, self.kv_pool, self.encoder_cache, self.stats)
+        return Scheduler(self.loaded, runner, limits or self.limits, prompt_ends=self.prompt_ends, stats=self.stats,
+                         on_step=on_step)
 
     def update_weights(self, directory, *, weight_version: str, root=None,
                        digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:

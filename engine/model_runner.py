@@ -16,7 +16,7 @@ alone, cached by content).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,18 +34,8 @@ from engine.paged_kv import BlockPool, prefix_cache, write_prompts
 from engine.prefill_plan import chunk_end
 from engine.prompt_cache import PrefilledPrompt
 from engine.running_batch import RunningBatch
-
-
-@dataclass
-class PromptInput:
-    """One prompt to prefill: its ids and media, and the cached blocks it starts after (``prefix``,
-    one reference each, which the prefilled prompt takes over) holding its first ``start`` tokens."""
-
-    token_ids: Sequence[int]
-    features: dict[str, torch.Tensor]
-    units: Sequence[MediaUnit]
-    prefix: list[int] = field(default_factory=list)
-    start: int = 0
+from engine.scoring import teacher_forced
+from engine.step_runner import PromptInput
 
 
 @dataclass
@@ -66,9 +56,10 @@ class ChunkedPrefill:
 
 
 class ModelRunner:
-    """Runs one model's forwards for a scheduler: decode steps over the running batch, padded
-    prefills of prompts (each after its cached blocks), chunks of a long prompt. Counts forwards
-    in ``stats`` (the engine's ``EngineStats``). Forwards hold ``loaded.lock``."""
+    """Runs one model's forwards for a scheduler (an :class:`engine.step_runner.StepRunner`):
+    decode steps over the running batch, padded prefills of prompts (each after its cached blocks),
+    chunks of a long prompt, prompt logprobs. Counts forwards in ``stats`` (the engine's
+    ``EngineStats``). Forwards hold ``loaded.lock``."""
 
     def __init__(self, loaded: LoadedModel, pool: BlockPool, encoder_cache: EncoderCache | None, stats):
         self.loaded, self.pool, self.encoder_cache, self.stats = loaded, pool, encoder_cache, stats
@@ -184,6 +175,22 @@ class ModelRunner:
         prefix, prompt.prefix = prompt.prefix, []  # write_prompts takes it over, whatever happens
         kv = write_prompts(self.pool, state.cache, [length], [prefix])[0]
         return PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
+
+    def prompt_logprobs(self, request, features: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring (the
+        model's own forward over the prompt, as scoring computes it)."""
+        length, k = len(request.prompt_token_ids), request.sampling.prompt_logprobs
+        entry: dict[str, Any] = {"prompt_logprobs": [None]}  # the first prompt token has no logprob
+        if k:
+            entry["prompt_top_logprobs"] = [None]
+        if length == 1:  # nothing to score: no forward
+            return entry
+        [(logprobs, top)] = teacher_forced(self.loaded, [Row(request.prompt_token_ids, features)], [length - 1],
+                                           top_k=k)
+        entry["prompt_logprobs"] += logprobs[-(length - 1):]
+        if k:
+            entry["prompt_top_logprobs"] += [step[:k] for step in top[-(length - 1):]]
+        return entry
 
     def _forward_inputs(self, batch: dict[str, torch.Tensor], units: Sequence[MediaUnit]) -> dict[str, Any]:
         if not units or not self.uses_encoder_outputs:

@@ -1,21 +1,23 @@
 """What a finished request returns: its choices from its rows' decoders, usage, timings, the
-weight version that made it, and its prompt logprobs when asked (teacher-forced: the model's own
-forward over the prompt, as scoring computes it)."""
+weight version that made it, and its prompt logprobs when asked (the runner's teacher-forced
+forward: :meth:`engine.step_runner.StepRunner.prompt_logprobs`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from engine.batch_inputs import Row, placeholder_ranges
+from engine.batch_inputs import placeholder_ranges
 from engine.choice import Choice
 from engine.generation_types import GenerationResult
-from engine.loading import LoadedModel
-from engine.scoring import teacher_forced
+from engine.model_facts import ModelFacts
 
 
-def build_result(loaded: LoadedModel, job: Any) -> GenerationResult:
-    """``job``: the scheduler's (``request``, ``rows``, ``features``, timing marks, ``cached_tokens``)."""
+def build_result(facts: ModelFacts, job: Any,
+                 prompt_logprobs: Callable[[Any, dict], dict[str, Any]]) -> GenerationResult:
+    """``job``: the scheduler's (``request``, ``rows``, ``features``, timing marks, ``cached_tokens``);
+    ``prompt_logprobs(request, features)`` scores its prompt when it asked."""
     request = job.request
     now = time.perf_counter()
     timings: dict[str, float] = {}
@@ -27,7 +29,7 @@ def build_result(loaded: LoadedModel, job: Any) -> GenerationResult:
     scored = {}
     if request.sampling.prompt_logprobs is not None and job.admitted_at is not None:  # it ran
         started = time.perf_counter()
-        scored = prompt_logprobs(loaded, request, job.features)
+        scored = prompt_logprobs(request, job.features)
         timings["prompt_logprobs_s"] = time.perf_counter() - started
     choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
@@ -39,23 +41,8 @@ def build_result(loaded: LoadedModel, job: Any) -> GenerationResult:
         usage={"prompt_tokens": len(request.prompt_token_ids),
                "completion_tokens": sum(len(c.token_ids) for c in choices)},
         timings=timings,
-        weight_version=loaded.weight_version,
-        placeholder_ranges=placeholder_ranges(loaded, request.prompt_token_ids, request.items),
+        weight_version=facts.weight_version,
+        placeholder_ranges=placeholder_ranges(facts, request.prompt_token_ids, request.items),
         cached_tokens=job.cached_tokens,
         **scored,
     )
-
-
-def prompt_logprobs(loaded: LoadedModel, request, features) -> dict[str, Any]:
-    """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring."""
-    length, k = len(request.prompt_token_ids), request.sampling.prompt_logprobs
-    entry: dict[str, Any] = {"prompt_logprobs": [None]}  # the first prompt token has no logprob
-    if k:
-        entry["prompt_top_logprobs"] = [None]
-    if length == 1:  # nothing to score: no forward
-        return entry
-    [(logprobs, top)] = teacher_forced(loaded, [Row(request.prompt_token_ids, features)], [length - 1], top_k=k)
-    entry["prompt_logprobs"] += logprobs[-(length - 1):]
-    if k:
-        entry["prompt_top_logprobs"] += [step[:k] for step in top[-(length - 1):]]
-    return entry

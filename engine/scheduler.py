@@ -3,8 +3,10 @@ and leave the moment they finish.
 
 Why by hand: transformers' own continuous batching (``generate_batch``, ``init_continuous_batching``)
 takes token ids only and drops ``pixel_values`` (transformers#43386; docs/architecture.md), so it cannot serve
-a multimodal request. This module is the policy: it decides, and :class:`engine.model_runner.ModelRunner`
-runs the forwards it decides on (vLLM V1's cut: its ``Scheduler`` and ``GPUModelRunner``).
+a multimodal request. This module is the policy: it decides, and a :class:`engine.step_runner.StepRunner`
+runs the forwards it decides on (vLLM V1's cut: its ``Scheduler`` and ``GPUModelRunner``). It reads a
+model's facts (:class:`engine.model_facts.ModelFacts`) and never the model: :meth:`engine.Engine.scheduler`
+hands it a :class:`engine.model_runner.ModelRunner`, a test of the policy alone a runner of its own.
 
 One :meth:`Scheduler.step`:
 
@@ -73,11 +75,10 @@ from engine.capacity import (
     request_rows,
 )
 from engine.decoding import RowDecoder
-from engine.encoder_cache import EncoderCache, MediaUnit, tensors_hash, unit_key
+from engine.encoder_cache import MediaUnit, tensors_hash, unit_key
 from engine.errors import InvalidRequestError
-from engine.loading import LoadedModel
-from engine.model_runner import ChunkedPrefill, ModelRunner, PromptInput
-from engine.paged_kv import BlockPool, PagedPrompt
+from engine.model_facts import ModelFacts
+from engine.paged_kv import PagedPrompt
 from engine.prefill_plan import PrefillPlan, hold_joins, plan_prefill, reusable_blocks
 from engine.prefix_hash import MediaSpan, PromptHashes, chain, prompt_hashes
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
@@ -85,6 +86,7 @@ from engine.request_result import build_result
 from engine.running_batch import RunningBatch
 from engine.sampling import choice_seed
 from engine.sampling_params import SamplingParams
+from engine.step_runner import PromptInput, StepRunner
 
 
 @dataclass
@@ -166,7 +168,7 @@ class _Chunking:
     """A long prompt being prefilled one chunk per step."""
 
     job: _Job
-    prefill: ChunkedPrefill
+    prefill: Any  # the runner's state (StepRunner.start_chunked)
     reused: int  # its tokens found in cached blocks
 
 
@@ -174,22 +176,19 @@ StepHook = Callable[[list[RowTokens]], None]
 
 
 class Scheduler:
-    """The continuous batch of one model. Not thread-safe: one thread submits and steps
-    (:meth:`abort` may be called from elsewhere: it only sets a flag)."""
+    """The continuous batch of one model, planned from its ``facts`` and run by ``runner`` (whose
+    pool holds the KV blocks). Not thread-safe: one thread submits and steps (:meth:`abort` may be
+    called from elsewhere: it only sets a flag)."""
 
-    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *,
-                 encoder_cache: EncoderCache | None = None, prompt_ends: PromptEnds | None = None,
-                 pool: BlockPool | None = None, stats: EngineStats | None = None, on_step: StepHook | None = None):
-        self.loaded = loaded
+    def __init__(self, facts: ModelFacts, runner: StepRunner, limits: SchedulerLimits | None = None, *,
+                 prompt_ends: PromptEnds | None = None, stats: EngineStats | None = None,
+                 on_step: StepHook | None = None):
+        self.facts, self.runner, self.pool = facts, runner, runner.pool
         self.limits = limits = limits or SchedulerLimits()
-        self.encoder_cache = encoder_cache
         self.prompt_ends = prompt_ends if prompt_ends is not None else PromptEnds(limits.prompt_cache_tokens)
-        # A scheduler of its own has its own pool; an engine's schedulers share the engine's.
-        self.pool = pool if pool is not None else BlockPool(limits.kv_blocks, limits.kv_block_tokens)
         self.stats = stats if stats is not None else EngineStats()
         self.on_step = on_step
-        self.runner = ModelRunner(loaded, self.pool, encoder_cache, self.stats)
-        media = sorted(t for t in loaded.media_token_ids.values() if 0 <= t < loaded.vocab_size)
+        media = sorted(t for t in facts.media_token_ids.values() if 0 <= t < facts.vocab_size)
         self._placeholder_ids = torch.tensor(media, dtype=torch.long) if media else None
         self._next_handle = 0
         self._jobs: dict[int, _Job] = {}
@@ -197,7 +196,7 @@ class Scheduler:
         self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
         self._chunking: _Chunking | None = None
         self._batch = RunningBatch(self.pool, attn_implementation=self.runner.attn_implementation,
-                                   dtype=loaded.dtype, device=loaded.device, on_row_done=self._keep_decoded_blocks)
+                                   dtype=facts.dtype, device=facts.device, on_row_done=self._keep_decoded_blocks)
         self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
         self._join_waited = 0  # steps in a row that admitted prompts waited for company (hold_joins)
 
@@ -205,11 +204,11 @@ class Scheduler:
 
     def check(self, request) -> dict[str, torch.Tensor]:
         """Refuse what can never run (typed errors); the request's model features otherwise."""
-        loaded, params = self.loaded, request.sampling
-        check_prompt(loaded, request.prompt_token_ids, params.max_tokens)
+        facts, params = self.facts, request.sampling
+        check_prompt(facts, request.prompt_token_ids, params.max_tokens)
         features = request_features(request.items, request.mm_kwargs)
-        check_placeholders(loaded, request.prompt_token_ids, features)
-        if params.stop and loaded.tokenizer is None:
+        check_placeholders(facts, request.prompt_token_ids, features)
+        if params.stop and facts.tokenizer is None:
             raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
                                       errors={"stop": ["not supported by this model"]})
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
@@ -222,19 +221,19 @@ class Scheduler:
         ``timed_out``."""
         if features is None:
             features = self.check(request)
-        loaded = self.loaded
+        facts = self.facts
         handle = self._next_handle
         self._next_handle += 1
-        units = _media_units(loaded, request, features)
-        key = (request.cache_scope, loaded.weight_version, tuple(request.prompt_token_ids),
+        units = _media_units(facts, request, features)
+        key = (request.cache_scope, facts.weight_version, tuple(request.prompt_token_ids),
                tuple(unit.key for unit in units))
         names = None
         if self.limits.prefix_caching:
-            names = prompt_hashes(request.cache_scope, loaded.weight_version, request.prompt_token_ids,
+            names = prompt_hashes(request.cache_scope, facts.weight_version, request.prompt_token_ids,
                                   self.pool.block_size, [MediaSpan(*unit.span, unit.key) for unit in units])
-        eos = frozenset(loaded.eos_token_ids)
-        rows = [RowDecoder(handle, c, request.sampling, _generator(loaded, request.sampling, c),
-                           prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=loaded.tokenizer)
+        eos = frozenset(facts.eos_token_ids)
+        rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
+                           prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer)
                 for c in range(request.sampling.n)]
         job = _Job(handle, tag, request, features, units, key, names, rows, time_limit)
         self._jobs[handle] = job
@@ -631,7 +630,7 @@ class Scheduler:
                 finished.append(Finished(handle, job.tag, error=job.error))
                 continue
             try:
-                result = build_result(self.loaded, job)
+                result = build_result(self.facts, job, self.runner.prompt_logprobs)
             except Exception as error:
                 finished.append(Finished(handle, job.tag, error=error))
                 continue
@@ -639,25 +638,25 @@ class Scheduler:
                                      batch_rows=job.peak_rows))
         return finished
 
-def _media_units(loaded: LoadedModel, request, features) -> list[MediaUnit]:
+def _media_units(facts: ModelFacts, request, features) -> list[MediaUnit]:
     """The request's media as encoder units: one per finalized item (by content hash), or all of
     its ready-made tensors as one unit."""
     if not features:
         return []
     if request.items and all(item.content_hash for item in request.items):
-        return [MediaUnit(unit_key(loaded.weight_version, f"{item.modality}:{item.content_hash}"), item.tensors(),
+        return [MediaUnit(unit_key(facts.weight_version, f"{item.modality}:{item.content_hash}"), item.tensors(),
                           tuple(item.offset))
                 for item in sorted(request.items, key=lambda i: i.offset)]
-    media = set(loaded.media_token_ids.values())
+    media = set(facts.media_token_ids.values())
     at = [i for i, t in enumerate(request.prompt_token_ids) if t in media]
-    return [MediaUnit(unit_key(loaded.weight_version, tensors_hash(features)), features, (at[0], at[-1] + 1))]
+    return [MediaUnit(unit_key(facts.weight_version, tensors_hash(features)), features, (at[0], at[-1] + 1))]
 
 
-def _generator(loaded: LoadedModel, params: SamplingParams, choice: int) -> torch.Generator | None:
+def _generator(facts: ModelFacts, params: SamplingParams, choice: int) -> torch.Generator | None:
     """A seeded row's own generator; None for greedy rows and for unseeded ones (they share one
     draw per step: engine/sampling.py)."""
     if params.greedy or params.seed is None:
         return None
-    generator = torch.Generator(device=loaded.device)
+    generator = torch.Generator(device=facts.device)
     generator.manual_seed(choice_seed(params.seed, choice))
     return generator

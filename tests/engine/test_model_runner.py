@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from engine.encoder_cache import EncoderCache
-from engine.model_runner import ModelRunner, PromptInput
+from engine.model_runner import ModelRunner
 from engine.paged_kv import BlockPool, flat_slots
 from engine.scheduler import EngineStats
+from engine.step_runner import PromptInput
 
 
 @pytest.fixture
