@@ -192,6 +192,8 @@ class JobRequestSchema(Schema):
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     cache_salt = fields.String(validate=validate.Length(min=1, max=256), metadata={
         "description": "KV blocks are reused only between requests of the same key and the same salt"})
+    session_id = fields.String(validate=validate.Length(min=1, max=256), metadata={
+        "description": "An agent's turns: kept on one GPU worker (also the X-Session-ID header)"})
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
 

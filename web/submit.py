@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import flask
+from flask import has_request_context
+
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, PlaceholderMismatchError, RolloutError, check_token_ids
 from engine.request_rules import (
@@ -15,6 +18,7 @@ from engine.request_rules import (
 )
 from web.auth import current_owner
 from web.services import services
+from web.session_header import with_session
 from workers.gpu.limits import scheduler_limits
 from workers.infra.replication import confirm_if_asked
 from workers.jobs.request import JobRequest
@@ -104,7 +108,10 @@ def submit_many(requests: list[dict[str, Any]]) -> list[dict[str, Any] | QueueFu
 
 
 def checked_request(request: dict[str, Any]) -> JobRequest:
-    """A validated request checked against the limits and typed, as ``submit`` stores it."""
+    """A validated request checked against the limits and typed, as ``submit`` stores it (with the
+    HTTP request's ``X-Session-ID``, on every route)."""
+    if has_request_context():
+        request = with_session(request, flask.request.headers)
     return JobRequest.from_dict(check_limits(request))
 
 

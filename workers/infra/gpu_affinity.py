@@ -23,6 +23,10 @@ How a message finds its worker:
   SGLang's cache-aware router (an approximate radix tree of what each worker was sent, its
   ``cache_threshold``) kept in Redis, so every API process and CPU worker routes alike, with
   consistent hashing with bounded loads for what is new.
+- A prompt that names its session (an agent's turns: SkyRL's ``X-Session-ID``, a native
+  ``session_id``) follows the session's worker, ``rq:affinity:session:<hash>`` (the scope and the
+  session id hashed), whatever it shares with the last turn: a turn whose history was cut or
+  summarized keeps the worker that holds the rest of what the agent sent.
 - Load comes first when a worker is far busier than the least loaded one (the messages its
   heartbeat says it holds plus its queue's length; more than twice as many and
   :data:`BALANCE_MIN_GAP` more): the message goes to the least loaded worker, as that router's
@@ -65,6 +69,7 @@ GROUP_BOUND = 1.25  # a worker takes a new prefix while it has started at most t
 GROUP_WINDOW_S = 60  # new prefixes are counted per window; the last two count
 LIVE_REFRESH_S = 1.0  # how stale the list of live workers may be in one process
 _ROUTE_KEY = "rq:affinity:route:"
+_SESSION_KEY = "rq:affinity:session:"
 _GROUPS_KEY = "rq:affinity:groups:"  # per window: queue -> new prefixes sent to it
 DIRECT_QUEUES_KEY = "rq:affinity:queues"  # hash: direct queue -> {worker, registered at} (the drain's list)
 # A queue registered this recently, whose worker never beat, is not drained: it may be starting.
@@ -80,6 +85,14 @@ class Placement:
     scope: str  # the caller's cache scope: blocks are never shared across scopes
     media: Sequence[tuple[int, str]] = ()  # (offset, content hash) of each item
     node: str | None = None  # the node that holds its feature handles; None: inline, any node
+    session: str | None = None  # the caller's session id: its prompts stay on one worker
+
+    @property
+    def session_key(self) -> str | None:
+        """Its session's route (the scope in the hash: two keys' sessions never meet)."""
+        if self.session is None:
+            return None
+        return _SESSION_KEY + hashlib.blake2b(f"{self.scope}\x1f{self.session}".encode(), digest_size=16).hexdigest()
 
     @property
     def fallback_queue(self) -> str:
@@ -118,9 +131,11 @@ def rendezvous_order(key: str, queues: Sequence[str]) -> list[str]:
     return sorted(queues, key=lambda q: hashlib.blake2b(f"{key}|{q}".encode(), digest_size=8).digest(), reverse=True)
 
 
-def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker]) -> tuple[Worker, bool]:
+def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence[Worker],
+           session: str | None = None) -> tuple[Worker, bool]:
     """Where a prompt goes (pure; see the module docstring), and whether it starts a new prefix
-    there: the live worker of its deepest routed prefix when that covers enough of it; else the
+    there: its session's worker (``session``, a queue) when that lives; the live worker of its
+    deepest routed prefix when that covers enough of it; else the
     first worker in rendezvous order over the whole prompt that has started at most
     :data:`GROUP_BOUND` times the even number of new prefixes lately (consistent hashing with
     bounded loads: a burst of groups spreads evenly, each still keeping its
@@ -128,7 +143,9 @@ def choose(names: Sequence[str], routed: Sequence[str | None], workers: Sequence
     by_queue = {w.queue: w for w in workers}
     depth = next((i + 1 for i in reversed(range(len(routed))) if routed[i] in by_queue), 0)
     new = not (depth and depth >= MATCH_THRESHOLD * len(names))
-    if new:
+    if session in by_queue:
+        chosen, new = by_queue[session], False
+    elif new:
         bound = math.ceil(GROUP_BOUND * (sum(w.groups for w in workers) + 1) / len(workers))
         order = rendezvous_order(names[-1] if names else "", list(by_queue))
         chosen = next(by_queue[q] for q in order if by_queue[q].groups < bound)
@@ -156,9 +173,10 @@ class GpuRouter:
             return [p.fallback_queue for p in placements]
         named = [prefix_hashes(p.scope, p.token_ids, p.media) for p in placements]
         keys = [_ROUTE_KEY + name for names in named for name in names]
+        sessions = [p.session_key for p in placements if p.session_key is not None]
         window = int(time.time() // GROUP_WINDOW_S)
         pipe = self.client.pipeline(transaction=False)
-        pipe.mget(keys)
+        pipe.mget(keys + sessions)
         pipe.hgetall(f"{_GROUPS_KEY}{window}")
         pipe.hgetall(f"{_GROUPS_KEY}{window - 1}")
         for status in statuses:
@@ -167,7 +185,9 @@ class GpuRouter:
         recent, lengths = recent[:2], recent[2:]
         workers = [Worker(s["direct_queue"], s.get("node", ""), len(s.get("held", ())) + length)
                    for s, length in zip(statuses, lengths, strict=True)]
-        routed_all = [None if raw is None else raw.decode() for raw in routed_raw]
+        routed_all = [None if raw is None else raw.decode() for raw in routed_raw[:len(keys)]]
+        session_of = {key: None if raw is None else raw.decode() for key, raw in zip(sessions, routed_raw[len(keys):],
+                                                                                    strict=True)}
         for counts in recent:
             for worker in workers:
                 worker.groups += int(counts.get(worker.queue.encode(), 0))
@@ -176,22 +196,25 @@ class GpuRouter:
             routed = routed_all[at:at + len(names)]
             at += len(names)
             # Messages placed earlier in this call count: a group's samples follow its first.
-            routed = [notes.get(name, r) for name, r in zip(names, routed, strict=True)]
+            routed = [notes.get(_ROUTE_KEY + name, r) for name, r in zip(names, routed, strict=True)]
             candidates = [w for w in workers if placement.node is None or w.node == placement.node]
             if not candidates:
                 queues.append(placement.fallback_queue)
                 continue
-            worker, new = choose(names, routed, candidates)
+            worker, new = choose(names, routed, candidates, session_of.get(placement.session_key))
             worker.load += 1
             if new:
                 worker.groups += 1
                 started[worker.queue] += 1
             queues.append(worker.queue)
-            notes.update({name: worker.queue for name, r in zip(names, routed, strict=True) if r != worker.queue})
+            notes.update({_ROUTE_KEY + name: worker.queue
+                          for name, r in zip(names, routed, strict=True) if r != worker.queue})
+            if placement.session_key is not None:  # written each turn: a live session keeps its route
+                notes[placement.session_key] = session_of[placement.session_key] = worker.queue
         if notes or started:  # a group's later samples, routed as noted, write nothing
             pipe = self.client.pipeline(transaction=False)
-            for name, queue in notes.items():
-                pipe.set(_ROUTE_KEY + name, queue, ex=ROUTE_TTL_S)
+            for key, queue in notes.items():
+                pipe.set(key, queue, ex=ROUTE_TTL_S)
             for queue, count in started.items():
                 pipe.hincrby(f"{_GROUPS_KEY}{window}", queue, count)
             pipe.expire(f"{_GROUPS_KEY}{window}", 3 * GROUP_WINDOW_S)

@@ -33,6 +33,7 @@ class JobRequest:
     completion_token_ids: list[int] | None = None  # kind "score": the tokens to score
     request_id: str | None = None
     cache_salt: str | None = None  # KV reuse only among requests of the same key and salt
+    session_id: str | None = None  # an agent's turns (X-Session-ID): kept on one GPU worker
     webhook: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     # The validated dict this was built from, as the job record stores it.
@@ -50,7 +51,7 @@ class JobRequest:
             token_ids=record.get("token_ids"), prompt=record.get("prompt"),
             content_parts=record.get("content_parts") or [], features=record.get("features"),
             completion_token_ids=record.get("completion_token_ids"), request_id=record.get("request_id"),
-            cache_salt=record.get("cache_salt"), webhook=record.get("webhook"), metadata=record.get("metadata"), record=record,
+            cache_salt=record.get("cache_salt"), session_id=record.get("session_id"), webhook=record.get("webhook"), metadata=record.get("metadata"), record=record,
         )
 
     def to_record(self) -> dict[str, Any]:

@@ -87,7 +87,8 @@ def placement(job_id: str, owner: str, request: JobRequest, token_ids: Sequence[
               media: Sequence[tuple[int, str]] = (), transport: str = "inline", node_id: str = "") -> Placement:
     """A generate message to place on the GPU worker that holds its prefix: its prompt as the
     engine sees it, in its caller's cache scope; handles keep it on ``node_id``."""
-    return Placement(job_id, token_ids, request.cache_scope(owner), media, node_id if transport != "inline" else None)
+    return Placement(job_id, token_ids, request.cache_scope(owner), media, node_id if transport != "inline" else None,
+                     session=request.session_id)
 
 
 def send_placed(celery: Celery, client: redis.Redis, placements: Sequence[Placement], *, producer=None) -> None:

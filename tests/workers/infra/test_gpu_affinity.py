@@ -104,6 +104,30 @@ def test_a_group_and_an_agents_turns_reach_one_worker_and_distinct_prompts_sprea
     assert max(Counter(spread).values()) <= 11  # bounded: 1.25 x an even share of the 34 groups started
 
 
+def test_an_agents_session_keeps_its_worker_when_its_history_is_cut_and_is_its_keys_alone(client):
+    for pid in (1, 2, 3, 4):
+        gpu_worker(client, f"node-a-{pid}")
+    router = GpuRouter(client)
+    [first] = router.queues([Placement("job_t1", prompt(5, 300), "key-a", session="agent-7")])
+    # Each next turn keeps only a summary of the history: nothing shared with the turn before, so
+    # without the session each would start afresh on the rendezvous choice for its prompt.
+    turns = [prompt(50 + turn, 200) for turn in range(12)]
+    assert {q for t in turns for q in router.queues([Placement("job_tn", t, "key-a")])} != {first}
+    assert {q for t in turns for q in router.queues([Placement("job_ts", t, "key-a", session="agent-7")])} == {first}
+    # Another key's session of the same id is its own (its scope is in the route's name).
+    other = [router.queues([Placement(f"job_b{i}", prompt(90 + i), "key-b", session="agent-7")])[0] for i in range(12)]
+    assert set(other) == {other[0]}
+    assert client.exists(Placement("x", [], "key-b", session="agent-7").session_key)
+
+
+def test_a_session_on_a_worker_far_busier_than_the_rest_moves():
+    workers = [Worker("qa", "n", 0), Worker("qb", "n", BALANCE_MIN_GAP)]
+    assert choose(["p1"], [None], workers, session="qb")[0].queue == "qa"
+    near = [Worker("qa", "n", 0), Worker("qb", "n", 3)]
+    assert choose(["p1"], ["qa"], near, session="qb") == (near[1], False)  # the session over a prefix's route
+    assert choose(["p1"], [None], workers, session="qgone")[1] is True  # its worker left: a new start
+
+
 def test_handles_stay_on_their_node_and_no_live_worker_means_the_old_queues(client):
     router = GpuRouter(client)
     assert router.queues([Placement("job_1", prompt(1), "k"), Placement("job_2", prompt(1), "k", node="node-a")]) \
