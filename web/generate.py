@@ -12,9 +12,10 @@ from flask.views import MethodView
 
 from web.blueprint import Blueprint
 from web.dialects.common import job_error
+from web.idempotency import answered_job, job_answer, once, replay_headers
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
-from web.submit import submit
+from web.submit import confirm_created, submit
 from workers.jobs.view import public_job
 
 blp = Blueprint("generate", __name__, description="Synchronous generation in the native shape")
@@ -25,17 +26,24 @@ class Generate(MethodView):
     @blp.arguments(SyncGenerateRequestSchema)
     @blp.response(200, SyncResultSchema)
     @blp.alt_response(202, schema=JobSchema, description="Still running after `timeout` seconds: poll the job")
+    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
+                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="Invalid request, or the job failed on its input")
     @blp.alt_response(429, schema=None, description="Too many unfinished jobs")
     @blp.alt_response(500, schema=None, description="The job failed inside the service")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def post(self, request):
-        """Generate (or score) synchronously; answers 202 with the job if it takes longer than `timeout`."""
+        """Generate (or score) synchronously; answers 202 with the job if it takes longer than `timeout`.
+        With an ``Idempotency-Key``, sending it again waits for (and answers) the same job."""
+        body = dict(request)
         timeout = request.pop("timeout")
         svc = services()
-        job = submit(request)
+        made = once("POST /v1/generate", body, lambda: submit(request, confirm=False), job_answer)
+        job = answered_job(made)
+        confirm_created([job["id"]])
         finished = svc.jobs.wait(job["id"], timeout=min(timeout, svc.settings.sync_timeout_max))
         if finished is None or finished["status"] not in ("succeeded", "cancelled"):
             if finished is not None and finished["status"] == "failed":
@@ -45,6 +53,7 @@ class Generate(MethodView):
             response = jsonify(JobSchema().dump(view))
             response.status_code = 202
             response.headers["Location"] = view["links"]["self"]
+            response.headers.update(replay_headers(made))
             return response
         result = finished.get("result") or {}
         return {
@@ -57,4 +66,4 @@ class Generate(MethodView):
             "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),
             "cached_tokens": result.get("cached_tokens"),
-        }
+        }, 200, replay_headers(made)

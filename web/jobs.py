@@ -7,8 +7,10 @@ import time
 from flask import request as http_request
 from flask.views import MethodView
 
+from engine.errors import NotFoundError
 from web.auth import current_owner
 from web.blueprint import Blueprint
+from web.idempotency import answered_job, job_answer, once, replay_headers
 from web.long_poll import long_wait
 from web.schemas import (
     BulkSubmitResultSchema,
@@ -23,7 +25,8 @@ from web.schemas import (
 )
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
-from web.submit import submit, submit_many
+from web.submit import confirm_created, submit, submit_many
+from workers.jobs.idempotency import Answer
 from workers.jobs.store import TERMINAL, QueueFullError
 from workers.jobs.view import public_job
 from workers.lifecycle import cancel_job
@@ -37,16 +40,23 @@ ERRORS_SUBMIT = (401, 413, 422, 429, 503)
 class Jobs(MethodView):
     @blp.arguments(SubmitJobSchema)
     @blp.response(202, JobSchema, headers={"Location": {"description": "The job's URL", "schema": {"type": "string"}}})
+    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
+                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="Invalid request")
     @blp.alt_response(429, schema=None, description="Too many unfinished jobs")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def post(self, request):
-        """Submit a job (kind generate or score)."""
+        """Submit a job (kind generate or score). With an ``Idempotency-Key``, sending it again
+        answers the same job."""
+        body = dict(request)
         watched = request.pop("stream_events")
-        job = public_job(submit(request, watched=watched))
-        return job, 202, {"Location": job["links"]["self"]}
+        made = once("POST /v1/jobs", body, lambda: submit(request, watched=watched, confirm=False), job_answer)
+        job = public_job(answered_job(made))
+        confirm_created([job["id"]])  # after the key holds the job: a 503 here is sent again, and replayed
+        return job, 202, {"Location": job["links"]["self"], **replay_headers(made)}
 
     @blp.arguments(JobListQuerySchema, location="query", unknown="raise")
     @blp.response(200, JobListSchema)
@@ -65,7 +75,10 @@ class BulkSubmit(MethodView):
     @blp.arguments(BulkSubmitSchema)
     @blp.response(202, BulkSubmitResultSchema, headers={"Retry-After": {
         "description": "When some requests were refused: seconds before sending them again", "schema": {"type": "string"}}})
+    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
+    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
+                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="A request is invalid (its place named in errors): none was created")
     @blp.alt_response(429, schema=None, description="The queue caps refused every request")
@@ -73,14 +86,42 @@ class BulkSubmit(MethodView):
     def post(self, body):
         """Submit many jobs in one request (a trainer's rollout step): created in one round trip and
         queued together, so the GPU workers get them at once. Requests the queue caps refuse come
-        back in ``refused``; when every one was refused the answer is a 429 like a single submit's."""
-        outcomes = submit_many(body["jobs"])
-        refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, QueueFullError)]
-        if len(refused) == len(outcomes):
-            raise refused[0][1]
-        body = {"data": [None if isinstance(job, QueueFullError) else public_job(job) for job in outcomes],
-                "refused": [{"index": index, "code": error.code, "message": error.message} for index, error in refused]}
-        return body, 202, refused[0][1].headers if refused else {}
+        back in ``refused``; when every one was refused the answer is a 429 like a single submit's.
+        With an ``Idempotency-Key``, sending it again answers the same jobs and refusals."""
+        made = once("POST /v1/jobs/bulk", body, lambda: _submit_bulk(body["jobs"]), _bulk_answer)
+        answer = made if isinstance(made, Answer) else _bulk_answer(made)
+        jobs = _replayed_jobs(answer) if isinstance(made, Answer) else [
+            None if isinstance(job, QueueFullError) else job for job in made]
+        confirm_created([job_id for job_id in answer.job_ids if job_id is not None])
+        reply = {"data": [None if job is None else public_job(job) for job in jobs], "refused": list(answer.refused)}
+        headers = {"Retry-After": answer.retry_after} if answer.retry_after else {}
+        return reply, 202, {**headers, **replay_headers(made)}
+
+
+def _submit_bulk(requests: list[dict]) -> list[dict | QueueFullError]:
+    """Each request's job, or the QueueFullError the queue caps refused it with; when every one was
+    refused, the first refusal is raised: nothing was made (the key stays free)."""
+    outcomes = submit_many(requests, confirm=False)
+    refused = [error for error in outcomes if isinstance(error, QueueFullError)]
+    if len(refused) == len(outcomes):
+        raise refused[0]
+    return outcomes
+
+
+def _bulk_answer(outcomes: list) -> Answer:
+    refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, QueueFullError)]
+    return Answer(tuple(None if isinstance(job, QueueFullError) else job["id"] for job in outcomes),
+                  tuple({"index": index, "code": error.code, "message": error.message} for index, error in refused),
+                  refused[0][1].headers.get("Retry-After") if refused else None)
+
+
+def _replayed_jobs(answer: Answer) -> list[dict | None]:
+    """The jobs a bulk submit made, read again for its replayed answer (None where it refused one)."""
+    made = [job_id for job_id in answer.job_ids if job_id is not None]
+    found = dict(zip(made, services().jobs.owned(made, current_owner()), strict=True))
+    if any(job is None for job in found.values()):
+        raise NotFoundError("a job this submit made is gone")
+    return [None if job_id is None else found[job_id] for job_id in answer.job_ids]
 
 
 @blp.route("/lookup")

@@ -86,6 +86,15 @@ class ApiServer(BaseApplication):
         self.cfg.set("threads", threads)
         self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)
+        # gunicorn closes an idle kept-alive connection after 2 s by default, and a pooled client
+        # that sends as it closes gets a closed socket (1 bulk post in ~100 sent 2 s apart failed so).
+        # Clients keep idle connections longer (httpx 5 s, aiohttp 15 s, Go 90 s; requests, with
+        # no limit, sees a closed one before reuse unless the close crosses its send), and a load
+        # balancer in front should close first (AWS ALB: 60 s): 120 s outlasts them. An idle
+        # connection costs a socket in the event loop, not a thread; past worker_connections -
+        # threads of them a reply closes its connection instead. A close can still cross a send:
+        # submits carry an Idempotency-Key and the client sends them again (web/idempotency.py).
+        self.cfg.set("keepalive", s.api_keepalive_seconds)
         self.cfg.set("graceful_timeout", 5)
         self.cfg.set("accesslog", None)
         self.cfg.set("loglevel", s.log_level.lower())

@@ -20,6 +20,7 @@ from workers.infra.wakeup_hub import WakeupHub
 from workers.infra.wakeups import WaitAny
 from workers.jobs.event_hub import EventHub
 from workers.jobs.events import JobEvents
+from workers.jobs.idempotency import IdempotencyStore
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -48,6 +49,11 @@ class Services(Runtime):
         # record of a job that ended) at once: a pool sized for the stream slots.
         client = with_pool_size(self.redis, self.settings.api_stream_slots + 16)
         return JobEvents(client, ttl=self.settings.result_ttl, maxlen=self.settings.stream_events_maxlen)
+
+    @cached_property
+    def idempotency(self) -> IdempotencyStore:
+        """Submits' Idempotency-Keys (web/idempotency.py), kept as long as the jobs' results."""
+        return IdempotencyStore(self.redis, ttl=self.settings.result_ttl)
 
     @cached_property
     def wait_slots(self) -> WaitSlots:

@@ -84,17 +84,26 @@ def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
             check_token_ids(token_ids, vocab_size, field)
 
 
-def submit(request: dict[str, Any], *, watched: bool = False) -> dict[str, Any]:
+def submit(request: dict[str, Any], *, watched: bool = False, confirm: bool = True) -> dict[str, Any]:
     """Check the validated ``request`` against the limits, type it, store and enqueue its job
-    (``watched``: the caller streams its events)."""
+    (``watched``: the caller streams its events). ``confirm=False``: the caller confirms
+    (:func:`confirm_created`) once it recorded the job under its idempotency key."""
     svc = services()
     job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=checked_request(request),
                      model=svc.model_facts, watched=watched)
-    confirm_if_asked(svc, job["id"])  # with replicas, a 202 means the job survives the primary's death
+    if confirm:
+        confirm_created([job["id"]])
     return job
 
 
-def submit_many(requests: list[dict[str, Any]]) -> list[dict[str, Any] | QueueFullError]:
+def confirm_created(job_ids: list[str]) -> None:
+    """With replicas, a 202 means the jobs survive the primary's death: one confirmation covers
+    every write before it (README, ``ROLLOUT_REDIS_REPLICA_ACKS``)."""
+    if job_ids:
+        confirm_if_asked(services(), ",".join(job_ids))
+
+
+def submit_many(requests: list[dict[str, Any]], *, confirm: bool = True) -> list[dict[str, Any] | QueueFullError]:
     """``submit`` for the list of ``POST /v1/jobs/bulk``: every request is checked first, so one the
     limits refuse fails the call with nothing created (its error names its place, ``jobs.N``);
     then :func:`submit_checked`."""
@@ -104,7 +113,7 @@ def submit_many(requests: list[dict[str, Any]]) -> list[dict[str, Any] | QueueFu
             checked.append(checked_request(request))
         except RolloutError as error:
             raise _at_index(error, index) from None
-    return submit_checked(checked)
+    return submit_checked(checked, confirm=confirm)
 
 
 def checked_request(request: dict[str, Any]) -> JobRequest:
@@ -115,16 +124,15 @@ def checked_request(request: dict[str, Any]) -> JobRequest:
     return JobRequest.from_dict(check_limits(request))
 
 
-def submit_checked(requests: list[JobRequest]) -> list[dict[str, Any] | QueueFullError]:
+def submit_checked(requests: list[JobRequest], *, confirm: bool = True) -> list[dict[str, Any] | QueueFullError]:
     """The caller's jobs of ``requests`` created in one round trip and their messages sent in one
     more, so they reach the GPU workers together. Each one's job, or the QueueFullError its turn met
     under the caps (the others still run)."""
     svc = services()
     outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],
                            model=svc.model_facts)
-    created = [job["id"] for job in outcomes if not isinstance(job, QueueFullError)]
-    if created:  # one confirmation covers every write before it
-        confirm_if_asked(svc, ",".join(created))
+    if confirm:
+        confirm_created([job["id"] for job in outcomes if not isinstance(job, QueueFullError)])
     return outcomes
 
 

@@ -96,6 +96,8 @@ class Settings:
     api_stream_slots: int = 256
     # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
     # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.
+    # How long an idle keep-alive connection stays open (web/server.py says why 120).
+    api_keepalive_seconds: int = 120
     api_stream_slots_per_key: int | None = None
     stream_write_timeout: float = 30.0
     stream_keepalive_seconds: float = 5.0
@@ -256,6 +258,7 @@ _RANGES = {
     # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
     "stream_keepalive_seconds": (0.05, 8),
     "stream_events_maxlen": (100, 10**8),
+    "api_keepalive_seconds": (1, 3600),
     "stream_outage_seconds": (0, 3600),
     "stream_flush_ms": (0, 10_000),
     "weights_update_timeout": (0, 3600),

@@ -6,6 +6,7 @@ some requests before the app sees them: both are checked here, where they happen
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -134,3 +135,21 @@ def test_a_sync_dialect_call_whose_client_hangs_up_has_its_job_cancelled_under_g
             break
         assert time.monotonic() < deadline, mine
         time.sleep(0.2)
+
+
+def test_an_idle_kept_alive_connection_outlives_gunicorns_two_second_default(api_url):
+    # A pooled client that sends 2-3 s after its last request (a trainer's step) finds its connection
+    # open: gunicorn's default closed it at 2 s, and a send crossing the close failed.
+    host, port = api_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        connection.request("GET", "/v1/jobs?limit=1", headers=auth())
+        assert connection.getresponse().read() and connection.sock is not None
+        first_socket = connection.sock
+        time.sleep(3)
+        connection.request("GET", "/v1/jobs?limit=1", headers=auth())  # RemoteDisconnected if it was closed
+        response = connection.getresponse()
+        assert response.status == 200 and response.read()
+        assert connection.sock is first_socket  # the same connection, not a new one
+    finally:
+        connection.close()
