@@ -55,9 +55,11 @@ def run_stack(settings: Settings) -> int:
     if redis_url:
         _check_redis(redis_url)
     elif settings.embedded_redis == "sentinel":
-        embedded = LocalFailoverGroup(Path(settings.state_dir) / "redis-sentinel", fsync=settings.redis_fsync).start()
+        embedded = LocalFailoverGroup(Path(settings.state_dir) / "redis-sentinel", fsync=settings.redis_fsync,
+                                      replicas=settings.embedded_redis_replicas).start()
         redis_url = embedded.url
-        print(f"embedded Redis: primary on port {embedded.primary.port}, replica on {embedded.replicas[0].port}, "
+        print(f"embedded Redis: primary on port {embedded.primary.port}, replicas on "
+              f"{', '.join(str(r.port) for r in embedded.replicas)}, "
               f"sentinels on {', '.join(str(s.port) for s in embedded.sentinels)}", flush=True)
     else:
         embedded = EmbeddedRedis(Path(settings.state_dir) / "redis", fsync=settings.redis_fsync).start()
@@ -76,11 +78,14 @@ def run_stack(settings: Settings) -> int:
     signal.signal(signal.SIGINT, stop)
     children: list[Callable[[], subprocess.Popen | None]] = []
     supervised: list[Child] = []
-    # Restarted on the same port and append-only file: the workers reconnect by themselves (a
-    # restarted old primary is turned into a replica of the new one by the sentinels).
-    members = embedded.members if isinstance(embedded, LocalFailoverGroup) else [("redis", embedded)] if embedded else []
-    for name, member in members:
-        supervised.append(Child(name, member.start, lambda m=member: m.running, lambda m=member: m.pid))
+    # Restarted on the same port and append-only file: the workers reconnect by themselves. A
+    # Sentinel group's data server restarts in the role the sentinels give it now (LocalFailoverGroup.restart).
+    if isinstance(embedded, LocalFailoverGroup):
+        members = [(name, member, lambda m=member: embedded.start_member(m)) for name, member in embedded.members]
+    else:
+        members = [("redis", embedded, embedded.start)] if embedded else []
+    for name, member, start in members:
+        supervised.append(Child(name, start, lambda m=member: m.running, lambda m=member: m.pid))
     for command in CHILDREN:
         child, current = process_child(" ".join(command), _spawner(command, env))
         supervised.append(child)

@@ -53,8 +53,11 @@ class Settings:
     redis_replica_acks: int = 0
     redis_replica_timeout_ms: int = 1000
     # `rollout-queue up` without ROLLOUT_REDIS_URL: one embedded redis-server ("single"), or a
-    # primary, a replica and three sentinels on loopback ("sentinel") to try a failover.
+    # primary, replicas and three sentinels on loopback ("sentinel") to try a failover.
     embedded_redis: str = "single"
+    # The "sentinel" topology's replicas: two, so one is left to confirm writes after a failover
+    # (ROLLOUT_REDIS_REPLICA_ACKS=1 refused every submit until the old primary came back with one).
+    embedded_redis_replicas: int = 2
     # The embedded Redis' append-only file (no ROLLOUT_REDIS_URL): "everysec" may lose the last
     # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
     # write first (workers/infra/redis_server.py; the cost is in bench/durability.py).
@@ -268,6 +271,7 @@ _RANGES = {
     "stalled_job_after": (1, 10**7),
     "gpu_batch_size": (1, 4096),
     "redis_replica_acks": (0, 16),
+    "embedded_redis_replicas": (1, 8),
     "redis_replica_timeout_ms": (1, 600_000),
     "typical_row_tokens": (1, 2**30),
     "kv_block_tokens": (1, 4096),
@@ -390,6 +394,9 @@ def _check_consistency(s: Settings) -> None:
         parse_sentinel_url(s.redis_target or "")
     except ValueError as exc:
         problems.append(f"ROLLOUT_REDIS_SENTINELS / ROLLOUT_REDIS_URL: {exc}")
+    if s.embedded_redis == "sentinel" and not s.redis_target and s.redis_replica_acks >= s.embedded_redis_replicas:
+        problems.append("ROLLOUT_REDIS_REPLICA_ACKS must be below ROLLOUT_EMBEDDED_REDIS_REPLICAS: after a failover"
+                        " one replica fewer is left to confirm writes, and every submit would be refused")
     for secret in s.webhook_secrets:
         if not secret.startswith("whsec_"):
             problems.append("ROLLOUT_WEBHOOK_SECRETS: each secret must start with whsec_")

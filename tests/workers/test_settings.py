@@ -102,3 +102,15 @@ def test_the_gpu_batch_is_sized_by_the_kv_pool_unless_set(monkeypatch):
     assert settings.replace(kv_cache_tokens=100).batch_rows == 1  # never below one row
     monkeypatch.setenv("ROLLOUT_GPU_BATCH_SIZE", "24")
     assert load_settings().batch_rows == 24
+
+
+def test_replica_acks_must_leave_a_replica_to_confirm_after_a_failover(monkeypatch):
+    """With as many acks as replicas, a failover left none to confirm: every submit got 503 until
+    the old primary came back (issue #49 item 3). Refused at start instead, naming both settings."""
+    monkeypatch.setenv("ROLLOUT_EMBEDDED_REDIS", "sentinel")
+    monkeypatch.setenv("ROLLOUT_REDIS_REPLICA_ACKS", "1")
+    monkeypatch.setenv("ROLLOUT_EMBEDDED_REDIS_REPLICAS", "1")
+    with pytest.raises(SettingsError, match="ROLLOUT_EMBEDDED_REDIS_REPLICAS"):
+        load_settings()
+    monkeypatch.setenv("ROLLOUT_EMBEDDED_REDIS_REPLICAS", "2")
+    assert load_settings().embedded_redis_replicas == 2

@@ -172,16 +172,44 @@ class LocalFailoverGroup:
         return [("redis primary", self.primary), *((f"redis replica {i}", r) for i, r in enumerate(self.replicas)),
                 *((f"sentinel {i}", s) for i, s in enumerate(self.sentinels))]
 
+    def start_member(self, member: EmbeddedRedis | EmbeddedSentinel):
+        """What a supervisor calls to (re)start a member: a data server in its current role."""
+        return self.restart(member) if isinstance(member, EmbeddedRedis) else member.start()
+
+    @property
+    def servers(self) -> list[EmbeddedRedis]:
+        return [self.primary, *self.replicas]
+
     def serving(self) -> EmbeddedRedis | None:
         """The server the sentinels name primary now (None while they name none that runs)."""
+        port = self.primary_port()
+        return next((r for r in self.servers if r.port == port and r.running), None)
+
+    def primary_port(self) -> int | None:
+        """The port the sentinels name primary, from the one that knows the newest failover
+        (the highest config epoch); None when no sentinel answers."""
+        newest: tuple[int, int] | None = None
         for sentinel in self.sentinels:
             try:
                 with redis.Redis(host="127.0.0.1", port=sentinel.port, socket_timeout=1) as client:
-                    _, port = client.sentinel_get_master_addr_by_name(self.master)
-            except (redis.RedisError, TypeError):
+                    state = client.sentinel_master(self.master)
+            except redis.RedisError:
                 continue
-            return next((r for r in (self.primary, *self.replicas) if r.port == int(port) and r.running), None)
-        return None
+            epoch = int(state.get("config-epoch", 0))
+            if newest is None or epoch > newest[0]:
+                newest = (epoch, int(state["port"]))
+        return None if newest is None else newest[1]
+
+    def restart(self, server: EmbeddedRedis) -> EmbeddedRedis:
+        """Start ``server`` again in the role the sentinels give it now: the primary if they still
+        name it, else a replica of the one they name. Started in its old role, a promoted replica
+        killed once came back as a replica of its own replica (each replicated the other; no
+        primary for good), and a failed-over primary took clients with stale data until the
+        sentinels noticed it (README, "Running Redis for production")."""
+        primary = self.primary_port()
+        if primary is not None:  # no answer (they are starting too): the role it was built with
+            server.replica_of = None if primary == server.port else primary
+        return server.start()
 
     @property
     def url(self) -> str:
