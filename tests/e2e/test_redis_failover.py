@@ -162,8 +162,9 @@ def test_jobs_webhooks_and_a_batch_survive_two_failovers(demo_model_dir, loopbac
                 assert batch.status_code == 202, batch.get_json()
                 assert {stack.services.jobs.get(job_id)["status"] for job_id in long_jobs} == {"generating"}
                 first = fail_over(stack, group, group.primary, load)
-                # The old primary comes back, and the sentinels make it a replica of the new one.
-                group.primary.start()
+                # The old primary comes back (as up's supervisor starts it: in the role the
+                # sentinels give it, a replica of the new one).
+                group.restart(group.primary)
                 wait_until(lambda: role(group.primary.port) == "slave", 60, "the old primary to become a replica")
                 wait_until(lambda: len(load.accepted) >= 10 + 40, 120, "more jobs after the first failover")
                 second = fail_over(stack, group, group.serving(), load)
