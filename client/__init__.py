@@ -12,7 +12,8 @@
 
 Errors (see ``client.errors``): ``ClientError`` (``code``, ``message``, ``status``), with
 ``ConnectionFailedError`` and ``WaitTimeoutError`` under it. 429 and 503 answers are retried with
-exponential backoff that honours ``Retry-After`` (``RetryPolicy``).
+exponential backoff that honours ``Retry-After`` (``RetryPolicy``); a submit carries an
+``Idempotency-Key`` of its own, so it is also sent again after a connection error or a timeout.
 """
 
 from .client import BATCH_DONE, JOB_DONE, RolloutClient

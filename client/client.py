@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ USER_AGENT = "rollout-queue-client/0.1"
 DOWNLOAD_CHUNK = 64 * 1024
 BULK_JOBS = 1000  # jobs in one POST /v1/jobs/bulk: the service's most (web.schemas.MAX_BULK_JOBS)
 LONG_POLL_S = 20.0  # one wait request: under the service's default ROLLOUT_SYNC_TIMEOUT_MAX (300)
+IDEMPOTENCY_KEY = "Idempotency-Key"
+# The service's answer while the first submit with a key is still being made (README, API): sent again.
+KEY_IN_USE = "idempotency_key_in_use"
 
 BatchInput = str | os.PathLike | bytes | Iterable[Mapping[str, Any] | str]
 
@@ -56,8 +60,9 @@ class RolloutClient:
     # --- Jobs -----------------------------------------------------------------------------------
 
     def submit(self, request: Mapping[str, Any]) -> dict[str, Any]:
-        """Submit a job (``kind`` generate or score); the job, status ``queued``."""
-        return self._request("POST", "/v1/jobs", json=dict(request)).json()
+        """Submit a job (``kind`` generate or score); the job, status ``queued``. Sent again after a
+        connection error or a timeout with its ``Idempotency-Key``, it makes one job."""
+        return self._submit("/v1/jobs", dict(request)).json()
 
     def submit_many(self, requests: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Submit many jobs (``POST /v1/jobs/bulk``, :data:`BULK_JOBS` a request): the jobs, in the
@@ -74,7 +79,7 @@ class RolloutClient:
             refused, retry_after = [], None
             for start in range(0, len(waiting), BULK_JOBS):
                 part = waiting[start:start + BULK_JOBS]
-                response = self._request("POST", "/v1/jobs/bulk", json={"jobs": [requests[i] for i in part]})
+                response = self._submit("/v1/jobs/bulk", {"jobs": [requests[i] for i in part]})
                 body = response.json()
                 for index, job in zip(part, body["data"], strict=True):
                     jobs[index] = job
@@ -156,7 +161,7 @@ class RolloutClient:
         Raises ClientError with the job's error code if the job fails."""
         started = time.monotonic()
         body = {**request, "timeout": timeout}
-        response = self._request("POST", "/v1/generate", json=body, timeout=(self.timeout, timeout + self.timeout))
+        response = self._submit("/v1/generate", body, timeout=(self.timeout, timeout + self.timeout))
         if response.status_code == 200:
             return response.json()
         job = self.wait(_job_id(response), timeout=max(timeout - (time.monotonic() - started), 0.0))
@@ -264,10 +269,17 @@ class RolloutClient:
         partial.replace(target)
         return lines
 
+    def _submit(self, path: str, body: dict[str, Any], *, timeout: Any = None) -> requests.Response:
+        """POST a submit with an ``Idempotency-Key`` of its own: whatever becomes of a connection, the
+        service makes its jobs once, so it is sent again like a read."""
+        return self._request("POST", path, json=body, headers={IDEMPOTENCY_KEY: str(uuid.uuid4())}, timeout=timeout,
+                             idempotent=True)
+
     def _request(self, method: str, path: str, *, json: Any = None, data: bytes | None = None,
                  params: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
                  stream: bool = False, timeout: Any = None, idempotent: bool = False) -> requests.Response:
-        """Send, retrying 429/503 (and connection failures when ``idempotent``); raises ClientError."""
+        """Send, retrying 429/503 (and connection failures and timeouts when ``idempotent``: a read, or
+        a submit with its Idempotency-Key); raises ClientError."""
         url = self.base_url + path
         all_headers = {**self._headers, **(headers or {})}
         retries = 0
@@ -282,7 +294,7 @@ class RolloutClient:
                     time.sleep(self.retry.delay(retries))
                     continue
                 raise ConnectionFailedError(f"{method} {url}: {exc.__class__.__name__}") from exc
-            if response.status_code in self.retry.statuses and retries < self.retry.max_retries:
+            if _retryable(response, self.retry.statuses) and retries < self.retry.max_retries:
                 retries += 1
                 delay = self.retry.delay(retries, response.headers.get("Retry-After"))
                 response.close()
@@ -293,6 +305,18 @@ class RolloutClient:
                 response.close()
                 raise error
             return response
+
+
+def _retryable(response: requests.Response, statuses: tuple[int, ...]) -> bool:
+    """429 and 503; and a 409 whose key's first submit is still being made (it answers shortly)."""
+    if response.status_code in statuses:
+        return True
+    if response.status_code != 409 or IDEMPOTENCY_KEY not in response.request.headers:
+        return False
+    try:
+        return response.json().get("code") == KEY_IN_USE
+    except (ValueError, AttributeError):
+        return False
 
 
 def _job_id(accepted: requests.Response) -> str:

@@ -2,8 +2,10 @@
 
 429 (too many unfinished jobs) and 503 (the service or its store is briefly down) are retried with
 exponential backoff; a ``Retry-After`` from the server (seconds or an HTTP date) replaces the
-computed delay, up to ``max_delay``. Connection failures are retried only for requests that are
-safe to send twice (reads, cancels); a submit that may have reached the server is not resent.
+computed delay, up to ``max_delay``. Connection failures and timeouts are retried only for requests
+that are safe to send twice: reads, cancels, and submits, which carry an ``Idempotency-Key`` of
+their own so the service makes their jobs once however often they arrive (README, API). A batch
+upload is not resent.
 """
 
 from __future__ import annotations

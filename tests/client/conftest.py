@@ -18,6 +18,7 @@ class Scripted:
     def __init__(self):
         self.script: deque = deque()
         self.seen: list[tuple[float, str, str, bytes]] = []
+        self.headers: list[dict[str, str]] = []  # each request's, in the order of seen
         scripted = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -25,6 +26,7 @@ class Scripted:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 scripted.seen.append((time.monotonic(), self.command, self.path, body))
+                scripted.headers.append(dict(self.headers))
                 status, headers, payload = scripted.script.popleft() if len(scripted.script) > 1 else scripted.script[0]
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)

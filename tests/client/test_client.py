@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from email.utils import formatdate
 
 import pytest
@@ -168,3 +169,25 @@ def test_wait_many_names_ids_that_are_no_job_and_times_out(scripted):
     scripted.script.append((200, {}, {"data": [{"id": "job_a", "status": "running"}], "missing": []}))
     with pytest.raises(WaitTimeoutError):
         RolloutClient(scripted.url).wait_many(["job_a"], timeout=0.5, poll_interval=0.2)
+
+
+def test_each_submit_sends_a_key_of_its_own_and_keeps_it_when_sent_again(scripted):
+    scripted.script.extend([
+        (503, {"Retry-After": "0"}, {"code": "redis_unavailable", "message": "retry"}),
+        (409, {"Retry-After": "0"}, {"code": "idempotency_key_in_use", "message": "still being made"}),
+        (202, {}, {"id": "job_1", "status": "queued"}),
+        (202, {}, {"id": "job_2", "status": "queued"}),
+    ])
+    client = RolloutClient(scripted.url, retry=FAST)
+    assert client.submit(PROMPT)["id"] == "job_1"
+    assert client.submit(PROMPT)["id"] == "job_2"
+    keys = [headers["Idempotency-Key"] for headers in scripted.headers]
+    assert len(keys) == 4 and keys[0] == keys[1] == keys[2] != keys[3]
+    assert str(uuid.UUID(keys[0])) == keys[0]
+
+
+def test_a_409_for_another_body_is_not_sent_again(scripted):
+    scripted.script.append((409, {}, {"code": "idempotency_key_reused", "message": "another body"}))
+    with pytest.raises(ClientError) as raised:
+        RolloutClient(scripted.url, retry=FAST).submit(PROMPT)
+    assert (raised.value.code, raised.value.status) == ("idempotency_key_reused", 409) and len(scripted.seen) == 1
