@@ -12,7 +12,7 @@ from flask.views import MethodView
 
 from web.blueprint import Blueprint
 from web.dialects.common import job_error
-from web.idempotency import answered_job, job_answer, once, replay_headers
+from web.idempotency import OPENAPI_PARAMETERS, answered_job, job_answer, once, replay_headers
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
 from web.submit import confirm_created, submit
@@ -26,6 +26,7 @@ class Generate(MethodView):
     @blp.arguments(SyncGenerateRequestSchema)
     @blp.response(200, SyncResultSchema)
     @blp.alt_response(202, schema=JobSchema, description="Still running after `timeout` seconds: poll the job")
+    @blp.doc(parameters=OPENAPI_PARAMETERS)
     @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import redis
 from flask import request as http_request
 
-from engine.errors import RolloutError
+from engine.errors import Fault, RolloutError
 from web.auth import current_owner
 from web.services import services
 from workers.jobs.idempotency import Answer, Claim, IdempotencyKeyInUseError, fingerprint
@@ -36,10 +36,17 @@ IN_USE_WAIT = 5.0
 
 T = TypeVar("T")
 
+# The header in the OpenAPI document of each route that takes it.
+OPENAPI_PARAMETERS = [{
+    "name": HEADER, "in": "header", "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    "description": "A key of the caller's own (a UUID, say): the submit sent again with it and the same body "
+                   "answers what the first one made (Idempotent-Replayed: true); with another body, 409."}]
+
 
 class InvalidIdempotencyKeyError(RolloutError):
     code = "invalid_idempotency_key"
-    http_status = 400
+    fault = Fault.MALFORMED
 
 
 def idempotency_key() -> str | None:

@@ -10,7 +10,7 @@ from flask.views import MethodView
 from engine.errors import NotFoundError
 from web.auth import current_owner
 from web.blueprint import Blueprint
-from web.idempotency import answered_job, job_answer, once, replay_headers
+from web.idempotency import OPENAPI_PARAMETERS, answered_job, job_answer, once, replay_headers
 from web.long_poll import long_wait
 from web.schemas import (
     BulkSubmitResultSchema,
@@ -40,6 +40,7 @@ ERRORS_SUBMIT = (401, 413, 422, 429, 503)
 class Jobs(MethodView):
     @blp.arguments(SubmitJobSchema)
     @blp.response(202, JobSchema, headers={"Location": {"description": "The job's URL", "schema": {"type": "string"}}})
+    @blp.doc(parameters=OPENAPI_PARAMETERS)
     @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
@@ -75,6 +76,7 @@ class BulkSubmit(MethodView):
     @blp.arguments(BulkSubmitSchema)
     @blp.response(202, BulkSubmitResultSchema, headers={"Retry-After": {
         "description": "When some requests were refused: seconds before sending them again", "schema": {"type": "string"}}})
+    @blp.doc(parameters=OPENAPI_PARAMETERS)
     @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
     @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "

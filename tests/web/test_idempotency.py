@@ -187,3 +187,11 @@ def test_a_synchronous_generate_sent_again_answers_the_same_job(client):
 def test_a_submit_without_a_key_is_made_every_time(client):
     ids = {client.post("/v1/jobs", json=GENERATE, headers=auth()).get_json()["id"] for _ in range(2)}
     assert len(ids) == 2
+
+
+def test_the_openapi_document_names_the_header_and_its_answers(client):
+    paths = client.get("/openapi.json").get_json()["paths"]
+    for path in ("/v1/jobs", "/v1/jobs/bulk", "/v1/generate"):
+        post = paths[path]["post"]
+        assert "Idempotency-Key" in [parameter["name"] for parameter in post.get("parameters", [])], path
+        assert {"400", "409"} <= set(post["responses"]), path
