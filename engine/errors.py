@@ -1,12 +1,14 @@
 """The one tree of typed errors.
 
 Every error a user can see derives from :class:`RolloutError` and carries a stable ``code``,
-the ``http_status`` the API answers with and whether retrying may help (``retryable``).
-Code branches on the type or on ``code``, never on message text. It lives in ``engine`` because
+its :class:`Fault` (what kind of failure it is) and whether retrying may help (``retryable``).
+No protocol is named here: the layers that answer a caller map a fault to their status
+(workers/error_statuses.py: the API's HTTP statuses and the OpenAI batch output's). Code
+branches on the type, ``code`` or ``fault``, never on message text. It lives in ``engine`` because
 that is the lowest layer: every other layer may import it.
 
     RolloutError
-    ├── InvalidRequestError (422)
+    ├── InvalidRequestError (invalid)
     │   ├── PlaceholderMismatchError
     │   ├── ContextLengthError
     │   ├── TokenIdOutOfRangeError
@@ -14,31 +16,51 @@ that is the lowest layer: every other layer may import it.
     │   ├── NonFiniteOutputError
     │   ├── ModelLoadError
     │   └── InvalidFeaturesError, UnsupportedModalityError  (processors.errors)
-    ├── NotFoundError (404)
-    ├── UnauthorizedError (401)
-    ├── ForbiddenError (403)
-    ├── PayloadTooLargeError (413)
-    ├── RateLimitedError (429)
-    ├── ServiceUnavailableError (503)
+    ├── NotFoundError (not_found)
+    ├── UnauthorizedError (unauthenticated)
+    ├── ForbiddenError (forbidden)
+    ├── PayloadTooLargeError (too_large)
+    ├── RateLimitedError (rate_limited)
+    ├── ServiceUnavailableError (unavailable)
     │   └── ModelFidelityError
-    ├── JobTimeoutError (504)
-    ├── MediaError  (processors.fetch.errors adds the media tree)
-    ├── TransportError
+    ├── JobTimeoutError (deadline_exceeded)
+    ├── MediaError (invalid; processors.fetch.errors adds the media tree)
+    ├── TransportError (internal)
     │   ├── HandleUnavailableError
     │   └── WrappedFeatureAccessError
-    └── InternalError (500, message never shows the cause)
+    └── InternalError (internal, message never shows the cause)
         └── UnsupportedModelError, ItemLayoutError  (processors.errors)
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 
+class Fault(enum.Enum):
+    """What kind of failure an error is, whoever reports it (gRPC's canonical codes draw the same
+    lines, with ours apart where an HTTP client must tell them apart: unreadable from refused)."""
+
+    MALFORMED = "malformed"  # the request cannot be read (bad JSON, a bad header)
+    INVALID = "invalid"  # read, and refused as it stands
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"  # refused in the state things are in (another body under a key, a busy swap)
+    GONE = "gone"  # existed, and no longer can be read
+    TOO_LARGE = "too_large"
+    RATE_LIMITED = "rate_limited"
+    CANCELLED = "cancelled"  # the caller went away first
+    UNAVAILABLE = "unavailable"  # may succeed later (retryable)
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+
+
 class RolloutError(Exception):
     code: ClassVar[str] = "internal_error"
-    http_status: ClassVar[int] = 500
+    fault: ClassVar[Fault] = Fault.INTERNAL
     retryable: ClassVar[bool] = False
     # code -> the first class that declares it: a stored error's type (and so its status) comes back
     # from its code alone (see from_record).
@@ -52,7 +74,7 @@ class RolloutError(Exception):
     @staticmethod
     def from_record(error: Mapping[str, Any]) -> RolloutError:
         """The typed error a stored ``{code, message, errors}`` (a failed job's ``error``) stands
-        for: its class is found by its code, so ``http_status`` and ``retryable`` are the type's own.
+        for: its class is found by its code, so ``fault`` and ``retryable`` are the type's own.
         Only the base fields come back (``message``, ``errors``); a code no class declares (a
         newer worker's) is an :class:`InternalError`."""
         kind = RolloutError._by_code.get(error.get("code"), InternalError)
@@ -75,7 +97,7 @@ class RolloutError(Exception):
 
 class InvalidRequestError(RolloutError):
     code = "invalid_request"
-    http_status = 422
+    fault = Fault.INVALID
 
 
 class PlaceholderMismatchError(InvalidRequestError):
@@ -152,35 +174,35 @@ class ModelLoadError(InvalidRequestError):
 
 class NotFoundError(RolloutError):
     code = "not_found"
-    http_status = 404
+    fault = Fault.NOT_FOUND
 
 
 class UnauthorizedError(RolloutError):
     code = "unauthorized"
-    http_status = 401
+    fault = Fault.UNAUTHENTICATED
 
 
 class ForbiddenError(RolloutError):
     """A valid key that may not do this (weight updates and pausing need an admin key)."""
 
     code = "forbidden"
-    http_status = 403
+    fault = Fault.FORBIDDEN
 
 
 class PayloadTooLargeError(RolloutError):
     code = "payload_too_large"
-    http_status = 413
+    fault = Fault.TOO_LARGE
 
 
 class RateLimitedError(RolloutError):
     code = "rate_limited"
-    http_status = 429
+    fault = Fault.RATE_LIMITED
     retryable = True
 
 
 class ServiceUnavailableError(RolloutError):
     code = "service_unavailable"
-    http_status = 503
+    fault = Fault.UNAVAILABLE
     retryable = True
 
 
@@ -193,19 +215,19 @@ class ModelFidelityError(ServiceUnavailableError):
 
 class JobTimeoutError(RolloutError):
     code = "job_time_limit_exceeded"
-    http_status = 504
+    fault = Fault.DEADLINE_EXCEEDED
 
 
 class MediaError(RolloutError):
     """Base of the media fetching and decoding errors (see ``processors.fetch``)."""
 
     code = "media_error"
-    http_status = 422
+    fault = Fault.INVALID
 
 
 class TransportError(RolloutError):
     code = "transport_error"
-    http_status = 500
+    fault = Fault.INTERNAL
 
 
 class HandleUnavailableError(TransportError):
@@ -227,4 +249,4 @@ class WrappedFeatureAccessError(TransportError):
 
 class InternalError(RolloutError):
     code = "internal_error"
-    http_status = 500
+    fault = Fault.INTERNAL

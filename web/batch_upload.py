@@ -34,6 +34,7 @@ from web.openai_batch_lines import (
 from web.services import services
 from web.submit import check_limits
 from workers.batches.creation import BatchTooLargeError, ParsedBatch
+from workers.error_statuses import http_status
 from workers.infra import finite_json
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
@@ -187,7 +188,7 @@ def _refusals(line: _Line) -> Iterator[None]:
                                  errors=exc.messages, status_code=422)
     except RolloutError as exc:
         line.error = _line_error(line.number, line.custom_id, exc.code, exc.message, errors=exc.errors,
-                                 status_code=exc.http_status)
+                                 status_code=http_status(exc))
 
 
 def read_upload(limit: int) -> tuple[bytes, dict[str, str]]:

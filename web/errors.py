@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
 from web.schema_base import Schema
+from workers.error_statuses import http_status
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(RolloutError)
     def handle_rollout_error(error: RolloutError):
         response = jsonify(_json_safe(error.to_dict()))
-        response.status_code = error.http_status
+        response.status_code = http_status(error)
         response.headers.update(error.headers)
         return response
 

@@ -31,7 +31,7 @@ from marshmallow import missing
 from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import UnsupportedMediaType
 
-from engine.errors import InvalidRequestError, RolloutError
+from engine.errors import Fault, InvalidRequestError, RolloutError
 from workers.infra import finite_json
 
 # Far deeper than any request we define, far shallower than the recursion limit, so nothing that
@@ -46,7 +46,7 @@ _NOT_A_BRACKET = re.compile(r"[^\[\]{}]+")
 
 class InvalidJsonError(RolloutError):
     code = "invalid_json"
-    http_status = 400
+    fault = Fault.MALFORMED
 
 
 class UnsupportedJsonValueError(InvalidRequestError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from engine.errors import MediaError
+from engine.errors import Fault, MediaError
 
 BlockReason = Literal[
     "scheme",  # not http/https/data/file, or a redirect that changes scheme
@@ -78,7 +78,7 @@ class MediaTooShortError(MediaError):
     of a few milliseconds)."""
 
     code = "media_too_short"
-    http_status = 422
+    fault = Fault.INVALID
 
 
 class MediaDecodeError(MediaError):

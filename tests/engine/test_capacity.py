@@ -16,7 +16,7 @@ from engine.capacity import (
     request_peak_blocks,
     request_rows,
 )
-from engine.errors import CapacityError
+from engine.errors import CapacityError, Fault
 
 
 def simulate(rows: list[RowFuture], size: int) -> int:
@@ -65,7 +65,7 @@ def test_a_request_that_can_never_fit_is_refused_with_what_it_needs():
     check_capacity(limits, 40, 24, 4)  # 64 tokens a row: 2 shared + 4 x 2 own = 10 blocks
     with pytest.raises(CapacityError) as info:
         check_capacity(limits, 40, 25, 4)  # 65 tokens a row: 2 + 4 x 3 = 14 blocks
-    assert info.value.code == "request_exceeds_capacity" and info.value.http_status == 422
+    assert info.value.code == "request_exceeds_capacity" and info.value.fault is Fault.INVALID
     assert info.value.errors == {"kv_cache_tokens_needed": 14 * 16, "kv_cache_tokens": 160}
     with pytest.raises(CapacityError):
         check_capacity(limits, 4, 4, 9)  # more rows than the batch has

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import ModelFidelityError
+from engine.errors import Fault, ModelFidelityError
 from engine.fidelity import check_fidelity, default_tolerance
 from engine.generation import Engine
 from engine.loading import load_model
@@ -49,7 +49,7 @@ def test_a_model_that_disagrees_on_one_path_is_refused_and_the_error_says_which(
     with pytest.raises(ModelFidelityError) as caught:
         check_fidelity(Engine(loaded))
     error = caught.value
-    assert error.code == "model_fidelity_failed" and error.http_status == 503
+    assert error.code == "model_fidelity_failed" and error.fault is Fault.UNAVAILABLE
     assert path in error.errors and error.errors[f"{path}_max_diff"] > error.errors["tolerance"]
     assert "takes no work" in error.message
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.errors import ContextLengthError, InvalidRequestError, PlaceholderMismatchError
+from engine.errors import ContextLengthError, Fault, InvalidRequestError, PlaceholderMismatchError
 from engine.generation import Engine, GenerationRequest
 from engine.items import MultimodalItem
 from engine.sampling_params import SamplingParams
@@ -212,7 +212,7 @@ def test_context_length_is_checked_before_running(engine, loaded, prompts):
             GenerationRequest(prompts.text("fine"), GREEDY),
             GenerationRequest(too_long, dataclasses.replace(GREEDY, max_tokens=5)),
         ])
-    assert info.value.http_status == 422 and info.value.code == "context_length_exceeded"
+    assert info.value.fault is Fault.INVALID and info.value.code == "context_length_exceeded"
     with pytest.raises(InvalidRequestError):
         engine.generate([GenerationRequest([], GREEDY)])
 

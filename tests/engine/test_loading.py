@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.checkpoints import weight_version_of
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import Fault, InvalidRequestError, ModelLoadError
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def test_missing_model_path_is_a_typed_error(path):
     with pytest.raises(ModelLoadError) as info:
         load_model(path, device="cpu")
     assert isinstance(info.value, InvalidRequestError)
-    assert info.value.code == "model_load_failed" and info.value.http_status == 422
+    assert info.value.code == "model_load_failed" and info.value.fault is Fault.INVALID
 
 
 def test_directory_without_a_model_is_a_typed_error(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.errors import KVPoolExhausted
+from engine.errors import Fault, KVPoolExhausted
 from engine.paged_kv import (
     NULL_BLOCK,
     BlockPool,
@@ -66,7 +66,7 @@ def test_blocks_are_counted_shared_and_given_back():
     [extra] = pool.allocate(1)
     with pytest.raises(KVPoolExhausted) as info:
         pool.allocate(1)
-    assert info.value.http_status == 422 and info.value.errors == {"kv_blocks_free": 0, "kv_blocks": 3}
+    assert info.value.fault is Fault.INVALID and info.value.errors == {"kv_blocks_free": 0, "kv_blocks": 3}
     kept.release()
     pool.release([extra])
     assert pool.free == 3 and pool.in_use == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.demo_model import IMAGE_ARCHS, build_demo_model
-from engine.errors import CapacityError
+from engine.errors import CapacityError, Fault
 from engine.generation import GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
@@ -333,7 +333,7 @@ def test_a_request_whose_forward_overflows_fails_alone_and_leaves_no_dirty_block
     while scheduler.has_work:
         for finished in scheduler.step():
             ended[finished.tag] = finished
-    assert ended["bad"].error.code == "non_finite_output" and ended["bad"].error.http_status == 422
+    assert ended["bad"].error.code == "non_finite_output" and ended["bad"].error.fault is Fault.INVALID
     for i, result in enumerate(alone):
         assert_same_row(result, ended[i].result)
     assert engine.kv_pool.in_use == 0
@@ -453,7 +453,7 @@ def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_ref
     engine = model.engine(max_rows=4, kv_cache_tokens=3 * 16, kv_block_tokens=16)
     with pytest.raises(CapacityError) as info:
         engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, n=5)))
-    assert info.value.http_status == 422 and info.value.code == "request_exceeds_capacity"
+    assert info.value.fault is Fault.INVALID and info.value.code == "request_exceeds_capacity"
     with pytest.raises(CapacityError):
         engine.scheduler().check(GenerationRequest(prompt, sampled(seed=1, max_tokens=4 * len(prompt) + 40)))
     _, rows_per_step = run(engine.scheduler(), [(GenerationRequest(prompt, sampled(seed=s)), {"tag": s})

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine.errors import TokenIdOutOfRangeError
+from engine.errors import Fault, TokenIdOutOfRangeError
 from engine.generation import GenerationRequest
 from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
@@ -37,7 +37,7 @@ def test_score_refuses_a_completion_id_outside_the_vocabulary(engine, loaded, pr
         engine.score([good, ScoreRequest(prompts.text("Hi"), [9, 10, token])])
     assert calls == []  # nothing ran: the check comes before the batch is built
     error = info.value
-    assert (error.code, error.http_status) == ("token_id_out_of_range", 422)
+    assert (error.code, error.fault) == ("token_id_out_of_range", Fault.INVALID)
     assert error.errors == {"field": "completion_token_ids", "index": 2, "vocab_size": loaded.vocab_size}
 
 

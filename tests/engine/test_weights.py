@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoints import WeightsInvalidError
 from engine.demo_model import build_demo_model
+from engine.errors import Fault
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
@@ -151,7 +152,7 @@ def test_a_bad_directory_is_a_typed_error_and_changes_nothing(tmp_path, untouche
     before, version = _snapshot(untouched), untouched.weight_version
     with pytest.raises(WeightsInvalidError) as caught:
         load_weights(untouched, directory, weight_version="never")
-    assert caught.value.errors["problem"] == problem and caught.value.http_status == 422
+    assert caught.value.errors["problem"] == problem and caught.value.fault is Fault.INVALID
     assert untouched.weight_version == version
     after = untouched.model.state_dict()
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())

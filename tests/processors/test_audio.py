@@ -11,6 +11,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from engine.errors import Fault
 from engine.model_inputs import build_mm_kwargs
 from processors.fetch import MediaDecodeError, MediaTooLargeError
 from processors.pipeline import PreprocessLimits, preprocess
@@ -94,4 +95,4 @@ def test_audio_too_short_for_the_encoder_says_so(processors, fetcher, transport,
     with pytest.raises(MediaTooShortError, match=r"content_parts\[0\]: the audio is too short") as caught:
         preprocess({"prompt": "<audio>", "content_parts": [{"type": "audio_url", "url": audio_url(milliseconds / 1000)}]},
                    processor=processors[arch], fetcher=fetcher, cache=None, transport=transport, limits=limits)
-    assert caught.value.code == "media_too_short" and caught.value.http_status == 422
+    assert caught.value.code == "media_too_short" and caught.value.fault is Fault.INVALID

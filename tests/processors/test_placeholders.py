@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.demo_model import ARCHS
-from engine.errors import PlaceholderMismatchError
+from engine.errors import Fault, PlaceholderMismatchError
 from processors.errors import PlaceholderCountError
 from processors.pipeline import preprocess
 from processors.placeholders import IMAGE_SENTINEL, expand_tokens, media_pattern, normalize_media
@@ -131,7 +131,7 @@ def test_token_prompt_mismatch_is_a_422_with_both_counts(qwen_run, prompt, place
     with pytest.raises(PlaceholderMismatchError) as caught:
         qwen_run(token_ids=ids_of(qwen_run.processor, prompt.replace("<image>", QWEN)))
     error = caught.value
-    assert (error.placeholders, error.items, error.http_status) == (placeholders, 2, 422)
+    assert (error.placeholders, error.items, error.fault) == (placeholders, 2, Fault.INVALID)
     assert error.to_dict()["errors"] == {"placeholders": placeholders, "items": 2}
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.demo_model import IMAGE_ARCHS
-from engine.errors import PayloadTooLargeError, PlaceholderMismatchError
+from engine.errors import Fault, PayloadTooLargeError, PlaceholderMismatchError
 from processors.decode import decode_image
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
 from processors.features_codec import encode_features
@@ -97,7 +97,7 @@ def test_malformed_features_name_the_field(case, qwen_entry, processors, fetcher
     with pytest.raises(InvalidFeaturesError) as caught:
         preprocess({"prompt": "<image>", "features": [mutate(qwen_entry, path, value)]},
                    processor=processors["qwen2_vl"], fetcher=fetcher, cache=None, transport=transport, limits=limits)
-    assert caught.value.errors == {"path": where} and caught.value.http_status == 422
+    assert caught.value.errors == {"path": where} and caught.value.fault is Fault.INVALID
     assert caught.value.message.startswith(where)
 
 

@@ -16,6 +16,7 @@ import processors.base
 import processors.llava
 import processors.pixtral
 import processors.qwen_vl
+from engine.errors import Fault
 from processors.base import MultimodalProcessor
 from processors.errors import UnsupportedModelError
 from processors.registry import ProcessorRegistry, load_processor, supported_architectures
@@ -52,7 +53,7 @@ def test_unknown_architecture_lists_the_supported_ones(model_dirs, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError) as caught:
         load_processor(model)
-    assert caught.value.code == "unsupported_model" and caught.value.http_status == 500
+    assert caught.value.code == "unsupported_model" and caught.value.fault is Fault.INTERNAL
     assert caught.value.supported == supported_architectures()
     for name in supported_architectures():
         assert name in caught.value.message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.demo_model import IMAGE_ARCHS
-from engine.errors import InvalidRequestError
+from engine.errors import Fault, InvalidRequestError
 from processors.pipeline import preprocess
 from processors.render import render
 
@@ -109,7 +109,7 @@ def test_render_of_an_image_past_the_aspect_ratio_limit_is_a_decode_error(proces
                                              {"type": "text", "text": "what is it?"}]}]
     with pytest.raises(MediaError) as refused:
         render(messages, processors["qwen2_vl"], fetcher=fetcher)
-    assert refused.value.code == "media_decode_failed" and refused.value.http_status == 422
+    assert refused.value.code == "media_decode_failed" and refused.value.fault is Fault.INVALID
 
 
 def test_a_string_uuid_is_kept_in_the_content_parts(processors, fetcher, image_url):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import InternalError, RolloutError
+from engine.errors import Fault, InternalError, RolloutError
+from workers.error_statuses import HTTP_STATUS, http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "processors", "workers", "web", "client")
@@ -37,23 +38,24 @@ def declared() -> list[type[RolloutError]]:
     return found
 
 
-def test_each_code_means_one_status():
-    statuses: dict[str, set[int]] = {}
+def test_each_code_means_one_kind_and_every_kind_has_a_status():
+    faults: dict[str, set[Fault]] = {}
     for cls in declared():
-        statuses.setdefault(cls.code, set()).add(cls.http_status)
-    assert {code: s for code, s in statuses.items() if len(s) > 1} == {}
+        faults.setdefault(cls.code, set()).add(cls.fault)
+    assert {code: f for code, f in faults.items() if len(f) > 1} == {}
+    assert set(HTTP_STATUS) == set(Fault)
 
 
 @pytest.mark.parametrize("cls", declared(), ids=lambda cls: cls.__name__)
 def test_a_stored_error_comes_back_with_its_type(cls):
     restored = RolloutError.from_record({"code": cls.code, "message": "m", "errors": {"field": "x"}})
-    assert (restored.code, restored.http_status, restored.retryable) == (cls.code, cls.http_status, cls.retryable)
+    assert (restored.code, restored.fault, restored.retryable) == (cls.code, cls.fault, cls.retryable)
     assert (restored.message, restored.errors) == ("m", {"field": "x"})
 
 
 def test_an_unknown_code_is_an_internal_error():
     restored = RolloutError.from_record({"code": "from_a_newer_worker", "message": "m"})
-    assert isinstance(restored, InternalError) and restored.http_status == 500
+    assert isinstance(restored, InternalError) and http_status(restored) == 500
 
 
 

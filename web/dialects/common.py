@@ -14,7 +14,7 @@ from typing import Any
 
 from marshmallow import ValidationError
 
-from engine.errors import InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
+from engine.errors import Fault, InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
 from web.auth import current_owner
 from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
@@ -35,14 +35,14 @@ class ClientClosedRequestError(RolloutError):
     """The client hung up before its synchronous call was answered (nobody reads the answer)."""
 
     code = "client_closed_request"
-    http_status = 499  # nginx's status for it; no standard one exists
+    fault = Fault.CANCELLED
 
 
 class SyncTimeoutError(RolloutError):
     """The jobs of a synchronous dialect call did not end within ROLLOUT_SYNC_TIMEOUT_MAX."""
 
     code = "sync_timeout"
-    http_status = 504
+    fault = Fault.DEADLINE_EXCEEDED
     retryable = True
 
 

@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from engine.errors import InternalError, RolloutError
 from web.errors import _HTTP_CODES, RedisUnavailableError, _json_safe
+from workers.error_statuses import http_status
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def install(blueprint, shape: Shape) -> None:
 
     @blueprint.errorhandler(RolloutError)
     def rollout_error(error: RolloutError):
-        return answer(error.http_status, error.code, error.message, error.errors, error.headers)
+        return answer(http_status(error), error.code, error.message, error.errors, error.headers)
 
     @blueprint.errorhandler(HTTPException)
     def http_error(error: HTTPException):

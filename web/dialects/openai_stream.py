@@ -24,12 +24,13 @@ from web.dialects import openai, vllm
 from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
 from web.streams import sse
+from workers.error_statuses import http_status
 from workers.jobs.follow import ChoiceDelta, TokenLedger
 from workers.jobs.results import JobResult
 
 
 def _error(error: RolloutError) -> bytes:
-    return sse(openai_shape(error.http_status, error.code, error.message, error.errors))
+    return sse(openai_shape(http_status(error), error.code, error.message, error.errors))
 
 
 def _usage(jobs: list[dict]) -> dict:

@@ -21,6 +21,7 @@ from web.dialects import sglang
 from web.dialects.common import TokenTexts
 from web.dialects.errors import sglang_shape
 from web.streams import sse
+from workers.error_statuses import http_status
 from workers.jobs.follow import ChoiceDelta, TokenLedger
 
 
@@ -69,4 +70,4 @@ class SglangChunks:
         return []
 
     def error(self, error: RolloutError) -> bytes:
-        return sse(sglang_shape(error.http_status, error.code, error.message, error.errors))
+        return sse(sglang_shape(http_status(error), error.code, error.message, error.errors))

@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.errors import NotFoundError, RolloutError
 from workers.batches.store import public_batch
+from workers.error_statuses import http_status
 from workers.infra.redis_records import new_id
 from workers.webhooks.emit import emit_batch_event
 
@@ -83,7 +84,7 @@ def job_entry(job: dict[str, Any], cancelled_as: tuple[str, str] = JOB_CANCELLED
         entry["error"] = {"code": error.code, "message": error.message}
         # The status the request would have been answered with: OpenAI's results tell a request
         # that got an error response from one that never ran.
-        entry["status_code"] = error.http_status
+        entry["status_code"] = http_status(error)
     return line, False, entry
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from engine.choice import Choice
-from engine.errors import RolloutError
+from engine.errors import Fault, RolloutError
 from workers.jobs.event_hub import EventHub, Outage
 from workers.jobs.events import JobEvent, JobEvents
 from workers.jobs.store import TERMINAL, JobStore
@@ -28,7 +28,7 @@ class StreamDivergedError(RolloutError):
     worker died and sampling was not reproducible): the stream cannot go on truthfully."""
 
     code = "stream_diverged"
-    http_status = 409
+    fault = Fault.CONFLICT
     retryable = True
 
 
@@ -36,7 +36,7 @@ class StreamGapError(RolloutError):
     """The job's event stream lost entries this reader needs (trimmed past MAXLEN, or expired)."""
 
     code = "stream_incomplete"
-    http_status = 410
+    fault = Fault.GONE
 
 
 @dataclass(frozen=True)

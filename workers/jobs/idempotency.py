@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from engine.errors import RolloutError
+from engine.errors import Fault, RolloutError
 
 CLAIM_TTL = 30  # seconds: a claim's request makes its jobs in milliseconds
 
@@ -64,14 +64,14 @@ class IdempotencyKeyReusedError(RolloutError):
     """The key came before with another body: it names that submit, not this one."""
 
     code = "idempotency_key_reused"
-    http_status = 409
+    fault = Fault.CONFLICT
 
 
 class IdempotencyKeyInUseError(RolloutError):
     """The first submit with this key is still making its jobs: send it again shortly."""
 
     code = "idempotency_key_in_use"
-    http_status = 409
+    fault = Fault.CONFLICT
     retryable = True
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.errors import InvalidRequestError, RolloutError
+from engine.errors import Fault, InvalidRequestError, RolloutError
 
 
 class WeightsPathError(InvalidRequestError):
@@ -27,7 +27,7 @@ class WeightUpdatesDisabledError(RolloutError):
     """No ``ROLLOUT_WEIGHTS_ROOT``: weight updates are off."""
 
     code = "weight_updates_disabled"
-    http_status = 409
+    fault = Fault.CONFLICT
 
 
 def resolve_weights_dir(model_path: str, root: Path | None) -> Path:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from engine.errors import InvalidRequestError, RolloutError
+from engine.errors import Fault, InvalidRequestError, RolloutError
 from workers.weights.store import Pause, WeightStore, WeightTarget, WorkerWeights
 
 POLL_SECONDS = 0.1
@@ -29,14 +29,14 @@ class WeightsSupersededError(RolloutError):
     """A newer update set its target while this one's was loading: the fleet moved on."""
 
     code = "weights_superseded"
-    http_status = 409
+    fault = Fault.CONFLICT
 
 
 class WeightsNotLoadedError(RolloutError):
     """Not every live GPU worker serves the new weights (time out, or some failed to load)."""
 
     code = "weights_not_loaded"
-    http_status = 504
+    fault = Fault.DEADLINE_EXCEEDED
     retryable = True
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from engine.errors import Fault
 from processors.decode import decode_image
 from processors.fetch import (
     FetchPolicy,
@@ -185,7 +186,7 @@ def test_4xx_is_not_retried(make_fetcher, servers, status) -> None:
     with pytest.raises(MediaRejectedError) as info:
         make_fetcher(retries=2).fetch(f"http://media.test:{servers.port}/no")
     assert info.value.status == status and not info.value.retryable
-    assert info.value.code == "media_rejected" and info.value.http_status == 422
+    assert info.value.code == "media_rejected" and info.value.fault is Fault.INVALID
     assert servers.public.count == 1
 
 

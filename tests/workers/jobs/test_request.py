@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import InvalidRequestError
+from engine.errors import Fault, InvalidRequestError
 from tests.workers.bad_rows import stored_request
 from workers.jobs.request import JobRequest
 
@@ -37,4 +37,4 @@ def test_a_record_stored_before_a_knob_existed_reads_with_its_default():
 def test_sampling_the_engine_refuses_is_a_422_naming_the_field():
     with pytest.raises(InvalidRequestError) as refused:
         JobRequest.from_dict(stored_request(token_ids=[1], sampling_params={"max_tokens": 2, "min_tokens": 3}))
-    assert refused.value.http_status == 422 and "min_tokens" in refused.value.errors
+    assert refused.value.fault is Fault.INVALID and "min_tokens" in refused.value.errors

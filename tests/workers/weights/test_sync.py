@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from engine.demo_model import build_demo_model
+from engine.errors import Fault
 from engine.generation import Engine
 from engine.loading import load_model
 from tests.conftest import empty_db_url
@@ -232,7 +233,7 @@ def test_the_update_call_answers_once_every_live_worker_serves(store, root, demo
 
         with pytest.raises(WeightsRefusedError) as caught:
             update_weights(store, version="broken", model_path=str(root / "bad"), mode="finish", timeout=30)
-        assert caught.value.http_status == 422
+        assert caught.value.fault is Fault.INVALID
         assert store.target().version == "step-1"  # put back: nothing changed
         _wait(lambda: all(s.may_serve for s in syncs))
         assert all(s.engine.weight_version == "step-1" for s in syncs)
@@ -284,5 +285,5 @@ def test_a_superseded_update_call_answers_at_once_with_a_409(store, root):
     started = time.monotonic()
     with pytest.raises(WeightsSupersededError) as caught:
         update_weights(store, version="step-1", model_path=str(root / "step-1"), mode="finish", timeout=30)
-    assert caught.value.http_status == 409 and time.monotonic() - started < 5
+    assert caught.value.fault is Fault.CONFLICT and time.monotonic() - started < 5
     assert caught.value.errors["target"]["version"] == "step-2"
