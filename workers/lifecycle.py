@@ -13,6 +13,7 @@ from typing import Any
 from engine.errors import InternalError, RolloutError
 from workers.batches.progress import record_job_lines
 from workers.infra.metrics import MetricsBatch, record_job_ends
+from workers.jobs.attempts import Fence
 from workers.jobs.store import TERMINAL
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 
@@ -33,24 +34,35 @@ def end_jobs(rt, endings: list[tuple[dict[str, Any], str, dict[str, Any]]], *,
     """``end_job`` for many ``(job record, status, fields)`` at once (a GPU batch's results): the
     moves and the metrics take one round trip each, not one per job. ``metrics``: count the ends
     there, for its owner to write later, not now."""
-    moved = rt.jobs.advance_each([(job["id"], job["owner"], status, fields) for job, status, fields in endings])
+    return [outcome == 1 for outcome in end_fenced(rt, endings, [None] * len(endings), metrics=metrics)]
+
+
+def end_fenced(rt, endings: list[tuple[dict[str, Any], str, dict[str, Any]]], fences: list[Fence | None], *,
+               metrics: MetricsBatch | None = None) -> list[int]:
+    """``end_jobs``, each end made only by the newest run of its job (``fences``, see
+    workers/jobs/attempts.py): per job the move's outcome (``JobStore.advance_fenced``). A late
+    run's end writes nothing and fires nothing."""
+    outcomes = rt.jobs.advance_fenced([(job["id"], job["owner"], status, fields) for job, status, fields in endings],
+                                      fences)
     _after_ends(rt, [{**job, "status": status, **fields}
-                     for (job, status, fields), ended in zip(endings, moved, strict=True) if ended], metrics=metrics)
-    return moved
+                     for (job, status, fields), outcome in zip(endings, outcomes, strict=True) if outcome == 1],
+                metrics=metrics)
+    return outcomes
 
 
-def fail_job(rt, job_id: str, error: RolloutError) -> bool:
-    moved = rt.jobs.fail(job_id, error)
+def fail_job(rt, job_id: str, error: RolloutError, *, fence: Fence | None = None) -> bool:
+    """``fence``: fail only while that run is the newest (a late run's error is no job's end)."""
+    moved = rt.jobs.fail(job_id, error, fence=fence)
     if moved:
         log.info("job %s failed: %s", job_id, error.code)
         _after_end(rt, job_id)
     return moved
 
 
-def fail_unexpected(rt, job_id: str, stage: str) -> bool:
+def fail_unexpected(rt, job_id: str, stage: str, *, fence: Fence | None = None) -> bool:
     """Fail a job on an unexpected exception (logged with its traceback, never shown to users)."""
     log.exception("job %s: unexpected error while %s", job_id, stage)
-    return fail_job(rt, job_id, InternalError(f"internal error while {stage}"))
+    return fail_job(rt, job_id, InternalError(f"internal error while {stage}"), fence=fence)
 
 
 def cancel_job(rt, job_id: str, *, owner: str) -> dict[str, Any]:

@@ -124,6 +124,9 @@ class Settings:
     # A job or webhook that has not moved for this long is looked for in every queue
     # (workers/jobs/reaper.py, workers/webhooks/reaper.py); one no message carries is sent again.
     stalled_job_after: int = 120
+    # A worker beats this often; its heartbeat lapses after five beats missed, and then what it held
+    # goes back to the queues (workers/infra/heartbeats.py, workers/infra/held_messages.py).
+    heartbeat_seconds: float = 2.0
     task_events: bool = False
     # Rows decoding together in a GPU worker. Unset: as many rows of typical_row_tokens as the KV
     # pool holds (kv_cache_tokens // typical_row_tokens), so the batch is sized by memory.
@@ -269,6 +272,7 @@ _RANGES = {
     "task_time_limit": (1, 10**6),
     "visibility_timeout": (1, 10**7),
     "stalled_job_after": (1, 10**7),
+    "heartbeat_seconds": (0.05, 60),
     "gpu_batch_size": (1, 4096),
     "redis_replica_acks": (0, 16),
     "embedded_redis_replicas": (1, 8),

@@ -148,10 +148,10 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             held = celery_held_tags(consumer)
             if kind == "gpu":
                 return {**_gpu_status(rt), "held": held + _held_generate_tags(rt), "node": settings.node_id,
-                        "direct_queue": direct_queue(name)}
+                        "direct_queue": direct_queue(name), "running": _running_jobs(rt)}
             return {"held": held}
 
-        start_heartbeat(rt.redis, kind, name, status)
+        start_heartbeat(rt.redis, kind, name, status, every_s=settings.heartbeat_seconds)
 
     @signals.worker_process_init.connect(weak=False)
     def on_pool_process_start(**_):
@@ -214,6 +214,11 @@ def _gpu_status(rt) -> dict:
     # The weight version a GPU worker serves (what SGLang-style /get_model_info reports).
     ready = rt.model_ready
     return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None}
+
+
+def _running_jobs(rt) -> list[str]:
+    # The jobs this worker's session runs: another worker begins no attempt of them (workers/jobs/attempts.py).
+    return rt.celery.tasks[GENERATE_TASK].running_job_ids()
 
 
 def _held_generate_tags(rt) -> list[str]:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import HandleUnavailableError, RolloutError
 from workers.infra.metrics import count, observe_stage
 from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.events import watch_key
+from workers.jobs.attempts import attempt_key
+from workers.jobs.events import Attempt, watch_key
 from workers.jobs.prompt_codec import open_prompt, release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.results import engine_result
@@ -26,10 +28,11 @@ from workers.names import worker_name
 log = logging.getLogger(__name__)
 
 
-def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]], list[str]]:
+def open_jobs(rt, job_ids: list[str], *, device, holder: str = "") -> tuple[list[tuple[dict, Any, Attempt | None]], list[str]]:
     """The jobs of ``job_ids`` that are ready to run, moved to ``generating``, with their opened
-    prompts; and the ids settled without running (gone, already ended, sent back to preprocessing,
-    cancelled meanwhile), whose messages are done."""
+    prompts and, for a generate job, its new attempt (begun for ``holder``, this worker's heartbeat
+    key); and the ids settled without running (gone, already ended, sent back to preprocessing,
+    cancelled meanwhile, or run by another live worker's attempt), whose messages are done."""
     ready, ended, settled = [], [], []
     for job_id, (job, raw) in zip(job_ids, rt.jobs.with_prompts(job_ids), strict=True):
         if job is None:
@@ -65,17 +68,48 @@ def open_jobs(rt, job_ids: list[str], *, device) -> tuple[list[tuple[dict, Any]]
             cancelled.append(prompt)
             settled.append(job["id"])
     release_prompts(rt.redis, cancelled)
-    return running, settled
+    generating = [job["id"] for job, _ in running if job["kind"] == "generate"]
+    attempts = dict(zip(generating, rt.events.begin_attempts(generating, holder=holder), strict=True))
+    opened = []
+    for job, prompt in running:
+        attempt = attempts.get(job["id"])
+        if job["kind"] == "generate" and attempt is None:
+            # Ended meanwhile, or a duplicate of a message another live worker runs (it was handed
+            # back while that worker seemed dead): that attempt ends the job, and uses its prompt.
+            log.info("job %s: run by another attempt; this message is a duplicate", job["id"])
+            settled.append(job["id"])
+            continue
+        opened.append((job, prompt, attempt))
+    return opened, settled
 
 
 def poll_running(redis, running: list[str], unwatched: list[str]) -> tuple[set[str], set[str]]:
     """The jobs of ``running`` asked to stop, and those of ``unwatched`` that got a reader: their
     cancel and watch flags in one MGET (the session polls it at most every ``ABORT_POLL_SECONDS``)."""
-    keys = [JobStore.cancel_key(job_id) for job_id in running] + [watch_key(job_id) for job_id in unwatched]
+    polled = poll_session(redis, {}, running, unwatched)
+    return polled.cancelled, polled.watched
+
+
+@dataclass(frozen=True)
+class Polled:
+    cancelled: set[str]  # asked to stop
+    watched: set[str]  # got a reader
+    superseded: set[str]  # a newer attempt began elsewhere: this one no longer owns the job
+
+
+def poll_session(redis, attempts: dict[str, int], running: list[str], unwatched: list[str]) -> Polled:
+    """``poll_running``, and which of ``attempts`` (job id: this session's attempt) a newer attempt
+    superseded (this worker seemed dead for a while and its messages ran elsewhere), in the same MGET."""
+    keys = ([JobStore.cancel_key(job_id) for job_id in running] + [watch_key(job_id) for job_id in unwatched]
+            + [attempt_key(job_id) for job_id in attempts])
     flags = redis.mget(keys) if keys else []
-    cancelled = {job_id for job_id, flag in zip(running, flags[:len(running)], strict=True) if flag}
-    watched = {job_id for job_id, flag in zip(unwatched, flags[len(running):], strict=True) if flag}
-    return cancelled, watched
+    cancel_flags, rest = flags[:len(running)], flags[len(running):]
+    watch_flags, newest = rest[:len(unwatched)], rest[len(unwatched):]
+    return Polled(
+        cancelled={job_id for job_id, flag in zip(running, cancel_flags, strict=True) if flag},
+        watched={job_id for job_id, flag in zip(unwatched, watch_flags, strict=True) if flag},
+        superseded={job_id for (job_id, attempt), number in zip(attempts.items(), newest, strict=True)
+                    if number is not None and int(number) != attempt})
 
 
 def run_score_jobs(rt, engine, group: list[tuple[dict, Any]]) -> None:

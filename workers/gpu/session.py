@@ -21,6 +21,13 @@ session writes those of the jobs someone reads to their event streams in one pip
 tokens always precede its ``ended`` status). A reader that comes mid-job is seen at the next
 cancel poll and gets the tokens so far (the scheduler's) in one entry. Each job's run here is
 numbered (an attempt); a redo of a job whose worker died writes a ``restart`` event first.
+
+Fencing (workers/jobs/attempts.py): the session's writes for a job (its tokens, its end, giving it
+back to the queue) land only while its attempt is the newest. A worker paused past its heartbeat's
+TTL has its messages run elsewhere meanwhile; when it wakes, its next write or its next poll (the
+attempt counters are read with the cancel flags) finds its attempt superseded, and the session
+aborts those rows in the scheduler and drops them: nothing written, its prompt left to the newer
+attempt, its message settled. A message of a job this session already runs joins that run.
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ import redis
 
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
-from workers.gpu.jobs import ending, open_jobs, poll_running, requeue_generate, run_score_jobs
+from workers.gpu.jobs import ending, open_jobs, poll_session, requeue_generate, run_score_jobs
+from workers.infra.heartbeats import heartbeat_key
 from workers.infra.metrics import MetricsBatch
+from workers.jobs.attempts import FENCED, Fence
 from workers.jobs.prompt_codec import release_prompts
 from workers.jobs.request import JobRequest
 from workers.jobs.stream_text import StreamText
-from workers.lifecycle import end_jobs, fail_job
+from workers.lifecycle import end_fenced, fail_job
+from workers.names import worker_name
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,11 @@ class _Live:
     streams: dict[int, _ChoiceStream] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
+    superseded: bool = False  # a newer attempt runs elsewhere: this one writes nothing more
+
+    @property
+    def fence(self) -> Fence:
+        return Fence.generation(self.job["id"], self.attempt)
 
 
 class GenerateSession:
@@ -81,6 +96,8 @@ class GenerateSession:
         self.batches = batches
         self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
+        # What this worker's attempts are held by (its heartbeat key, workers/jobs/attempts.py).
+        self.holder = heartbeat_key("gpu", worker_name(rt.settings.node_id))
         self._by_job: dict[str, _Live] = {}
         # Tokens not yet written, by (job id, attempt) then choice (see _publish).
         self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
@@ -143,7 +160,7 @@ class GenerateSession:
         """Stop every row in flight for a weight update: ``abort`` ends them with their tokens so
         far; ``retract`` sends their jobs back to run again from the prompt on the new weights."""
         for handle, live in self.live.items():
-            if live.stopped_by is None:
+            if live.stopped_by is None and not live.superseded:
                 live.stopped_by = mode
                 self.scheduler.abort(handle)
 
@@ -153,19 +170,23 @@ class GenerateSession:
         rt = self.rt
         messages: dict[str, list[str]] = {}
         for request in requests:
-            messages.setdefault(request.args[0], []).append(request.id)
-        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device)
+            job_id = request.args[0]
+            if job_id in self._by_job:  # a second message of a job running here joins its run
+                self._by_job[job_id].message_ids.append(request.id)
+                continue
+            messages.setdefault(job_id, []).append(request.id)
+        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device, holder=self.holder)
         self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
-        scores = [(job, prompt) for job, prompt in ready if job["kind"] == "score"]
+        scores = [(job, prompt) for job, prompt, _ in ready if job["kind"] == "score"]
         if scores:
             try:
                 run_score_jobs(rt, self.engine, scores)
             finally:
                 release_prompts(rt.redis, [prompt for _job, prompt in scores])
                 self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
-        generating = [(job, prompt) for job, prompt in ready if job["kind"] == "generate"]
-        attempts = rt.events.begin_attempts([job["id"] for job, _ in generating])
-        for (job, prompt), attempt in zip(generating, attempts, strict=True):
+        for job, prompt, attempt in ready:
+            if job["kind"] != "generate":
+                continue
             try:
                 stored = JobRequest.from_dict(job["request"])
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
@@ -173,8 +194,8 @@ class GenerateSession:
                                             cache_scope=stored.cache_scope(job["owner"]), tenant=job["owner"])
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
-                fail_job(rt, job["id"], _job_error(job, error))
-                release_prompts(rt.redis, [prompt])
+                if fail_job(rt, job["id"], _job_error(job, error), fence=Fence.generation(job["id"], attempt.number)):
+                    release_prompts(rt.redis, [prompt])  # not a superseded attempt's: the newer one uses it
                 self.batches.acknowledge(messages[job["id"]])
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], time_limit=rt.settings.task_soft_time_limit,
@@ -208,12 +229,13 @@ class GenerateSession:
         tokens, self._step_tokens = self._step_tokens, []
         for row in tokens:
             live = self._by_job.get(row.tag)
-            if live is not None and live.watched:
+            if live is not None and live.watched and not live.superseded:
                 self._stage(live, row.choice, [row.token_id], None if row.logprob is None else [row.logprob],
                             row.finish_reason)
         for item in finished:
             live = self._by_job.get(item.tag)
-            if live is None or not live.watched or item.result is None or live.stopped_by == "retract":
+            if (live is None or not live.watched or live.superseded or item.result is None
+                    or live.stopped_by == "retract"):
                 continue
             for choice in item.result.choices:
                 stream = live.streams.get(choice.index)
@@ -229,7 +251,7 @@ class GenerateSession:
         now = time.monotonic()
         first = any(out["offset"] == 0 for choices in self._unflushed.values() for out in choices.values())
         if finished or first or now >= self._next_flush:
-            self._flush_tokens()
+            self._supersede(self._flush_tokens())
             self._next_flush = now + self._flush_every
 
     def _entry(self, live: _Live, index: int) -> dict[str, Any]:
@@ -259,60 +281,94 @@ class GenerateSession:
         out["finish_reason"] = finish_reason
         stream.sent += len(token_ids)
 
-    def _flush_tokens(self) -> None:
+    def _flush_tokens(self) -> set[str]:
+        """Write the staged tokens; the jobs whose attempt was superseded (their tokens were not written)."""
         entries, self._unflushed = self._unflushed, {}
-        if entries:
-            self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
-                                           for (job_id, attempt), choices in entries.items()])
+        if not entries:
+            return set()
+        return self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
+                                              for (job_id, attempt), choices in entries.items()])
+
+    def _supersede(self, job_ids) -> None:
+        """A newer attempt of these jobs began elsewhere: stop their rows here (they end at the next
+        step, and ``_end`` drops them) and write nothing more for them."""
+        for handle, live in self.live.items():
+            if live.job["id"] in job_ids and not live.superseded:
+                log.warning("job %s: attempt %d was superseded by a newer one elsewhere; dropping its rows",
+                            live.job["id"], live.attempt)
+                live.superseded = True
+                self.scheduler.abort(handle)
 
     def _poll_cancels(self) -> None:
-        """Which running jobs were cancelled, and which got a reader (one MGET)."""
+        """Which running jobs were cancelled, which got a reader, and which a newer attempt took
+        over (one MGET)."""
         now = time.monotonic()
         if now < self._next_poll or not self.live:
             return
         self._next_poll = now + ABORT_POLL_SECONDS
         by_job = {live.job["id"]: handle for handle, live in self.live.items()}
         unwatched = [job_id for job_id, live in self._by_job.items() if not live.watched]
+        attempts = {job_id: live.attempt for job_id, live in self._by_job.items() if not live.superseded}
         try:
-            cancelled, watched = poll_running(self.rt.redis, list(by_job), unwatched)
+            polled = poll_session(self.rt.redis, attempts, list(by_job), unwatched)
         except redis.RedisError:
             # Redis is away: decode on, and look again in a second (each failed call waits on
             # reconnect attempts; one per poll would slow every step down).
             self._next_poll = now + REDIS_DOWN_POLL_PAUSE_SECONDS
             return
-        for job_id in cancelled:
+        self._supersede(polled.superseded)
+        for job_id in polled.cancelled:
             self.scheduler.abort(by_job[job_id])
-        for job_id in watched:
+        for job_id in polled.watched - polled.superseded:
             self._watch(by_job[job_id], self._by_job[job_id])
 
     def _end(self, finished) -> None:
         rt = self.rt
-        endings, done, retracted, durations = [], [], [], []
+        endings, ended, retracted, superseded, durations = [], [], [], [], []
         for item in finished:
             live = self.live.pop(item.handle)
             self._by_job.pop(item.tag, None)
             job = live.job
+            if live.superseded:
+                superseded.append(live)  # the newer attempt ends the job and releases its prompt
+                continue
             if (live.stopped_by == "retract" or item.preempted) and item.error is None:
                 retracted.append(live)  # runs again (on the new weights, or later): its prompt stays held
                 continue
-            done.append(live)
             elapsed = time.perf_counter() - live.started
             durations.append(elapsed)
             if item.error is not None:
-                fail_job(rt, job["id"], _job_error(job, item.error))
+                endings.append((job, "failed", {"error": _job_error(job, item.error).to_dict()}))
             elif item.timed_out:
                 limit = rt.settings.task_soft_time_limit
-                fail_job(rt, job["id"], JobTimeoutError(f"generation exceeded its time limit ({limit} s)"))
+                error = JobTimeoutError(f"generation exceeded its time limit ({limit} s)")
+                endings.append((job, "failed", {"error": error.to_dict()}))
             else:
                 endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
                                       batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
+            ended.append(live)
+        done = []
         if endings:
-            end_jobs(rt, endings, metrics=self._metrics)
+            outcomes = end_fenced(rt, endings, [live.fence for live in ended], metrics=self._metrics)
+            for live, (_, status, fields), outcome in zip(ended, endings, outcomes, strict=True):
+                if outcome == FENCED:
+                    live.superseded = True
+                    superseded.append(live)
+                    continue
+                done.append(live)
+                if status == "failed" and outcome == 1:
+                    log.info("job %s failed: %s", live.job["id"], fields["error"]["code"])
         self._metrics.observe_stage("generate", *durations)
         release_prompts(rt.redis, [live.prompt for live in done])
-        for live in retracted:
-            requeue_generate(rt, live.job, live.prompt)
-        self.batches.acknowledge([mid for live in (*done, *retracted) for mid in live.message_ids])
+        released = rt.events.release_attempts([(live.job["id"], live.attempt) for live in retracted])
+        for live, still_newest in zip(retracted, released, strict=True):
+            if still_newest:
+                requeue_generate(rt, live.job, live.prompt)
+        if superseded:
+            log.warning("%d superseded attempts dropped: %s", len(superseded),
+                        ", ".join(f"{live.job['id']}#{live.attempt}" for live in superseded))
+        # A superseded attempt's message is settled too: the newer attempt's worker holds its copy.
+        self.batches.acknowledge([mid for live in (*done, *retracted, *superseded) for mid in live.message_ids])
         interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
         if interrupted:
             rt.weight_sync.note_interrupted(interrupted)

@@ -7,11 +7,17 @@ the last beat), so readers list a kind's workers with one ZRANGE and one MGET in
 the whole keyspace (thousands of round trips with many jobs' keys). The key is the truth about
 liveness; the index only says where to look, and readers drop entries that have not beaten for
 ``INDEX_KEEP_S`` (far beyond the TTL, so clocks that disagree by minutes lose nothing).
+
+A worker beats every ``ROLLOUT_HEARTBEAT_SECONDS`` (2 s) and its key lives ``TTL_BEATS`` beats.
+A worker that was paused past its TTL (a GC pause, swap, a frozen VM) says so in its log when it
+beats again: its messages may have run elsewhere meanwhile, and its late writes are fenced
+(workers/jobs/attempts.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,8 +25,11 @@ from collections.abc import Callable
 import redis
 
 WORKER_KINDS = ("cpu", "gpu", "webhooks", "batches")
+log = logging.getLogger(__name__)
+
 HEARTBEAT_SECONDS = 2.0
-HEARTBEAT_TTL = 10
+TTL_BEATS = 5  # a key outlives four missed beats
+HEARTBEAT_TTL = HEARTBEAT_SECONDS * TTL_BEATS
 INDEX_KEEP_S = 600
 
 
@@ -32,26 +41,34 @@ def _index_key(kind: str) -> str:
     return f"rq:workers:{kind}"
 
 
-def beat(client: redis.Redis, kind: str, name: str, status: dict) -> None:
+def beat(client: redis.Redis, kind: str, name: str, status: dict, *, ttl: float = HEARTBEAT_TTL) -> None:
     """One heartbeat: the worker's status under its key (with the TTL) and its name in the index."""
     now = time.time()
     pipe = client.pipeline(transaction=False)
-    pipe.set(heartbeat_key(kind, name), json.dumps({"at": now, **status}), ex=HEARTBEAT_TTL)
+    pipe.set(heartbeat_key(kind, name), json.dumps({"at": now, **status}), px=int(ttl * 1000))
     pipe.zadd(_index_key(kind), {name: now})
     pipe.execute()
 
 
-def start_heartbeat(client: redis.Redis, kind: str, name: str, status: Callable[[], dict]) -> threading.Event:
-    """Refresh this worker's heartbeat until the returned event is set."""
+def start_heartbeat(client: redis.Redis, kind: str, name: str, status: Callable[[], dict], *,
+                    every_s: float = HEARTBEAT_SECONDS) -> threading.Event:
+    """Refresh this worker's heartbeat every ``every_s`` until the returned event is set."""
     stop = threading.Event()
+    ttl = every_s * TTL_BEATS
 
     def loop() -> None:
+        last = time.monotonic()
         while not stop.is_set():
             try:
-                beat(client, kind, name, status())
+                beat(client, kind, name, status(), ttl=ttl)
+                now = time.monotonic()
+                if now - last > ttl:
+                    log.warning("this %s worker's heartbeat lapsed for %.1f s (paused?): what it held may have "
+                                "run elsewhere, and its late writes are fenced", kind, now - last)
+                last = now
             except redis.RedisError:
                 pass  # Redis is down: the heartbeat resumes when it is back
-            stop.wait(HEARTBEAT_SECONDS)
+            stop.wait(every_s)
 
     threading.Thread(target=loop, name=f"heartbeat-{kind}", daemon=True).start()
     return stop

@@ -41,9 +41,13 @@ from workers.infra.lost_messages import start_sweeping
 
 log = logging.getLogger(__name__)
 
-# A live worker's beat lists a message at most one beat after it is reserved; twice that, and more.
-MARGIN_S = 2 * HEARTBEAT_SECONDS + 1
-SWEEP_EVERY_S = HEARTBEAT_SECONDS
+
+def margin_for(heartbeat_s: float) -> float:
+    """A live worker's beat lists a message at most one beat after it is reserved; twice that, and more."""
+    return 2 * heartbeat_s + 1
+
+
+MARGIN_S = margin_for(HEARTBEAT_SECONDS)
 
 
 def celery_held_tags(consumer) -> list[str]:
@@ -60,13 +64,13 @@ def celery_held_tags(consumer) -> list[str]:
 
 
 def orphaned_messages(client: redis.Redis, kind: str, tasks: Collection[str], *,
-                      now: float | None = None) -> list[str]:
+                      now: float | None = None, margin_s: float = MARGIN_S) -> list[str]:
     """Delivery tags of messages of ``tasks`` held unacknowledged that no live worker of ``kind``
     holds (and every live one has reported since they were reserved)."""
     now = time.time() if now is None else now
     beats = statuses(client, kind)
     held = {tag for beat in beats for tag in beat.get("held") or ()}
-    reported_since = min((beat.get("at", now) for beat in beats), default=now) - MARGIN_S
+    reported_since = min((beat.get("at", now) for beat in beats), default=now) - margin_s
     candidates = [tag for tag in (raw.decode() for raw in client.zrangebyscore(
         Channel.unacked_index_key, "-inf", reported_since)) if tag not in held]
     if not candidates:
@@ -90,9 +94,10 @@ class HeldMessageSweep:
 
     def __init__(self, rt, kind: str, tasks: Collection[str]):
         self.rt, self.kind, self.tasks = rt, kind, frozenset(tasks)
+        self.margin_s = margin_for(rt.settings.heartbeat_seconds)
 
     def sweep(self) -> list[str]:
-        orphans = orphaned_messages(self.rt.redis, self.kind, self.tasks)
+        orphans = orphaned_messages(self.rt.redis, self.kind, self.tasks, margin_s=self.margin_s)
         if not orphans:
             return []
         with self.rt.celery.connection_for_write() as connection:
@@ -106,7 +111,7 @@ class HeldMessageSweep:
 
 def start_held_message_sweep(rt, kind: str, tasks: Collection[str]) -> threading.Event:
     return start_sweeping(rt.redis, f"held-messages-{kind}", HeldMessageSweep(rt, kind, tasks).sweep,
-                          every_s=SWEEP_EVERY_S)
+                          every_s=rt.settings.heartbeat_seconds)
 
 
 __all__ = ["celery_held_tags", "orphaned_messages", "start_held_message_sweep"]

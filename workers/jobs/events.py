@@ -49,21 +49,51 @@ import redis
 from workers.infra import finite_json
 from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import plausible_id
+from workers.jobs.attempts import FENCED, attempt_key, fence_lua, holder_key
 
 # Roughly (MAXLEN ~) the entries kept per job: one per flush, so a job longer than this
 # loses its first tokens from the stream (a reader then sees a gap and says so; the result keeps all).
 DEFAULT_MAXLEN = 20_000
 
-# KEYS: events, attempt counter, watch mark. ARGV: ttl, maxlen. Returns {attempt number, watched}.
+# KEYS: events, attempt counter, watch mark, holder, job record. ARGV: ttl, maxlen, this worker's
+# heartbeat key ('' for none), job id. Returns {attempt number, watched}; {0, 0} where the job has
+# ended, or another worker alive holds its newest attempt and lists the job as running (attempts.py).
 _BEGIN_ATTEMPT = """
+local status = redis.call('HGET', KEYS[5], 'status')
+if status == 'succeeded' or status == 'failed' or status == 'cancelled' then return {0, 0} end
+local holder = redis.call('GET', KEYS[4])
+if holder and ARGV[3] ~= '' and holder ~= ARGV[3] then
+  local beat = redis.call('GET', holder)
+  local running = beat and cjson.decode(beat)['running']
+  if type(running) == 'table' then
+    for _, id in ipairs(running) do
+      if id == ARGV[4] then return {0, 0} end
+    end
+  end
+end
 local attempt = redis.call('INCR', KEYS[2])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+if ARGV[3] ~= '' then redis.call('SET', KEYS[4], ARGV[3], 'EX', tonumber(ARGV[1])) end
 if attempt > 1 then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', tonumber(ARGV[2]), '*', 't', 'restart', 'd',
              '{"attempt":' .. attempt .. '}')
   redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 end
 return {attempt, redis.call('EXISTS', KEYS[3])}
+"""
+
+# KEYS: events, attempt counter. ARGV: the writer's attempt, maxlen, the entry's JSON. Returns 1, or
+# FENCED (nothing written) where a newer attempt began.
+_PUBLISH_TOKENS = fence_lua(key="KEYS[2]", number="ARGV[1]") + """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', tonumber(ARGV[2]), '*', 't', 'tokens', 'd', ARGV[3])
+return 1
+"""
+
+# KEYS: attempt counter, holder. ARGV: the releasing attempt. Returns 1, or FENCED where a newer
+# attempt began (that one holds the job now).
+_RELEASE_ATTEMPT = fence_lua(key="KEYS[1]", number="ARGV[1]") + """
+redis.call('DEL', KEYS[2])
+return 1
 """
 
 # What job_store's Lua scripts append, spelled here once (they format it with the status word).
@@ -90,10 +120,6 @@ def events_key(job_id: str) -> str:
     return f"rq:job:{job_id}:events"
 
 
-def attempt_key(job_id: str) -> str:
-    return f"rq:job:{job_id}:attempt"
-
-
 def watch_key(job_id: str) -> str:
     """Set while the job's events may have a reader: its tokens are then written."""
     return f"rq:job:{job_id}:watched"
@@ -118,26 +144,42 @@ class JobEvents:
         self.ttl = ttl
         self.maxlen = maxlen
         self._begin = client.register_script(_BEGIN_ATTEMPT)
+        self._publish = client.register_script(_PUBLISH_TOKENS)
+        self._release = client.register_script(_RELEASE_ATTEMPT)
 
     # --- writing (the GPU session) -------------------------------------------------------------
 
-    def begin_attempts(self, job_ids: list[str]) -> list[Attempt]:
+    def begin_attempts(self, job_ids: list[str], *, holder: str = "") -> list[Attempt | None]:
         """Number each job's new generation attempt (1, 2, ...) and say whether it has a reader,
-        in one round trip; a redo (attempt > 1) writes its ``restart`` event in the same call."""
-        calls = [(self._begin, [events_key(job_id), attempt_key(job_id), watch_key(job_id)], [self.ttl, self.maxlen])
+        in one round trip; a redo (attempt > 1) writes its ``restart`` event in the same call.
+        ``holder``: the beginning worker's heartbeat key, recorded as the attempt's holder. None
+        where the job has ended, or another live worker holds it and runs it (workers/jobs/attempts.py)."""
+        calls = [(self._begin, [events_key(job_id), attempt_key(job_id), watch_key(job_id), holder_key(job_id),
+                                f"rq:job:{job_id}"],  # the record (JobStore.key)
+                  [self.ttl, self.maxlen, holder, job_id])
                  for job_id in job_ids]
-        return [Attempt(int(number), bool(watched)) for number, watched in run_scripts(self.redis, calls)]
+        return [Attempt(int(number), bool(watched)) if number else None
+                for number, watched in run_scripts(self.redis, calls)]
 
-    def publish_tokens(self, deltas: list[tuple[str, int, list[dict[str, Any]]]]) -> None:
+    def publish_tokens(self, deltas: list[tuple[str, int, list[dict[str, Any]]]]) -> set[str]:
         """One decode step's ``(job id, attempt, choices)`` for every job with new tokens: one
-        pipeline, one round trip. The key's TTL was set when the job was created."""
+        pipeline, one round trip. The key's TTL was set when the job was created. Returns the jobs
+        whose attempt is no longer the newest: nothing was written for them (they are fenced)."""
         if not deltas:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id, attempt, choices in deltas:
-            data = finite_json.compact({"attempt": attempt, "choices": choices})
-            pipe.xadd(events_key(job_id), {"t": "tokens", "d": data}, maxlen=self.maxlen, approximate=True)
-        pipe.execute()
+            return set()
+        calls = [(self._publish, [events_key(job_id), attempt_key(job_id)],
+                  [attempt, self.maxlen, finite_json.compact({"attempt": attempt, "choices": choices})])
+                 for job_id, attempt, choices in deltas]
+        return {job_id for (job_id, _, _), written in zip(deltas, run_scripts(self.redis, calls), strict=True)
+                if written == FENCED}
+
+    def release_attempts(self, attempts: list[tuple[str, int]]) -> list[bool]:
+        """Give up each ``(job id, attempt)``'s hold before its job goes back to the queue, so that any
+        worker may begin the next attempt; False where a newer attempt began (do not send it again)."""
+        if not attempts:
+            return []
+        calls = [(self._release, [attempt_key(job_id), holder_key(job_id)], [attempt]) for job_id, attempt in attempts]
+        return [released == 1 for released in run_scripts(self.redis, calls)]
 
     # --- reading (the API) ---------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from workers.infra.gpu_affinity import DirectQueueDrain, direct_queues
-from workers.infra.heartbeats import HEARTBEAT_SECONDS, vanished
+from workers.infra.heartbeats import vanished
 from workers.infra.lost_messages import Suspects, ids_in_messages, start_sweeping, sweep_every
 from workers.jobs.store import TERMINAL
 from workers.jobs.submission import enqueue_preprocess, send_generate
@@ -141,9 +141,10 @@ def send_generate_again(rt, job_ids: list[str]) -> None:
 def start_direct_queue_drain(rt) -> threading.Event:
     """:class:`workers.infra.gpu_affinity.DirectQueueDrain`, a heartbeat apart, in one worker at a time."""
     drain = DirectQueueDrain(rt.redis, lambda job_ids: send_generate_again(rt, job_ids), _JOB_ID)
-    return start_sweeping(rt.redis, "direct-queues", drain.sweep, every_s=HEARTBEAT_SECONDS)
+    return start_sweeping(rt.redis, "direct-queues", drain.sweep, every_s=rt.settings.heartbeat_seconds)
 
 
 def start_after_death_reaper(rt) -> threading.Event:
     """:class:`AfterDeathReaper`, a heartbeat apart, in one worker at a time."""
-    return start_sweeping(rt.redis, "jobs-after-death", AfterDeathReaper(rt).sweep, every_s=HEARTBEAT_SECONDS)
+    return start_sweeping(rt.redis, "jobs-after-death", AfterDeathReaper(rt).sweep,
+                          every_s=rt.settings.heartbeat_seconds)

@@ -29,6 +29,7 @@ from engine.errors import NotFoundError, RateLimitedError, RolloutError
 from workers.infra import wakeups
 from workers.infra.pipelined_scripts import run_scripts
 from workers.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
+from workers.jobs.attempts import Fence, fence_lua, preprocess_key
 from workers.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -59,20 +60,22 @@ return ended
 OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
-# unfinished index, webhook debts, uncounted batch lines.
+# unfinished index, webhook debts, uncounted batch lines, the mover's fence counter (attempts.py).
 # ARGV: new status, its rank, now, ttl, events maxlen, '1' when the owner has a key-wide webhook,
-# then field/value pairs to set with the move.
-# Returns 1 when the job moved; the move's status event goes to the job's stream in the same call,
-# and an end that owes a webhook (the job's own, or its owner's) or a batch line is recorded as a debt.
+# the mover's run number ('' when it has none), then field/value pairs to set with the move.
+# Returns 1 when the job moved, FENCED when a newer run began (nothing written); the move's status
+# event goes to the job's stream in the same call, and an end that owes a webhook (the job's own, or
+# its owner's) or a batch line is recorded as a debt.
 _TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
+""" + fence_lua(key="KEYS[11]", number="ARGV[7]") + """
 local ranks = {queued=0, preprocessing=1, generating=2, succeeded=3, failed=3, cancelled=3}
 local from = ranks[current]
 local to = tonumber(ARGV[2])
 if from >= 3 or to <= from then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1])
-for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 """ + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
 if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
 if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
@@ -110,6 +113,24 @@ redis.call('INCR', KEYS[3])
 redis.call('INCR', KEYS[4])
 if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
 if ARGV[7] == '1' then redis.call('SET', KEYS[8], 1, 'EX', tonumber(ARGV[5])) end
+return 1
+"""
+
+# KEYS: preprocess run counter. ARGV: ttl. Returns the new run's number.
+_CLAIM_PREPROCESSING = """
+local run = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return run
+"""
+
+# KEYS: job, prompt, preprocess run counter. ARGV: the run's number, the prompt, ttl, '1' when the job
+# may be generating (its handles are made again). Returns 1 when saved; 0 when the job moved on
+# (ended, or generating from another run's prompt); FENCED when a newer run began.
+_SAVE_PROMPT = fence_lua(key="KEYS[3]", number="ARGV[1]") + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'failed' or status == 'cancelled' then return 0 end
+if status == 'generating' and ARGV[4] ~= '1' then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3]))
 return 1
 """
 
@@ -154,6 +175,8 @@ class JobStore:
         self._create = client.register_script(_CREATE)
         self._transition = client.register_script(_TRANSITION)
         self._ended_places = client.register_script(_ENDED)
+        self._claim_preprocessing = client.register_script(_CLAIM_PREPROCESSING)
+        self._save_prompt = client.register_script(_SAVE_PROMPT)
 
     @staticmethod
     def key(job_id: str) -> str:
@@ -264,12 +287,14 @@ class JobStore:
             pipe.exists(self.key(job_id))
         return {job_id for job_id, found in zip(job_ids, pipe.execute() if job_ids else [], strict=True) if found}
 
-    def advance(self, job_id: str, status: str, *, owner: str | None = None, **fields: Any) -> bool:
-        """Move the job forward to ``status``; False if it is already there, past it, or ended.
-        Pass ``owner`` when known: it saves a round trip."""
+    def advance(self, job_id: str, status: str, *, owner: str | None = None, fence: Fence | None = None,
+                **fields: Any) -> bool:
+        """Move the job forward to ``status``; False if it is already there, past it, or ended, or
+        ``fence``'s run is no longer the newest (workers/jobs/attempts.py). Pass ``owner`` when
+        known: it saves a round trip."""
         if owner is None:
             owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
-        keys, args = self._transition_call(job_id, owner, status, fields)
+        keys, args = self._transition_call(job_id, owner, status, fields, fence)
         return self._transition(keys=keys, args=args) == 1
 
     def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
@@ -278,23 +303,29 @@ class JobStore:
 
     def advance_each(self, moves: list[tuple[str, str, str, dict[str, Any]]]) -> list[bool]:
         """``advance`` for many ``(job id, owner, status, fields)`` in one round trip."""
-        calls = [(self._transition, *self._transition_call(job_id, owner, status, fields))
-                 for job_id, owner, status, fields in moves]
-        return [moved == 1 for moved in run_scripts(self.redis, calls)] if calls else []
+        return [outcome == 1 for outcome in self.advance_fenced(moves, [None] * len(moves))]
 
-    def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any]):
+    def advance_fenced(self, moves: list[tuple[str, str, str, dict[str, Any]]],
+                       fences: list[Fence | None]) -> list[int]:
+        """``advance_each``, each move made only while its fence holds: per move 1 (moved), 0 (it
+        was there or past it), -1 (no such job) or ``FENCED`` (a newer run began: nothing written)."""
+        calls = [(self._transition, *self._transition_call(job_id, owner, status, fields, fence))
+                 for (job_id, owner, status, fields), fence in zip(moves, fences, strict=True)]
+        return [int(outcome) for outcome in run_scripts(self.redis, calls)] if calls else []
+
+    def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any], fence: Fence | None):
         args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen,
-                           "1" if owner in self.hooked_owners else "0"]
+                           "1" if owner in self.hooked_owners else "0", "" if fence is None else fence.number]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
         keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
                 self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY,
-                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY]
+                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY, fence.key if fence else preprocess_key(job_id)]
         return keys, args
 
-    def fail(self, job_id: str, error: RolloutError) -> bool:
+    def fail(self, job_id: str, error: RolloutError, *, fence: Fence | None = None) -> bool:
         # The code alone says the type (and its HTTP status): RolloutError.from_record.
-        return self.advance(job_id, "failed", error=error.to_dict())
+        return self.advance(job_id, "failed", fence=fence, error=error.to_dict())
 
     def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
         """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""
@@ -327,6 +358,20 @@ class JobStore:
         """Leave the job's finalized prompt (JSON, see ``workers.jobs.prompt_codec``) for the GPU worker.
         It is deleted when the job ends."""
         self.redis.set(self.prompt_key(job_id), prompt, ex=self.limits.result_ttl)
+
+    def claim_preprocessing(self, job_id: str) -> Fence:
+        """Number a CPU task's run of the job: its prompt is saved, and the job failed, only while no
+        newer run began (a worker paused past its heartbeat has its message run elsewhere)."""
+        run = self._claim_preprocessing(keys=[preprocess_key(job_id)], args=[self.limits.result_ttl])
+        return Fence.preprocessing(job_id, int(run))
+
+    def save_prompt_fenced(self, job_id: str, prompt: str, fence: Fence, *, generating_ok: bool = False) -> bool:
+        """``save_prompt`` for the run ``fence`` names, if it is still the newest and the job still
+        waits for its prompt (``generating_ok``: also while generating, for handles made again).
+        False: the run is late, send no ``generate``."""
+        saved = self._save_prompt(keys=[self.key(job_id), self.prompt_key(job_id), fence.key],
+                                  args=[fence.number, prompt, self.limits.result_ttl, "1" if generating_ok else "0"])
+        return saved == 1
 
     def prompts(self, job_ids: list[str]) -> list[bytes | None]:
         """The jobs' finalized prompts as stored (JSON); None where a job has none (yet, or any more)."""

@@ -9,6 +9,11 @@ job then, with the same code.
 Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` preprocessing
 slots; otherwise its message is parked until one of the key's jobs ends (workers/infra/fair_share.py says
 why this shape), so one key's slow media never hold every process.
+
+Fencing (workers/jobs/attempts.py): each run of a job here is numbered as it starts. A worker paused
+past its heartbeat (mid-fetch, say) has its message run by another CPU worker meanwhile; when it
+wakes, its run is no longer the newest, so it saves no prompt, sends no ``generate`` and fails
+nothing (its fetch deadline passed while it slept), and frees the feature memory it made.
 """
 
 from __future__ import annotations
@@ -85,27 +90,28 @@ def _preprocess(app, job_id: str, retry_handles: bool) -> None:
                                  kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE):
         return  # the key holds its share: parked, woken when one of its jobs ends
     try:
-        _run_job(app, rt, job_id, job)
+        _run_job(app, rt, job_id, job, retry_handles)
     finally:
         share.release(job["owner"], job_id, rt.publish)
 
 
-def _run_job(app, rt, job_id: str, job: dict) -> None:
+def _run_job(app, rt, job_id: str, job: dict, retry_handles: bool) -> None:
     rt.jobs.advance(job_id, "preprocessing")
+    fence = rt.jobs.claim_preprocessing(job_id)
     started = time.perf_counter()
     try:
         request = JobRequest.from_dict(job["request"])
         processed = run_processor(rt, request, owner=job["owner"])
     except SoftTimeLimitExceeded:
-        fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"))
+        fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"), fence=fence)
         return
     except RolloutError as error:
-        fail_job(rt, job_id, error)
+        fail_job(rt, job_id, error, fence=fence)
         return
     except REDIS_DOWN:
         raise  # an outage (the multimodal cache lives in Redis), not this job's fault
     except Exception:
-        fail_unexpected(rt, job_id, "preprocessing")
+        fail_unexpected(rt, job_id, "preprocessing", fence=fence)
         return
     elapsed = time.perf_counter() - started
     observe_stage(rt.redis, "preprocess", elapsed)
@@ -113,7 +119,14 @@ def _run_job(app, rt, job_id: str, job: dict) -> None:
         count(rt.redis, "mm_cache_hit", processed.cache_hits)
         count(rt.redis, "mm_cache_miss", len(processed.items) - processed.cache_hits)
     payload = encode_prompt(processed, preprocess_seconds=elapsed, node_id=rt.settings.node_id)
-    rt.jobs.save_prompt(job_id, json.dumps(payload))
+    if not rt.jobs.save_prompt_fenced(job_id, json.dumps(payload), fence, generating_ok=retry_handles):
+        # A newer run of this job started (this worker seemed dead for a while), or the job moved on:
+        # that run's prompt is the job's. Nobody opens these handles: free them now.
+        from engine.transport import acknowledge
+
+        log.warning("job %s: preprocessing run %d is late; its prompt is dropped", job_id, fence.number)
+        acknowledge(rt.redis, [handle for item in payload["items"] for handle in item["features"].values()])
+        return
     # To the GPU worker that holds its prefix; handles name memory on this node, so only this
     # node's GPU workers may open them.
     media = [(item["offset"][0], item["content_hash"]) for item in payload["items"] if item["content_hash"]]

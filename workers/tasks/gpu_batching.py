@@ -137,6 +137,11 @@ class GenerateBatches(Batches):
         requests = buffered + list(self._inflight.copy().values())
         return [str(request.message.delivery_tag) for request in requests if request.message is not None]
 
+    def running_job_ids(self) -> list[str]:
+        """The jobs of the messages the running session took and has not settled: what its
+        heartbeat lists as running (``workers/jobs/attempts.py``). Read from the heartbeat thread."""
+        return sorted({request.args[0] for request in self._inflight.copy().values() if request.args})
+
     def take(self, limit: int) -> list[SimpleRequest]:
         """In the pool thread, between decode steps: up to ``limit`` buffered messages join the
         running session (acknowledged later, one by one, as their jobs end)."""

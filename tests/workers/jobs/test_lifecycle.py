@@ -14,7 +14,9 @@ from tests.conftest import empty_db_url
 from workers.batches.store import BatchStore
 from workers.celery_app import create_celery
 from workers.gpu.jobs import poll_running
-from workers.lifecycle import cancel_job, end_job, end_jobs, fail_job, fail_unexpected
+from workers.jobs.attempts import FENCED, Fence
+from workers.jobs.store import WEBHOOK_OWED_KEY
+from workers.lifecycle import cancel_job, end_fenced, end_job, end_jobs, fail_job, fail_unexpected
 from workers.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import runtime
 from workers.settings import Settings
@@ -117,3 +119,18 @@ def test_ending_a_batch_job_counts_its_line_once_and_ends_the_batch(rt):
     assert (ended["status"], ended["completed"], ended["failed"]) == ("completed", 1, 0)
     [line] = [json.loads(item) for page in batches.iter_results(batch["id"], "output") for item in page]
     assert line["custom_id"] == "row-0" and line["response"]["body"] == {"choices": []}
+
+
+def test_a_superseded_attempts_end_writes_nothing_and_fires_nothing(rt):
+    job = new_job(rt, webhook=HOOK)
+    assert rt.events.begin_attempts([job["id"]])[0].number == 1
+    assert rt.events.begin_attempts([job["id"]])[0].number == 2  # another worker redid it meanwhile
+    late, newest = Fence.generation(job["id"], 1), Fence.generation(job["id"], 2)
+    assert end_fenced(rt, [(job, "succeeded", {"result": {"n": 1}})], [late]) == [FENCED]
+    assert not fail_job(rt, job["id"], InvalidRequestError("late"), fence=late)
+    assert rt.jobs.get(job["id"])["status"] == "queued"
+    assert webhook_messages(rt) == [] and ended_counts(rt) == {}
+    assert rt.redis.zscore(WEBHOOK_OWED_KEY, job["id"]) is None  # no debt recorded either
+    assert end_fenced(rt, [(job, "succeeded", {"result": {"n": 2}})], [newest]) == [1]
+    assert webhook_messages(rt) == [job["id"]]
+    assert rt.jobs.get(job["id"])["result"] == {"n": 2}
