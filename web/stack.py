@@ -23,6 +23,7 @@ import requests
 from engine.errors import ServiceUnavailableError
 from web.supervisor import Child, Supervisor, process_child
 from workers.infra.redis_client import connect
+from workers.infra.redis_memory import HIGH_WATER, default_maxmemory_bytes
 from workers.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
 from workers.models import DEMO_MODEL_NAME, resolve_model_path
 from workers.settings import Settings, SettingsError
@@ -46,6 +47,19 @@ def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[st
     return env
 
 
+def embedded_maxmemory(settings: Settings) -> int:
+    """The embedded Redis' bound: ROLLOUT_REDIS_MAXMEMORY_BYTES, or a share of this machine's memory."""
+    if settings.redis_maxmemory_bytes is not None:
+        return settings.redis_maxmemory_bytes
+    return default_maxmemory_bytes()
+
+
+def _bound(maxmemory: int) -> str:
+    if not maxmemory:
+        return "no maxmemory (ROLLOUT_REDIS_MAXMEMORY_BYTES=0)"
+    return f"maxmemory {maxmemory / 2**20:.0f} MiB, new work refused above {HIGH_WATER:.0%} of it"
+
+
 def run_stack(settings: Settings) -> int:
     _check_port_free(settings.host, settings.port)
     print(f"preparing model {settings.model or '(built-in demo model)'} ...", flush=True)
@@ -56,15 +70,19 @@ def run_stack(settings: Settings) -> int:
         _check_redis(redis_url)
     elif settings.embedded_redis == "sentinel":
         embedded = LocalFailoverGroup(Path(settings.state_dir) / "redis-sentinel", fsync=settings.redis_fsync,
-                                      replicas=settings.embedded_redis_replicas).start()
+                                      replicas=settings.embedded_redis_replicas,
+                                      maxmemory=embedded_maxmemory(settings)).start()
         redis_url = embedded.url
         print(f"embedded Redis: primary on port {embedded.primary.port}, replicas on "
               f"{', '.join(str(r.port) for r in embedded.replicas)}, "
-              f"sentinels on {', '.join(str(s.port) for s in embedded.sentinels)}", flush=True)
+              f"sentinels on {', '.join(str(s.port) for s in embedded.sentinels)}; "
+              f"{_bound(embedded.primary.maxmemory)}", flush=True)
     else:
-        embedded = EmbeddedRedis(Path(settings.state_dir) / "redis", fsync=settings.redis_fsync).start()
+        embedded = EmbeddedRedis(Path(settings.state_dir) / "redis", fsync=settings.redis_fsync,
+                                 maxmemory=embedded_maxmemory(settings)).start()
         redis_url = embedded.url
-        print(f"embedded Redis on {redis_url} (data in {embedded.data_dir})", flush=True)
+        print(f"embedded Redis on {redis_url} (data in {embedded.data_dir}); {_bound(embedded.maxmemory)}",
+              flush=True)
     if not settings.api_keys:
         print("WARNING: no ROLLOUT_API_KEYS set: the API is OPEN to anyone who can reach it", flush=True)
     env = child_env(settings, redis_url=redis_url, model_path=model_path)

@@ -62,6 +62,10 @@ class Settings:
     # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
     # write first (workers/infra/redis_server.py; the cost is in bench/durability.py).
     redis_fsync: str = "everysec"
+    # The embedded Redis' maxmemory, in bytes (noeviction: at the bound it refuses writes, and the
+    # API refuses new work at 90 % of it, workers/infra/redis_memory.py). None: a quarter of the
+    # machine's memory, computed at start; 0: no bound. Your own Redis (ROLLOUT_REDIS_URL) has its own.
+    redis_maxmemory_bytes: int | None = None
     state_dir: Path = field(default_factory=_default_state_dir)
     model: str | None = None
     device: str = "auto"
@@ -276,6 +280,7 @@ _RANGES = {
     "gpu_batch_size": (1, 4096),
     "redis_replica_acks": (0, 16),
     "embedded_redis_replicas": (1, 8),
+    "redis_maxmemory_bytes": (0, 2**50),
     "redis_replica_timeout_ms": (1, 600_000),
     "typical_row_tokens": (1, 2**30),
     "kv_block_tokens": (1, 4096),

