@@ -5,7 +5,7 @@ Why by hand: transformers' own continuous batching (``generate_batch``, ``init_c
 takes token ids only and drops ``pixel_values`` (transformers#43386; docs/architecture.md), so it cannot serve
 a multimodal request. This module is the policy: it decides, and a :class:`engine.step_runner.StepRunner`
 runs the forwards it decides on (vLLM V1's cut: its ``Scheduler`` and ``GPUModelRunner``). It reads a
-model's facts (:class:`engine.model_facts.ModelFacts`) and never the model: :meth:`engine.Engine.scheduler`
+model's facts (:class:`engine.model_facts.ModelFacts`) and never the model: :meth:`engine.generation.Engine.scheduler`
 hands it a :class:`engine.model_runner.ModelRunner`, a test of the policy alone a runner of its own.
 
 One :meth:`Scheduler.step`:
