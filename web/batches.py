@@ -86,6 +86,7 @@ class Batches(MethodView):
         """Run a JSONL file of requests as a batch: upload it here, or name one uploaded to /v1/files
         (JSON body, OpenAI's batch create)."""
         svc = services()
+        svc.redis_memory.admit()  # 503 redis_memory_full at Redis' high-water mark, before reading the file
         settings = svc.settings
         source: dict[str, str] = {}
         if request.mimetype == "application/json":

@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
 from web.schema_base import Schema
+from web.services import services
 from workers.error_statuses import http_status
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(redis.RedisError)
     @app.errorhandler(OperationalError)  # Celery could not publish a message: the broker (Redis) is away
     def handle_redis_error(error: Exception):
+        # A write Redis refused at its maxmemory: the same typed 503 the admission check gives below it.
+        if (full := services().redis_memory.refusal_for(error)) is not None:
+            log.warning("redis refused a write: memory full")
+            return handle_rollout_error(full)
         log.warning("redis unavailable: %s", error.__class__.__name__)
         return handle_rollout_error(
             RedisUnavailableError("the job store is unavailable; retry shortly", headers={"Retry-After": "2"})

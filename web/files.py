@@ -90,10 +90,12 @@ class Files(MethodView):
     @blp.alt_response(422, schema=None, description="No file, or a purpose other than batch")
     @blp.alt_response(429, schema=None, description="The key's files and unfinished batches hold "
                                                     "ROLLOUT_BATCH_MAX_STORED_BYTES_PER_KEY")
+    @blp.alt_response(503, schema=None, description="Redis at its memory high-water mark (redis_memory_full)")
     @_errors
     def post(self):
         """Upload a JSONL file for a batch (purpose ``batch``)."""
         svc = services()
+        svc.redis_memory.admit()  # 503 redis_memory_full at Redis' high-water mark, before reading the file
         limit = svc.settings.batch_max_bytes
         request.max_content_length = limit + MULTIPART_OVERHEAD
         try:

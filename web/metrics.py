@@ -50,6 +50,15 @@ class RedisCollector:
             counters.add_metric([name], value)
         yield counters
 
+        memory = self.svc.redis_memory.read()
+        used = GaugeMetricFamily("rollout_redis_used_memory_bytes", "Redis' used_memory (INFO memory)")
+        used.add_metric([], memory.used_bytes)
+        yield used
+        bound = GaugeMetricFamily("rollout_redis_maxmemory_bytes",
+                                  "Redis' maxmemory, 0 when unbounded; new work is refused from 90 % of it")
+        bound.add_metric([], memory.maxmemory_bytes)
+        yield bound
+
         latency = HistogramMetricFamily("rollout_stage_seconds", "Time spent in each stage", labels=["stage"])
         for stage, histogram in numbers.stages.items():
             latency.add_metric([stage], histogram.buckets, histogram.total_seconds)

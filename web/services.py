@@ -16,6 +16,7 @@ from engine.request_rules import context_limit
 from web.auth import KeyRing
 from web.wait_slots import WaitSlots
 from workers.infra.redis_client import with_pool_size
+from workers.infra.redis_memory import MemoryGauge
 from workers.infra.wakeup_hub import WakeupHub
 from workers.infra.wakeups import WaitAny
 from workers.jobs.event_hub import EventHub
@@ -54,6 +55,12 @@ class Services(Runtime):
     def idempotency(self) -> IdempotencyStore:
         """Submits' Idempotency-Keys (web/idempotency.py), kept as long as the jobs' results."""
         return IdempotencyStore(self.redis, ttl=self.settings.result_ttl)
+
+    @cached_property
+    def redis_memory(self) -> MemoryGauge:
+        """Redis' memory against its bound, read at most once a second (workers/infra/redis_memory.py):
+        new work is refused at its high-water mark; /healthz and /metrics show it."""
+        return MemoryGauge(self.redis)
 
     @cached_property
     def wait_slots(self) -> WaitSlots:

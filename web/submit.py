@@ -89,6 +89,7 @@ def submit(request: dict[str, Any], *, watched: bool = False, confirm: bool = Tr
     (``watched``: the caller streams its events). ``confirm=False``: the caller confirms
     (:func:`confirm_created`) once it recorded the job under its idempotency key."""
     svc = services()
+    svc.redis_memory.admit()
     job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=checked_request(request),
                      model=svc.model_facts, watched=watched)
     if confirm:
@@ -127,8 +128,10 @@ def checked_request(request: dict[str, Any]) -> JobRequest:
 def submit_checked(requests: list[JobRequest], *, confirm: bool = True) -> list[dict[str, Any] | QueueFullError]:
     """The caller's jobs of ``requests`` created in one round trip and their messages sent in one
     more, so they reach the GPU workers together. Each one's job, or the QueueFullError its turn met
-    under the caps (the others still run)."""
+    under the caps (the others still run). Refused whole (503 ``redis_memory_full``) while Redis is at
+    its high-water mark: what it holds already may then still finish (workers/infra/redis_memory.py)."""
     svc = services()
+    svc.redis_memory.admit()
     outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],
                            model=svc.model_facts)
     if confirm:
