@@ -26,8 +26,8 @@ COPY engine ./engine
 COPY processors ./processors
 COPY workers ./workers
 COPY web ./web
-COPY client ./client
-RUN pip install .
+COPY clients/python ./clients/python
+RUN pip install ./clients/python .
 
 # Not root; /data holds the state (the demo model is built there on first start) and is a volume.
 RUN useradd --create-home --uid 10001 rollout && mkdir -p /data && chown rollout:rollout /data

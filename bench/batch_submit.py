@@ -36,9 +36,9 @@ if __name__ == "__main__" and not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import requests  # noqa: E402
+from rollout_queue_client import RolloutClient  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
 
-from client import RolloutClient  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
 from web import batch_upload, batches  # noqa: E402
 from web.app import create_app  # noqa: E402

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import requests
 import torch
+from rollout_queue_client import RolloutClient
 
 from bench.rows import print_rows
 from bench.service import (
@@ -36,7 +37,6 @@ from bench.service import (
     job_body,
     process_cpu_seconds,
 )
-from client import RolloutClient
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
 from engine.loading import load_model

@@ -99,8 +99,8 @@ def test_the_image_runs_the_cli_and_installs_every_package():
     copied = {Path(source).name for line in re.findall(r"^COPY .+$", text, re.M) for source in line.split()[1:-1]}
     packages = {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, f"packages the image would leave out: {packages - copied}"
-    assert {"pyproject.toml", "README.md"} <= copied  # pip install . needs both
-    assert re.search(r"^RUN pip install \.$", text, re.M)
+    assert {"pyproject.toml", "README.md", "python"} <= copied  # pip install . needs both, and the client
+    assert re.search(r"^RUN pip install \./clients/python \.$", text, re.M)  # the client the service depends on
     assert "torch==2.13.0" in text  # the project's pin, installed first in its own layer
 
 

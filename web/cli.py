@@ -33,13 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="run one kind of Celery worker (needs ROLLOUT_REDIS_URL)")
     worker.add_argument("kind", choices=WORKER_KINDS)
     try:
-        from client.batch_cli import add_batch_commands
+        from rollout_queue_client.batch_cli import add_batch_commands
     except ImportError:  # only when the client package is not installed
         add_batch_commands = None
     if add_batch_commands:
         add_batch_commands(commands)
     try:
-        from client.follow_cli import add_follow_command
+        from rollout_queue_client.follow_cli import add_follow_command
     except ImportError:  # only when the client package is not installed
         add_follow_command = None
     if add_follow_command:

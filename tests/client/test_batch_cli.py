@@ -1,12 +1,12 @@
-"""The batch commands (client/batch_cli.py) against a scripted loopback server: their defaults
+"""The batch commands (rollout_queue_client/batch_cli.py) against a scripted loopback server: their defaults
 come from the client's settings, their answers go to stdout, what the user can fix exits 2."""
 
 from __future__ import annotations
 
 import json
 
-from client.batch_cli import run
-from client.settings import DEFAULT_URL, ClientSettings
+from rollout_queue_client.batch_cli import run
+from rollout_queue_client.settings import DEFAULT_URL, ClientSettings
 
 BATCH = {"id": "batch_1", "object": "batch", "status": "in_progress",
          "request_counts": {"total": 2, "completed": 1, "failed": 0}}

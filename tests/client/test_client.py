@@ -13,9 +13,14 @@ import uuid
 from email.utils import formatdate
 
 import pytest
-
-from client import ClientError, ConnectionFailedError, RetryPolicy, RolloutClient, WaitTimeoutError
-from client.retry import parse_retry_after
+from rollout_queue_client import (
+    ClientError,
+    ConnectionFailedError,
+    RetryPolicy,
+    RolloutClient,
+    WaitTimeoutError,
+)
+from rollout_queue_client.retry import parse_retry_after
 
 KEY = "client-test-key"
 PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
@@ -91,7 +96,7 @@ def test_retry_after_accepts_seconds_and_http_dates():
 
 
 def test_the_client_imports_without_the_service_stack():
-    code = ("import sys, client; bad = [m for m in ('flask', 'torch', 'transformers', 'celery', 'web', "
+    code = ("import sys, rollout_queue_client; bad = [m for m in ('flask', 'torch', 'transformers', 'celery', 'web', "
             "'workers', 'processors', 'engine') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -130,7 +135,7 @@ def test_submit_many_sends_again_only_what_the_caps_refused_and_keeps_the_order(
 
 
 def test_submit_many_splits_past_the_bulk_limit_and_reports_what_ran_when_retries_run_out(scripted, monkeypatch):
-    monkeypatch.setattr("client.client.BULK_JOBS", 2)
+    monkeypatch.setattr("rollout_queue_client.client.BULK_JOBS", 2)
     scripted.script.extend([
         (202, {}, {"data": [{"id": "job_a"}, {"id": "job_b"}], "refused": []}),
         (202, {"Retry-After": "0"}, {"data": [None], "refused": [{"index": 0, "code": "queue_full", "message": "x"}]}),

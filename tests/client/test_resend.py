@@ -10,9 +10,9 @@ import threading
 
 import pytest
 import redis
+from rollout_queue_client import ConnectionFailedError, RetryPolicy, RolloutClient
 from werkzeug.serving import make_server
 
-from client import ConnectionFailedError, RetryPolicy, RolloutClient
 from tests.conftest import db_url
 from web.app import create_app
 from workers.settings import Settings

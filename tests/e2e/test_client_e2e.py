@@ -7,10 +7,10 @@ import json
 import threading
 
 import pytest
+from rollout_queue_client import ClientError, RolloutClient, WaitTimeoutError
+from rollout_queue_client.batch_cli import run as run_cli
 from werkzeug.serving import make_server
 
-from client import ClientError, RolloutClient, WaitTimeoutError
-from client.batch_cli import run as run_cli
 from tests.e2e.conftest import API_KEY
 from web.app import create_app
 

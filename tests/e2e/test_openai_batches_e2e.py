@@ -10,9 +10,9 @@ import time
 
 import openai
 import pytest
+from rollout_queue_client.batch_cli import run as run_cli
+from rollout_queue_client.settings import ClientSettings
 
-from client.batch_cli import run as run_cli
-from client.settings import ClientSettings
 from tests.e2e.conftest import API_KEY, OTHER_KEY
 from tests.e2e.dialect_server import serve
 

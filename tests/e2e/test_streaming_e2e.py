@@ -213,8 +213,8 @@ def test_leaving_the_events_stream_cancels_nothing(stack, server):
 
 
 def test_the_python_client_streams_a_job_and_the_cli_follows_one(stack, server, capsys):
-    from client import RolloutClient
-    from client.follow_cli import follow_command
+    from rollout_queue_client import RolloutClient
+    from rollout_queue_client.follow_cli import follow_command
 
     with RolloutClient(server, API_KEY) as client:
         stream = client.stream({"token_ids": [107, 140, 150], "sampling_params": GREEDY})  # stream_events: true

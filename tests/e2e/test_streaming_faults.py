@@ -12,8 +12,8 @@ import time
 
 import pytest
 import requests
+from rollout_queue_client import RolloutClient
 
-from client import RolloutClient
 from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
 from tests.e2e.dialect_server import serve
 from workers.infra.redis_server import EmbeddedRedis, free_port

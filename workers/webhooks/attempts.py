@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from client.retry import parse_retry_after as parse_header
+from rollout_queue_client.retry import parse_retry_after as parse_header
+
 from engine.errors import MediaError
 from processors.fetch import (
     FetchPolicy,

@@ -4,9 +4,9 @@
     rollout-queue batch status ID | cancel ID | wait ID | download ID [--output PATH] [--errors PATH]
     rollout-queue batch list
 
-These commands are a client of the HTTP API (``client.RolloutClient``), not part of the service:
+These commands are a client of the HTTP API (``rollout_queue_client.RolloutClient``), not part of the service:
 ``--url`` and ``--api-key`` default to ``ROLLOUT_URL`` (else http://127.0.0.1:8000) and
-``ROLLOUT_API_KEY``, the client's own configuration (``client.settings``). Needs ``tqdm`` for the
+``ROLLOUT_API_KEY``, the client's own configuration (``rollout_queue_client.settings``). Needs ``tqdm`` for the
 progress bar, besides what the client needs.
 Exit status: 0 done (a completed batch may still have failed lines, see its errors file), 1 the
 batch ended failed, cancelled or expired, 2 the service refused or could not be reached.

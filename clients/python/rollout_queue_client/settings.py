@@ -1,4 +1,4 @@
-"""The client's own configuration, read from the environment here and nowhere else in ``client/``.
+"""The client's own configuration, read from the environment here and nowhere else in this package.
 
     ROLLOUT_URL      the service (default http://127.0.0.1:8000)
     ROLLOUT_API_KEY  the API key sent as ``Authorization: Bearer``

@@ -3,7 +3,7 @@
 The generated text goes to stdout as it streams (``--tokens``: the token ids instead); the job's
 moves (queued, generating, ...), a redo after a worker failure, and the finish go to stderr, so
 stdout is exactly the output. ``--url`` and ``--api-key`` default to ``ROLLOUT_URL`` and
-``ROLLOUT_API_KEY`` (``client.settings``). Exit status: 0 the job succeeded, 1 it ended failed or
+``ROLLOUT_API_KEY`` (``rollout_queue_client.settings``). Exit status: 0 the job succeeded, 1 it ended failed or
 cancelled, 2 the service refused or could not be reached.
 """
 
