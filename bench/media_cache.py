@@ -39,10 +39,11 @@ import torch  # noqa: E402
 
 from bench.rows import print_rows  # noqa: E402
 from engine.demo_model import SERVED_ARCH, build_demo_model  # noqa: E402
+from engine.limits import Limits  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
 from processors.cache import MultimodalCache  # noqa: E402
 from processors.fetch import FetchPolicy, GuardedFetcher  # noqa: E402
-from processors.pipeline import PreprocessLimits, preprocess  # noqa: E402
+from processors.pipeline import preprocess  # noqa: E402
 from processors.registry import load_processor  # noqa: E402
 from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 
@@ -93,7 +94,7 @@ def run() -> list[dict]:
                 started = time.perf_counter()
                 # An owner, as every job has: entries by uuid are private to one (processors.cache).
                 result = preprocess(request, processor=processor, fetcher=fetcher, cache=cache, transport=transport,
-                                    limits=PreprocessLimits(), owner="bench-key")
+                                    limits=Limits(), owner="bench-key")
                 elapsed = time.perf_counter() - started
                 acknowledge(client, [f for item in result.items for f in item.features.values()])
                 transport.reap()

@@ -39,10 +39,11 @@ from PIL import Image  # noqa: E402
 
 from bench.rows import print_rows  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
+from engine.limits import Limits  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
 from processors.cache import MultimodalCache  # noqa: E402
 from processors.fetch import FetchPolicy, GuardedFetcher  # noqa: E402
-from processors.pipeline import PreprocessLimits, preprocess  # noqa: E402
+from processors.pipeline import preprocess  # noqa: E402
 from processors.registry import load_processor  # noqa: E402
 from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 
@@ -77,7 +78,7 @@ def run(sizes: tuple[int, ...] = SIZES) -> list[dict]:
                 request = {"prompt": "<image> Describe the picture.", "content_parts": [{"type": "image_url", "url": url}]}
                 started = time.perf_counter()
                 result = preprocess(request, processor=processor, fetcher=fetcher, cache=cache, transport=transport,
-                                    limits=PreprocessLimits(), options=OPTIONS)
+                                    limits=Limits(), options=OPTIONS)
                 elapsed = time.perf_counter() - started
                 # What the GPU worker does once it has the tensors: frees the shm regions.
                 acknowledge(client, [f for item in result.items for f in item.features.values()])

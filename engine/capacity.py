@@ -17,7 +17,7 @@ from engine.errors import CapacityError
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_rows: int = 16  # rows decoding together (ROLLOUT_GPU_BATCH_SIZE)
+    max_rows: int = 128  # rows decoding together (ROLLOUT_GPU_BATCH_SIZE; unset: as many 1,024-token rows as the default pool holds)
     kv_cache_tokens: int = 131_072  # the KV pool, in tokens (ROLLOUT_KV_CACHE_TOKENS)
     kv_block_tokens: int = 16  # tokens per KV block (ROLLOUT_KV_BLOCK_TOKENS)
     prefill_chunk_tokens: int = 512  # prefill tokens per step while rows decode

@@ -7,7 +7,7 @@ and finalized (wrapped) multimodal items.
     token_ids / prompt ─▶ placeholders expanded per item ─▶ finalize (hook → hash → wrap)
 
 Media: the parts the cache does not serve are fetched at once (at most
-``limits.fetch_concurrency`` at a time), all within one deadline for the whole request (the
+``limits.media.fetch_concurrency`` at a time), all within one deadline for the whole request (the
 fetcher's total timeout): a request's media cost at most that long however many parts it has,
 and the first part that fails stops the others.
 
@@ -38,6 +38,7 @@ from engine.errors import (
     check_token_ids,
 )
 from engine.items import MultimodalItem, placeholder_range
+from engine.limits import Limits, MediaLimits
 from engine.request_rules import check_context, check_media_count, check_prompt_input
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
@@ -48,19 +49,13 @@ from processors.fetch import MediaTooShortError
 from processors.finalize import Wrapper, bundle_item, finalize
 from processors.placeholders import expand_tokens
 
-MIB = 1024 * 1024
 _PART_MODALITY = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 
 
-@dataclass(frozen=True)
-class PreprocessLimits:
-    max_prompt_tokens: int = 32768  # after placeholder expansion
-    max_items: int = 32
-    max_image_pixels: int = 4096 * 4096  # decoded size, before the processor resizes
-    video: VideoSampling = VideoSampling()  # video caps and frame sampling
-    max_audio_seconds: float = 30.0
-    max_feature_bytes: int = 256 * MIB  # all precomputed features of a request together
-    fetch_concurrency: int = 4  # parts of one request fetched at once
+def video_sampling(media: MediaLimits) -> VideoSampling:
+    """How a request's videos are sampled: its media limits' caps and frame rate."""
+    return VideoSampling(max_seconds=media.max_video_seconds, max_frames=media.max_video_frames,
+                         fps=media.video_fps, max_pixels=media.max_video_pixels)
 
 
 @dataclass
@@ -79,7 +74,7 @@ def preprocess(
     fetcher: Any,
     cache: MultimodalCache | None,
     transport: Wrapper,
-    limits: PreprocessLimits,
+    limits: Limits,
     options: Mapping[str, Any] | None = None,
     owner: str | None = None,
     new_tokens: int = 0,
@@ -120,14 +115,15 @@ class _Media:
 class _Run:
     """One request's way through the pipeline (state shared by the steps; not reused)."""
 
-    def __init__(self, processor, fetcher, cache, limits: PreprocessLimits, options: dict[str, Any],
+    def __init__(self, processor, fetcher, cache, limits: Limits, options: dict[str, Any],
                  owner: str | None = None, new_tokens: int = 0):
         self.new_tokens = new_tokens
         self.processor: MultimodalProcessor = processor
         self.owner = owner  # uuid cache entries are private to it (see processors.cache)
         self.fetcher = fetcher
         self.cache: MultimodalCache | None = cache
-        self.limits = limits
+        self.limits, self.media = limits, limits.media
+        self.video = video_sampling(limits.media)
         self.options = options
         self.timings = {"fetch": 0.0, "decode": 0.0, "cache": 0.0, "process": 0.0}
         self.cache_hits = 0
@@ -147,8 +143,8 @@ class _Run:
         check_prompt_input(request)
         has_tokens, has_features = request.get("token_ids") is not None, request.get("features") is not None
         if has_features:
-            decoded = decode_features(request["features"], self.processor, max_items=self.limits.max_items,
-                                      max_bytes=self.limits.max_feature_bytes)
+            decoded = decode_features(request["features"], self.processor, max_items=self.media.max_items,
+                                      max_bytes=self.media.max_feature_bytes)
             media = [_Media(part=i, modality="image", features=f) for i, f in enumerate(decoded)]
         else:
             media = self._collect(request.get("content_parts") or [])
@@ -198,7 +194,7 @@ class _Run:
             placeholders=end - at, items=items)
 
     def _check_length(self, ids: list[int]) -> None:
-        check_context(len(ids), self.new_tokens, self.limits.max_prompt_tokens,
+        check_context(len(ids), self.new_tokens, self.limits.context_tokens,
                       prompt="prompt with its media placeholders expanded")
 
     def store(self, items: list[MultimodalItem]) -> None:
@@ -214,7 +210,7 @@ class _Run:
     # --- media -------------------------------------------------------------------------------
 
     def _collect(self, parts: Sequence[Mapping[str, Any]]) -> list[_Media]:
-        check_media_count(len(parts), self.limits.max_items)
+        check_media_count(len(parts), self.media.max_items)
         media = []
         for i, part in enumerate(parts):
             modality = _PART_MODALITY.get(part.get("type"))
@@ -251,7 +247,7 @@ class _Run:
         started = time.perf_counter()
         deadline = self._media_deadline()
         # Threads: fetching waits on sockets, and each fetch stays under the shared deadline.
-        with ThreadPoolExecutor(max_workers=min(self.limits.fetch_concurrency, len(items)),
+        with ThreadPoolExecutor(max_workers=min(self.media.fetch_concurrency, len(items)),
                                 thread_name_prefix="media-fetch") as pool:
             futures = [pool.submit(self._fetch_one, item) for item in items]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -298,19 +294,18 @@ class _Run:
             self.timings["decode"] += time.perf_counter() - started
 
     def _decoder(self, modality: str):
-        limits = self.limits
+        media, video = self.media, self.video
         if modality == "video":
-            return lambda data: decode_video(data, limits.video)
+            return lambda data: decode_video(data, video)
         if modality == "audio":
             rate = self.processor.audio_sample_rate
-            return lambda data: decode_audio(data, max_seconds=limits.max_audio_seconds, sample_rate=rate)
-        return lambda data: decode_image(data, max_pixels=limits.max_image_pixels)
+            return lambda data: decode_audio(data, max_seconds=media.max_audio_seconds, sample_rate=rate)
+        return lambda data: decode_image(data, max_pixels=media.max_image_pixels)
 
     def _key(self, modality: str, **source: str) -> str:
         options = self.options
         if modality == "video":  # the frames sampled depend on these too
-            video = self.limits.video
-            options = {**options, "_video": [video.fps, video.max_frames]}
+            options = {**options, "_video": [self.video.fps, self.video.max_frames]}
         return MultimodalCache.key(model_id=self.processor.model_id, modality=modality, options=options, **source)
 
     def _lookup(self, item: _Media) -> bool:
@@ -429,4 +424,4 @@ def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
     return token_ids
 
 
-__all__ = ["PreprocessLimits", "ProcessedPrompt", "preprocess"]
+__all__ = ["ProcessedPrompt", "preprocess"]

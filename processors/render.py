@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.limits import Limits
 from processors.base import MultimodalProcessor
 from processors.cache import MultimodalCache
 from processors.chat_messages import template_messages
 from processors.finalize import split_items
-from processors.pipeline import PreprocessLimits, _Run
+from processors.pipeline import _Run
 
 
 def render(
@@ -25,7 +26,7 @@ def render(
     *,
     fetcher: Any,
     cache: MultimodalCache | None = None,
-    limits: PreprocessLimits | None = None,
+    limits: Limits | None = None,
     options: Mapping[str, Any] | None = None,
     owner: str | None = None,
 ) -> dict[str, list]:
@@ -37,7 +38,7 @@ def render(
     :func:`processors.pipeline.preprocess`)."""
     chat, content_parts = template_messages(messages)
     text = processor.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    with _Run(processor, fetcher, cache, limits or PreprocessLimits(), dict(options or {}), owner) as run:
+    with _Run(processor, fetcher, cache, limits or Limits(), dict(options or {}), owner) as run:
         # The template already wrote any special tokens the model wants: add none.
         token_ids, bundles = run.layout({"prompt": text, "content_parts": content_parts}, add_special_tokens=False)
         if cache is not None:

@@ -100,9 +100,10 @@ class Prompt:
 def make_prompt(processor, modality: str, variant: int = 0, text: str = "Describe it briefly.") -> Prompt:
     """A prompt of ``modality`` made by the service's own preprocessing (fetch from a data: URL,
     the model's HF processor, placeholder expansion)."""
+    from engine.limits import Limits
     from engine.transport import InlineTransport, open_feature
     from processors.fetch import FetchPolicy, GuardedFetcher
-    from processors.pipeline import PreprocessLimits, preprocess
+    from processors.pipeline import preprocess
 
     if modality == "text":
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -111,7 +112,7 @@ def make_prompt(processor, modality: str, variant: int = 0, text: str = "Describ
     prompt = f"{processor.native_placeholder(modality)} {text}"
     done = preprocess({"prompt": prompt, "content_parts": parts}, processor=processor,
                       fetcher=GuardedFetcher(FetchPolicy()), cache=None, transport=InlineTransport(),
-                      limits=PreprocessLimits())
+                      limits=Limits())
     items = [replace(item, features={k: open_feature(v) for k, v in item.features.items()})
              for item in done.items]
     return Prompt(list(done.prompt_token_ids), items, parts, prompt)

@@ -245,7 +245,7 @@ def load_params(params: dict[str, str], settings) -> dict[str, Any]:
 
 def _check_options(settings, window_text: str | None, metadata: dict | None) -> dict[str, Any]:
     window = settings.batch_completion_window if window_text is None else _parse_window(window_text)
-    check_metadata(metadata, settings.max_metadata_bytes)
+    check_metadata(metadata, services().limits.max_metadata_bytes)
     return {"completion_window": window, "metadata": metadata}
 
 

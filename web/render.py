@@ -50,7 +50,7 @@ def render_on_worker(messages: list[dict[str, Any]]) -> dict[str, Any]:
     svc = services()
     settings = svc.settings
     _, parts = template_messages(messages)  # malformed messages: 422 before queueing
-    check_media_count(len(parts), settings.max_content_parts, "media parts")
+    check_media_count(len(parts), svc.limits.media.max_items, "media parts")
     if not any_alive(svc.redis, "cpu"):
         raise NoRenderWorkerError("no CPU worker is running to render; retry shortly", headers={"Retry-After": "5"})
     owner = current_owner()

@@ -12,7 +12,6 @@ from functools import cached_property
 
 from flask import current_app
 
-from engine.request_rules import context_limit
 from web.auth import KeyRing
 from web.wait_slots import WaitSlots
 from workers.infra.redis_client import with_pool_size
@@ -31,10 +30,6 @@ class Services(Runtime):
         super().__init__(settings, redis_url)
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         _ = self.model_facts  # a bad ROLLOUT_MODEL fails the API at start, not its first request
-
-    @property
-    def max_model_len(self) -> int | None:
-        return context_limit(self.settings.max_model_len, self.model_facts.context_length)
 
     @cached_property
     def stream_slots(self):

@@ -19,7 +19,6 @@ from engine.request_rules import (
 from web.auth import current_owner
 from web.services import services
 from web.session_header import with_session
-from workers.gpu.limits import scheduler_limits
 from workers.infra.replication import confirm_if_asked
 from workers.jobs.request import JobRequest
 from workers.jobs.store import QueueFullError
@@ -32,13 +31,13 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
     vocabulary already (naming the dialect's fields); a batch file's thousands of lines skip the
     second pass over every id."""
     svc = services()
-    settings = svc.settings
-    check_media_count(len(request.get("content_parts") or []), settings.max_content_parts)
-    check_metadata(request.get("metadata"), settings.max_metadata_bytes)
+    limits = svc.limits
+    check_media_count(len(request.get("content_parts") or []), limits.media.max_items)
+    check_metadata(request.get("metadata"), limits.max_metadata_bytes)
     params = request["sampling_params"]
     if not vocabulary_checked:
         check_vocabulary(request, svc.model_facts.vocab_size)
-    params.setdefault("max_tokens", settings.default_max_tokens)
+    params.setdefault("max_tokens", limits.default_max_tokens)
     if problems := sampling_knob_problems(params):  # again, now that max_tokens has its default
         raise InvalidRequestError("invalid sampling parameters", errors={
             "sampling_params": {field: [problem] for field, problem in problems.items()}})
@@ -46,10 +45,10 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).
     check_context(prompt_len, new_tokens_of(request.get("kind", "generate"), params["max_tokens"],
-                                            request.get("completion_token_ids")), svc.max_model_len)
+                                            request.get("completion_token_ids")), limits.context_tokens)
     if request.get("kind", "generate") == "generate":
         # Image placeholders are expanded later; a prompt that can never fit is refused now.
-        check_capacity(scheduler_limits(settings), prompt_len, params["max_tokens"], params.get("n", 1))
+        check_capacity(limits.scheduler, prompt_len, params["max_tokens"], params.get("n", 1))
     return request
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import redis
 
-from engine.request_rules import context_limit
+from engine.limits import Limits
 from processors.fetch import FetchPolicy, GuardedFetcher
-from workers.gpu.limits import scheduler_limits
 from workers.infra.redis_client import connect
 from workers.infra.wakeups import WaitAny
 from workers.jobs.events import JobEvents
-from workers.jobs.store import JobStore, Limits
+from workers.jobs.store import JobStore, StoreLimits
+from workers.limits import build_limits
 from workers.models import model_id, resolve_model_path
 from workers.settings import Settings
 
@@ -51,21 +51,6 @@ def multimodal_cache(settings: Settings, client: redis.Redis):
     if not settings.mm_cache_bytes:
         return None
     return MultimodalCache(client, max_bytes=settings.mm_cache_bytes, local_max_bytes=settings.mm_cache_process_bytes)
-
-
-def processing_limits(settings: Settings, context_length: int | None):
-    """What preprocessing (a job's, a render's) may take: the configured limits, never defaults;
-    renders use the same, so their video runs match the job's."""
-    from processors.decode import VideoSampling
-    from processors.pipeline import PreprocessLimits
-
-    s = settings
-    video = VideoSampling(max_seconds=s.max_video_seconds, max_frames=s.max_video_frames, fps=s.video_fps,
-                          max_pixels=s.max_video_pixels)
-    return PreprocessLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
-                            max_prompt_tokens=context_limit(s.max_model_len, context_length)
-                            or PreprocessLimits.max_prompt_tokens,
-                            video=video, max_audio_seconds=s.max_audio_seconds, fetch_concurrency=s.fetch_concurrency)
 
 
 def _use_torch_threads(settings: Settings) -> None:
@@ -110,7 +95,7 @@ class Runtime:
     @cached_property
     def jobs(self) -> JobStore:
         s = self.settings
-        return JobStore(self.redis, Limits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
+        return JobStore(self.redis, StoreLimits(s.max_queued_per_key, s.max_queued_total, s.result_ttl,
                                            s.stream_events_maxlen),
                         hooked_owners=self._hooked_owners, wait_any=self.wait_any)
 
@@ -204,8 +189,10 @@ class Runtime:
         return multimodal_cache(self.settings, self.redis)
 
     @cached_property
-    def processing_limits(self):
-        return processing_limits(self.settings, self.model_facts.context_length)
+    def limits(self) -> Limits:
+        """Every limit a request meets here, built once (engine/limits.py): the API checks it, the
+        CPU worker's pipeline and the GPU worker's engine take it."""
+        return build_limits(self.settings, self.model_facts.context_length)
 
     def share(self, kind: str):
         """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""
@@ -276,10 +263,10 @@ class Runtime:
         s = self.settings
         _use_torch_threads(s)
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
-        # The engine checks the same limit as the API and the CPU worker (engine.request_rules).
-        loaded.max_context_length = context_limit(s.max_model_len, loaded.max_context_length)
+        # The engine checks the same context limit as the API and the CPU worker.
+        loaded.max_context_length = self.limits.context_tokens
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
-        return Engine(loaded, _pool_sized(scheduler_limits(s), s, loaded))
+        return Engine(loaded, _pool_sized(self.limits.scheduler, s, loaded))
 
     @cached_property
     def weight_sync(self):

@@ -171,7 +171,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
         # up to 1.7 s beside another pool process. A CUDA IPC pool stays for the first job that
         # needs it: GPU memory is the engine's, and a node serving token prompts never needs one.
         sweep_orphaned_segments()  # what a pool process killed before this one left behind
-        _ = rt.processor, rt.processing_limits
+        _ = rt.processor, rt.limits
         try:
             if rt.transport_kind == "shm":
                 _ = rt.transport

@@ -35,7 +35,7 @@ def model(client):
 def test_models_lists_the_served_model(client, stack):
     (served,) = client.models.list().data
     assert served.id == "demo-qwen2-vl" or served.id == stack.services.settings.model
-    assert served.model_extra["max_model_len"] == stack.services.max_model_len
+    assert served.model_extra["max_model_len"] == stack.services.limits.context_tokens
 
 
 def test_completions_with_logprobs_match_a_native_job(client, model, stack):

@@ -180,7 +180,7 @@ def test_small_routes(base, stack):
     served = post(base, "/generate", {"input_ids": [101], "sampling_params": {"max_new_tokens": 1}}).json()
     assert info["weight_version"] == served["meta_info"]["weight_version"] and info["is_generation"] is True
     server = requests.get(f"{base}/get_server_info", headers=AUTH, timeout=10).json()
-    assert server["context_length"] == stack.services.max_model_len
+    assert server["context_length"] == stack.services.limits.context_tokens
     post(base, "/generate", {"text": IMAGE_PROMPT, "image_data": image_data_url(color=(1, 2, 3)),
                              "sampling_params": {"max_new_tokens": 1}})
     cache = stack.services.mm_cache

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.demo_model import ARCHS, build_demo_model
+from engine.limits import Limits
 from engine.transport import InlineTransport, open_feature
 from processors.cache import MultimodalCache
 from processors.fetch import FetchPolicy, GuardedFetcher
-from processors.pipeline import PreprocessLimits
 from processors.registry import load_processor
 from tests.media_files import mp4_bytes, png_bytes, wav_bytes
 
@@ -58,7 +58,7 @@ def transport():
 
 @pytest.fixture
 def limits():
-    return PreprocessLimits()
+    return Limits()
 
 
 @pytest.fixture

@@ -12,9 +12,10 @@ import soundfile as sf
 import torch
 
 from engine.errors import Fault
+from engine.limits import Limits, MediaLimits
 from engine.model_inputs import build_mm_kwargs
 from processors.fetch import MediaDecodeError, MediaTooLargeError
-from processors.pipeline import PreprocessLimits, preprocess
+from processors.pipeline import preprocess
 
 AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
@@ -50,11 +51,11 @@ def test_audio_caps_and_implausible_rates(run, audio_url):
     url = audio_url(2.0)
     with pytest.raises(MediaTooLargeError, match=r"^content_parts\[0\]: the audio is longer than 1.0 s"):
         run({"prompt": "<audio>", "content_parts": [{"type": "audio_url", "url": url}]},
-            limits=PreprocessLimits(max_audio_seconds=1.0))
+            limits=Limits(media=MediaLimits(max_audio_seconds=1.0)))
     # Past the model's 30 s window: refused, never silently cut.
     with pytest.raises(MediaTooLargeError, match="the model's 30 s window"):
         run({"prompt": "<audio>", "content_parts": [{"type": "audio_url", "url": audio_url(31.0, rate=1_000)}]},
-            limits=PreprocessLimits(max_audio_seconds=60.0))
+            limits=Limits(media=MediaLimits(max_audio_seconds=60.0)))
     buffer = io.BytesIO()
     sf.write(buffer, np.zeros(5, np.float32), 1, format="WAV")  # 5 s at 1 Hz
     one_hertz = "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()

@@ -10,10 +10,11 @@ import torch
 
 from engine.demo_model import IMAGE_ARCHS
 from engine.errors import Fault, PayloadTooLargeError, PlaceholderMismatchError
+from engine.limits import Limits, MediaLimits
 from processors.decode import decode_image
 from processors.errors import InvalidFeaturesError, UnsupportedModalityError
 from processors.features_codec import encode_features
-from processors.pipeline import PreprocessLimits, preprocess
+from processors.pipeline import preprocess
 
 
 def per_image_features(processor, fetcher, urls):
@@ -104,11 +105,11 @@ def test_malformed_features_name_the_field(case, qwen_entry, processors, fetcher
 def test_modality_and_size_caps(qwen_entry, processors, fetcher, transport):
     def run(features, limits=None):
         return preprocess({"prompt": "<image>", "features": features}, processor=processors["qwen2_vl"],
-                          fetcher=fetcher, cache=None, transport=transport, limits=limits or PreprocessLimits())
+                          fetcher=fetcher, cache=None, transport=transport, limits=limits or Limits())
 
     with pytest.raises(UnsupportedModalityError):
         run([{**qwen_entry, "modality": "video"}])
     with pytest.raises(PayloadTooLargeError):
-        run([qwen_entry], PreprocessLimits(max_feature_bytes=1000))
+        run([qwen_entry], Limits(media=MediaLimits(max_feature_bytes=1000)))
     with pytest.raises(InvalidFeaturesError):
         run([])

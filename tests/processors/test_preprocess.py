@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from engine.errors import ContextLengthError, InvalidRequestError, WrappedFeatureAccessError
+from engine.limits import Limits, MediaLimits
 from engine.model_inputs import build_mm_kwargs
 from engine.request_rules import TooManyContentPartsError
 from engine.transport import WrappedFeature
 from processors.errors import UnsupportedModalityError
 from processors.fetch import MediaBlockedError, MediaDecodeError
-from processors.pipeline import PreprocessLimits, preprocess
+from processors.pipeline import preprocess
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -57,11 +58,11 @@ def test_request_shape_and_limits(run, processors, image_url):
     with pytest.raises(InvalidRequestError, match=r"token_ids\[1\]"):
         run({"token_ids": [1, len(processors["qwen2_vl"].tokenizer)]})
     with pytest.raises(TooManyContentPartsError) as too_many:
-        run({"prompt": QWEN * 2, "content_parts": part * 2}, limits=PreprocessLimits(max_items=1))
+        run({"prompt": QWEN * 2, "content_parts": part * 2}, limits=Limits(media=MediaLimits(max_items=1)))
     assert too_many.value.errors == {"count": 2, "limit": 1}
     # 4 image tokens + the frame + 6 text tokens: over a limit of 8 once expanded.
     with pytest.raises(ContextLengthError) as too_long:
-        run({"prompt": f"{QWEN} describe it", "content_parts": part}, limits=PreprocessLimits(max_prompt_tokens=8))
+        run({"prompt": f"{QWEN} describe it", "content_parts": part}, limits=Limits(context_tokens=8))
     assert too_long.value.errors["max_context"] == 8 and too_long.value.errors["prompt_tokens"] > 8
 
 
@@ -117,7 +118,7 @@ def test_the_expanded_prompt_plus_max_tokens_is_held_to_the_context(processors, 
     """An image prompt that fits alone but not with its max_tokens is refused once expanded (the API
     counted the collapsed prompt, and the engine the model's own context, so it passed both)."""
     part = [{"type": "image_url", "url": image_url()}]
-    limits = PreprocessLimits(max_prompt_tokens=20)
+    limits = Limits(context_tokens=20)
     request = {"prompt": f"{QWEN} describe it", "content_parts": part}
     fits = preprocess(request, processor=processors["qwen2_vl"], fetcher=fetcher, cache=None, transport=transport,
                       limits=limits, new_tokens=20 - 12)

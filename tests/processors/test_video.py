@@ -8,9 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.limits import Limits, MediaLimits
 from engine.model_inputs import build_mm_kwargs
 from processors.decode import DecodedVideo
-from processors.pipeline import PreprocessLimits, preprocess
+from processors.pipeline import preprocess
 from processors.qwen_video import qwen_video_features
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -147,7 +148,7 @@ def test_videos_are_cached_by_uuid_and_by_content(run, cache, video_url, open_it
     assert run({"prompt": "<video>", "content_parts": broken}, cache=cache).cache_hits == 1
 
     # Other sampling settings make other frames: another cache entry.
-    other = PreprocessLimits(video=type(PreprocessLimits().video)(fps=1.0))
+    other = Limits(media=MediaLimits(video_fps=1.0))
     assert run({"prompt": "<video>", "content_parts": parts}, cache=cache, limits=other).cache_hits == 0
 
 

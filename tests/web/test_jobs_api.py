@@ -203,18 +203,19 @@ def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all_when_
 
 
 def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, redis_url, demo_model_dir, tmp_path):
-    """ROLLOUT_MAX_MODEL_LEN is the limit every layer checks (engine.request_rules.context_limit):
-    the API's, the CPU worker's after expansion and the engine's (which used the model's own)."""
+    """ROLLOUT_MAX_MODEL_LEN is the limit every layer checks, built once (workers/limits.py): the
+    API's, the CPU worker's after expansion (which fell back to 32,768 where the others had none)
+    and the engine's (which used the model's own)."""
     from workers.runtime import Runtime
     from workers.settings import Settings
 
     app = make_app(max_model_len=100)
-    assert app.extensions["rollout"].max_model_len == 100
+    assert app.extensions["rollout"].limits.context_tokens == 100
     too_long = app.test_client().post("/v1/jobs", json={"token_ids": [100] * 90, "sampling_params": {"max_tokens": 11}},
                                       headers=auth())
     assert too_long.status_code == 422 and too_long.get_json()["code"] == "context_length_exceeded"
     rt = Runtime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=100), redis_url)
-    assert rt.processing_limits.max_prompt_tokens == 100
+    assert rt.limits.context_tokens == 100
     assert rt.engine.loaded.max_context_length == 100
     # Never past the model's own context.
     huge = Runtime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=10**7), redis_url)

@@ -32,13 +32,14 @@ def plant_job(jobs, celery, facts, owner: str, **request) -> str:
 def plant_mismatched_image_job(jobs, celery, owner: str, *, processor, fetcher, image_url: str) -> str:
     """An image job whose stored prompt lost one image placeholder: the model itself raises (an
     untyped RuntimeError, features and placeholders do not match), which no check catches first."""
+    from engine.limits import Limits
     from engine.transport import InlineTransport
-    from processors.pipeline import PreprocessLimits, preprocess
+    from processors.pipeline import preprocess
     from workers.jobs.prompt_codec import encode_prompt
 
     request = stored_request(prompt="<image>Describe it.", content_parts=[{"type": "image_url", "url": image_url}])
     processed = preprocess(request, processor=processor, fetcher=fetcher, cache=None, transport=InlineTransport(),
-                           limits=PreprocessLimits())
+                           limits=Limits())
     processed.prompt_token_ids.remove(processor.image_token_id)
     job = jobs.create(owner=owner, kind="generate", request=request, request_id=None,
                       prompt=json.dumps(encode_prompt(processed, preprocess_seconds=0.0, node_id="test")))

@@ -42,13 +42,13 @@ def test_on_cuda_the_kv_pool_takes_its_share_of_free_device_memory(demo_model_di
 
     from engine.loading import load_model
     from engine.paged_kv import kv_bytes_per_token
-    from workers.gpu.limits import scheduler_limits
+    from workers.limits import build_limits
     from workers.runtime import _pool_sized
 
     loaded = load_model(str(demo_model_dir), device="cuda")
     settings = Settings(kv_cache_memory_fraction=0.5, kv_cache_tokens=2**40)
     free, _ = torch.cuda.mem_get_info(loaded.device)
-    tokens = _pool_sized(scheduler_limits(settings), settings, loaded).kv_cache_tokens
+    tokens = _pool_sized(build_limits(settings, None).scheduler, settings, loaded).kv_cache_tokens
     assert abs(tokens * kv_bytes_per_token(loaded.model.config, loaded.dtype) - free / 2) < free * 0.01
     capped = Settings(kv_cache_memory_fraction=0.5, kv_cache_tokens=4096)
-    assert _pool_sized(scheduler_limits(capped), capped, loaded).kv_cache_tokens == 4096
+    assert _pool_sized(build_limits(capped, None).scheduler, capped, loaded).kv_cache_tokens == 4096

@@ -90,7 +90,7 @@ def test_a_key_holds_half_the_preprocessing_slots_unless_set(monkeypatch):
 
 
 def test_the_gpu_batch_is_sized_by_the_kv_pool_unless_set(monkeypatch):
-    from workers.gpu.limits import scheduler_limits
+    from workers.limits import build_limits
 
     for name in ("GPU_BATCH_SIZE", "KV_CACHE_TOKENS", "TYPICAL_ROW_TOKENS"):
         monkeypatch.delenv(f"ROLLOUT_{name}", raising=False)
@@ -98,7 +98,7 @@ def test_the_gpu_batch_is_sized_by_the_kv_pool_unless_set(monkeypatch):
     monkeypatch.setenv("ROLLOUT_KV_CACHE_TOKENS", str(2**20))
     monkeypatch.setenv("ROLLOUT_TYPICAL_ROW_TOKENS", "2048")
     settings = load_settings()
-    assert settings.batch_rows == 512 and scheduler_limits(settings).max_rows == 512
+    assert settings.batch_rows == 512 and build_limits(settings, None).scheduler.max_rows == 512
     assert settings.replace(kv_cache_tokens=100).batch_rows == 1  # never below one row
     monkeypatch.setenv("ROLLOUT_GPU_BATCH_SIZE", "24")
     assert load_settings().batch_rows == 24

@@ -45,7 +45,7 @@ class Models(MethodView):
         return {"object": "list", "data": [{
             "id": served_model_name(), "object": "model", "created": int(svc.redis.time()[0]),
             "owned_by": "rollout-queue", "root": served_model_name(), "parent": None,
-            "max_model_len": svc.max_model_len}]}
+            "max_model_len": svc.limits.context_tokens}]}
 
 
 @blp.route("/v1/completions")
@@ -110,7 +110,7 @@ class Tokenize(MethodView):
             text = chat_template.render(tok, messages, add_generation_prompt=body.get("add_generation_prompt", True),
                                         kwargs=openai.checked_template_kwargs(body))
             ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
-        return {"count": len(ids), "max_model_len": services().max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": services().limits.context_tokens, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None}
 
 

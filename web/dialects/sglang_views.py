@@ -100,7 +100,7 @@ class ModelInfo(MethodView):
         return {"model_path": model_id(svc.settings), "tokenizer_path": model_id(svc.settings),
                 "served_model_name": served_model_name(), "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": _weight_version(),
-                "max_model_len": svc.max_model_len, "model_check": last_model_check(svc.redis)}
+                "max_model_len": svc.limits.context_tokens, "model_check": last_model_check(svc.redis)}
 
 
 @blp.route("/get_server_info")
@@ -110,7 +110,7 @@ class ServerInfo(MethodView):
         """Server settings a trainer reads (a subset of SGLang's ServerArgs dump)."""
         svc = services()
         return {"model_path": model_id(svc.settings), "served_model_name": served_model_name(),
-                "context_length": svc.max_model_len, "weight_version": _weight_version(),
+                "context_length": svc.limits.context_tokens, "weight_version": _weight_version(),
                 "version": _version(), "max_running_requests": svc.settings.batch_rows,
                 "sync_timeout_max": svc.settings.sync_timeout_max}
 

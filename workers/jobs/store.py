@@ -140,7 +140,7 @@ class QueueFullError(RateLimitedError):
 
 
 @dataclass(frozen=True)
-class Limits:
+class StoreLimits:
     max_active_per_owner: int
     max_active_total: int
     result_ttl: int
@@ -166,7 +166,7 @@ class JobStore:
     """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
     job's end owes one."""
 
-    def __init__(self, client: redis.Redis, limits: Limits, *, hooked_owners: frozenset[str] = frozenset(),
+    def __init__(self, client: redis.Redis, limits: StoreLimits, *, hooked_owners: frozenset[str] = frozenset(),
                  wait_any: wakeups.WaitAny | None = None):
         self.redis = client
         self.limits = limits

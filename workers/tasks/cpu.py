@@ -140,6 +140,6 @@ def run_processor(rt, request: JobRequest, *, owner: str):
 
     return preprocess_request(
         request.processor_input(), processor=rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache, transport=rt.transport,
-        limits=rt.processing_limits, owner=owner,
+        limits=rt.limits, owner=owner,
         new_tokens=new_tokens_of(request.kind, request.sampling.max_tokens, request.completion_token_ids),
     )

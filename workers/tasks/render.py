@@ -49,7 +49,7 @@ def _render(rt, request: dict) -> dict:
 
     try:
         return {"result": render_messages(request["messages"], rt.processor, fetcher=rt.fetcher, cache=rt.mm_cache,
-                                          limits=rt.processing_limits, owner=request["owner"])}
+                                          limits=rt.limits, owner=request["owner"])}
     except SoftTimeLimitExceeded:
         return error_answer(JobTimeoutError("rendering exceeded its time limit"))
     except RolloutError as error:

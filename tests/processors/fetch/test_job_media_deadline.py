@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from engine.limits import Limits, MediaLimits
 from processors.fetch import MediaRejectedError, MediaTimeoutError
-from processors.pipeline import PreprocessLimits, preprocess
+from processors.pipeline import preprocess
 
 QWEN = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -29,7 +30,7 @@ def slow_image(servers, path: str, delay: float, image: bytes) -> str:
 def run(processors, transport, fetcher, urls, *, concurrency: int):
     request = {"prompt": QWEN * len(urls), "content_parts": [{"type": "image_url", "url": u} for u in urls]}
     return preprocess(request, processor=processors["qwen2_vl"], fetcher=fetcher, cache=None, transport=transport,
-                      limits=PreprocessLimits(fetch_concurrency=concurrency))
+                      limits=Limits(media=MediaLimits(fetch_concurrency=concurrency)))
 
 
 def test_parts_are_fetched_at_once(processors, transport, make_fetcher, servers, make_image):

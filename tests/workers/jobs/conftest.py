@@ -7,7 +7,7 @@ import redis
 
 from tests.conftest import empty_db_url
 from workers.jobs.events import JobEvents
-from workers.jobs.store import JobStore, Limits
+from workers.jobs.store import JobStore, StoreLimits
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def client(redis_url):
 
 @pytest.fixture
 def jobs(client):
-    return JobStore(client, Limits(100, 100, 600))
+    return JobStore(client, StoreLimits(100, 100, 600))
 
 
 @pytest.fixture

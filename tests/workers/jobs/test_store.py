@@ -13,7 +13,7 @@ from engine.errors import InternalError, NotFoundError
 from tests.conftest import empty_db_url
 from workers.gpu.jobs import poll_running
 from workers.infra.redis_records import StoredJSON
-from workers.jobs.store import TOTAL_ACTIVE_KEY, WEBHOOK_OWED_KEY, JobStore, Limits, QueueFullError
+from workers.jobs.store import TOTAL_ACTIVE_KEY, WEBHOOK_OWED_KEY, JobStore, QueueFullError, StoreLimits
 
 OWNER, OTHER = "key_owner", "key_other"
 REQUEST = {"kind": "generate", "token_ids": [1, 2, 3]}
@@ -24,7 +24,7 @@ def store(redis_url):
     import redis
 
     client = redis.Redis.from_url(empty_db_url(redis_url, 12))
-    yield JobStore(client, Limits(max_active_per_owner=3, max_active_total=5, result_ttl=600))
+    yield JobStore(client, StoreLimits(max_active_per_owner=3, max_active_total=5, result_ttl=600))
     client.close()
 
 
@@ -205,7 +205,7 @@ def test_wait_any_wakes_on_the_first_end_among_many_and_returns_those_ended(stor
 
 
 def test_list_pages_newest_first_filters_and_drops_expired(store):
-    store.limits = Limits(100, 100, 600)
+    store.limits = StoreLimits(100, 100, 600)
     ids = [create(store)["id"] for _ in range(7)]
     store.advance(ids[1], "succeeded", owner=OWNER)
     store.redis.delete(store.key(ids[3]))  # expired
@@ -225,7 +225,7 @@ def test_list_pages_newest_first_filters_and_drops_expired(store):
 def test_a_page_of_jobs_reads_only_the_records_it_returns(store):
     """A job's record holds its result (up to tens of MB): ``GET /v1/jobs?limit=1`` read 50 records
     and took 3 s. A page reads the records it returns; a status filter reads statuses first."""
-    store.limits = Limits(100, 100, 600)
+    store.limits = StoreLimits(100, 100, 600)
     ids = [create(store)["id"] for _ in range(60)]
     for job_id in ids[:30:3]:
         store.advance(job_id, "succeeded", owner=OWNER)

@@ -21,7 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from workers.celery_app import create_celery
-from workers.jobs.store import JobStore, Limits
+from workers.jobs.store import JobStore, StoreLimits
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from workers.runtime import Runtime
 from workers.settings import Settings
@@ -269,7 +269,7 @@ def rt(settings, webhook_redis_url, celery_app):
 
 
 def make_job(rt, *, status="succeeded", webhook=None, owner=OWNER) -> dict:
-    jobs = JobStore(rt.redis, Limits(1000, 1000, rt.settings.result_ttl))
+    jobs = JobStore(rt.redis, StoreLimits(1000, 1000, rt.settings.result_ttl))
     job = jobs.create(owner=owner, kind="generate", request={"token_ids": [1, 2]}, request_id="r1",
                       webhook=webhook)
     if status == "succeeded":
