@@ -34,7 +34,7 @@ import torch
 
 from bench.rollout import build_bench_model
 from bench.rows import print_rows
-from engine import scheduler as scheduler_module
+from engine import prefix_cache, scheduled_requests
 from engine.capacity import SchedulerLimits
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
@@ -77,13 +77,13 @@ def lookups_timed():
                 spent[0] += time.perf_counter() - started
         return wrapper
 
-    originals = (scheduler_module.prompt_hashes, scheduler_module.chain, BlockPool.cached_run)
-    scheduler_module.prompt_hashes, scheduler_module.chain = timed(originals[0]), timed(originals[1])
+    originals = (scheduled_requests.prompt_hashes, prefix_cache.chain, BlockPool.cached_run)
+    scheduled_requests.prompt_hashes, prefix_cache.chain = timed(originals[0]), timed(originals[1])
     BlockPool.cached_run = timed(originals[2])
     try:
         yield spent
     finally:
-        scheduler_module.prompt_hashes, scheduler_module.chain, BlockPool.cached_run = originals
+        scheduled_requests.prompt_hashes, prefix_cache.chain, BlockPool.cached_run = originals
 
 
 def ideal_share() -> float:

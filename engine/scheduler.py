@@ -37,9 +37,10 @@ One :meth:`Scheduler.step`:
 
 The parts, each testable without a model: the KV pool (:mod:`engine.paged_kv`), the running
 batch (:mod:`engine.running_batch`: rows, their jobs, block tables, lengths, deltas and next tokens
-as one object), admission in blocks (:func:`engine.capacity.fits_kv_pool`), prefill planning
-(:mod:`engine.prefill_plan`: prompt groups, cached blocks a prefill starts after, chunking), block
-names (:mod:`engine.prefix_hash`), sampling (:mod:`engine.batch_sampler`) and result building
+as one object), admission in blocks (:func:`engine.capacity.fits_kv_pool`), the step's prefill
+(:mod:`engine.step_prefill`, planned by :mod:`engine.prefill_plan`), prefix reuse
+(:mod:`engine.prefix_cache`, names from :mod:`engine.prefix_hash`), what is kept per request
+(:mod:`engine.scheduled_requests`), sampling (:mod:`engine.batch_sampler`) and result building
 (:mod:`engine.request_result`). This module moves jobs through their states (pending -> admitted
 -> running -> done) and owns their references to cached blocks until a prompt takes them over.
 
@@ -57,7 +58,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -75,102 +75,15 @@ from engine.capacity import (
     request_rows,
 )
 from engine.decoding import RowDecoder
-from engine.encoder_cache import MediaUnit, tensors_hash, unit_key
 from engine.errors import InvalidRequestError
 from engine.model_facts import ModelFacts
-from engine.paged_kv import PagedPrompt
-from engine.prefill_plan import PrefillPlan, hold_joins, plan_prefill, reusable_blocks
-from engine.prefix_hash import MediaSpan, PromptHashes, chain, prompt_hashes
+from engine.prefix_cache import PrefixCache
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
 from engine.running_batch import RunningBatch
-from engine.sampling import choice_seed
-from engine.sampling_params import SamplingParams
-from engine.step_runner import PromptInput, StepRunner
-
-
-@dataclass
-class EngineStats:
-    """Counters since the engine started (the GPU worker reports their growth as metrics)."""
-
-    prefill_tokens: int = 0  # prompt tokens computed (real tokens, not padding)
-    prefill_forwards: int = 0  # forwards that computed prompts (a chunk of a long prompt counts one)
-    cached_tokens: int = 0  # prompt tokens served by cached KV blocks or a shared prefill
-    decode_steps: int = 0
-    preempted_requests: int = 0  # running requests stopped to give another tenant its share
-    decode_rows: int = 0  # sum over decode steps of the rows in them
-    kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
-    kv_held_tokens: int = 0  # sum over decode steps of the KV pool's blocks in use, in tokens
-    kv_read_tokens: int = 0  # sum over decode steps of rows x the longest row (what a left-padded cache holds)
-
-    def snapshot(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-@dataclass
-class Finished:
-    """A request that ended: its result, or the error that ended it alone."""
-
-    handle: int
-    tag: Any
-    result: Any = None  # engine.generation.GenerationResult
-    error: BaseException | None = None
-    timed_out: bool = False  # its deadline stopped it (its rows end with "abort")
-    preempted: bool = False  # stopped to give another tenant its share: run it again (no result)
-    batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
-
-
-@dataclass(frozen=True)
-class ChoiceSoFar:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None  # None: the request asked for none
-    finish_reason: str | None
-
-
-@dataclass
-class _Job:
-    handle: int
-    tag: Any
-    request: Any  # GenerationRequest
-    features: dict[str, torch.Tensor]
-    units: list[MediaUnit]
-    key: tuple
-    names: PromptHashes | None  # its prompt's block names (None: prefix caching is off)
-    rows: list[RowDecoder]
-    time_limit: float | None  # seconds from admission: its deadline is set then
-    state: str = "pending"  # pending -> admitted -> running -> done
-    admitted_at: float | None = None
-    admitted_wall: float | None = None
-    first_token_at: float | None = None
-    cached_tokens: int = 0
-    error: BaseException | None = None
-    timed_out: bool = False
-    preempted: bool = False
-    deadline: float | None = None
-    abort_requested: bool = False
-    peak_rows: int = 0
-    prefix: list[int] = field(default_factory=list)  # cached blocks its prefill starts from (held)
-    prefix_tokens: int = 0  # the tokens they hold
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def compute_len(self) -> int:
-        """The prompt tokens its prefill computes: those after its cached blocks."""
-        return self.prompt_len - self.prefix_tokens
-
-
-@dataclass
-class _Chunking:
-    """A long prompt being prefilled one chunk per step."""
-
-    job: _Job
-    prefill: Any  # the runner's state (StepRunner.start_chunked)
-    reused: int  # its tokens found in cached blocks
-
+from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job
+from engine.step_prefill import StepPrefill
+from engine.step_runner import StepRunner
 
 StepHook = Callable[[list[RowTokens]], None]
 
@@ -185,20 +98,19 @@ class Scheduler:
                  on_step: StepHook | None = None):
         self.facts, self.runner, self.pool = facts, runner, runner.pool
         self.limits = limits = limits or SchedulerLimits()
-        self.prompt_ends = prompt_ends if prompt_ends is not None else PromptEnds(limits.prompt_cache_tokens)
+        self.prefixes = PrefixCache(self.pool, prompt_ends if prompt_ends is not None
+                                    else PromptEnds(limits.prompt_cache_tokens))
         self.stats = stats if stats is not None else EngineStats()
         self.on_step = on_step
         media = sorted(t for t in facts.media_token_ids.values() if 0 <= t < facts.vocab_size)
         self._placeholder_ids = torch.tensor(media, dtype=torch.long) if media else None
         self._next_handle = 0
-        self._jobs: dict[int, _Job] = {}
-        self._pending: list[_Job] = []
-        self._admitted: list[_Job] = []  # admitted, waiting for their prompt's prefill
-        self._chunking: _Chunking | None = None
+        self._jobs: dict[int, Job] = {}
+        self._pending: list[Job] = []
+        self._admitted: list[Job] = []  # admitted, waiting for their prompt's prefill
         self._batch = RunningBatch(self.pool, attn_implementation=self.runner.attn_implementation,
-                                   dtype=facts.dtype, device=facts.device, on_row_done=self._keep_decoded_blocks)
-        self._step_prompts: list[PrefilledPrompt] = []  # prefilled this step: released once their rows joined
-        self._join_waited = 0  # steps in a row that admitted prompts waited for company (hold_joins)
+                                   dtype=facts.dtype, device=facts.device, on_row_done=self.prefixes.keep_decoded)
+        self._prefill = StepPrefill(runner, self.prefixes, self.stats, limits, fail=self._fail)
 
     # --- submitting ---------------------------------------------------------------------------
 
@@ -221,21 +133,10 @@ class Scheduler:
         ``timed_out``."""
         if features is None:
             features = self.check(request)
-        facts = self.facts
         handle = self._next_handle
         self._next_handle += 1
-        units = _media_units(facts, request, features)
-        key = (request.cache_scope, facts.weight_version, tuple(request.prompt_token_ids),
-               tuple(unit.key for unit in units))
-        names = None
-        if self.limits.prefix_caching:
-            names = prompt_hashes(request.cache_scope, facts.weight_version, request.prompt_token_ids,
-                                  self.pool.block_size, [MediaSpan(*unit.span, unit.key) for unit in units])
-        eos = frozenset(facts.eos_token_ids)
-        rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
-                           prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer)
-                for c in range(request.sampling.n)]
-        job = _Job(handle, tag, request, features, units, key, names, rows, time_limit)
+        job = new_job(self.facts, handle, tag, request, features, time_limit, block_size=self.pool.block_size,
+                      prefix_caching=self.limits.prefix_caching)
         self._jobs[handle] = job
         self._pending.append(job)
         return handle
@@ -282,16 +183,14 @@ class Scheduler:
         """Give every KV block this scheduler holds back to the pool and drop its requests: a
         scheduler left with rows running (its session ended by an outage or an error) must not
         keep the engine's memory."""
-        for prompt in self._step_prompts:
-            prompt.kv.release()
-        self._step_prompts = []
+        self._prefill.release_step()
         for job in self._jobs.values():
             for row in job.rows:
                 row.abort()
-            self._drop_prefix(job)
+            self.prefixes.drop(job)
         self._batch.drop_finished()
         self._jobs.clear()
-        self._stop_chunking()
+        self._prefill.stop_chunking()
         self._pending, self._admitted = [], []
 
     # --- one step -----------------------------------------------------------------------------
@@ -338,7 +237,7 @@ class Scheduler:
         tokens = self._sample(batch.rows, batch.jobs, logits, events, batch_rows=len(batch))
         batch.advance(tokens)
 
-    def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[_Job], logits: torch.Tensor,
+    def _sample(self, rows: Sequence[RowDecoder], jobs: Sequence[Job], logits: torch.Tensor,
                 events: list[RowTokens], *, batch_rows: int) -> torch.Tensor:
         return sample_step(rows, jobs, logits, placeholder_ids=self._placeholder_ids, events=events,
                            batch_rows=batch_rows, fail=self._fail)
@@ -367,7 +266,7 @@ class Scheduler:
                 job.deadline = time.monotonic() + job.time_limit
             self._admitted.append(job)
 
-    def _preempt_for(self, waiting: _Job) -> _Job | None:
+    def _preempt_for(self, waiting: Job) -> Job | None:
         """Preempt the running request that gives way to ``waiting``'s tenant, if one does
         (:func:`engine.capacity.fair_share_victim`); its blocks are free when this returns."""
         live = [job for job in self._jobs.values() if job.state != "done" and not job.preempted]
@@ -396,17 +295,18 @@ class Scheduler:
         self.stats.preempted_requests += 1
         return job
 
-    def _peak_blocks(self, job: _Job) -> int:
+    def _peak_blocks(self, job: Job) -> int:
         return request_peak_blocks(job.prompt_len, job.request.sampling.max_tokens, len(job.rows), self.pool.block_size)
 
     @property
     def free_rows_for_admission(self) -> int:
         return self.limits.max_rows - len(self._batch) - sum(len(j.rows) for j in self._admitted_or_chunking())
 
-    def _admitted_or_chunking(self) -> list[_Job]:
-        return self._admitted + ([self._chunking.job] if self._chunking is not None else [])
+    def _admitted_or_chunking(self) -> list[Job]:
+        chunking = self._prefill.chunking_job
+        return self._admitted + ([chunking] if chunking is not None else [])
 
-    def _fits(self, job: _Job) -> bool:
+    def _fits(self, job: Job) -> bool:
         """The running rows' and the admitted ones' blocks stay within the pool at their worst
         point if ``job`` joins."""
         size = self.pool.block_size
@@ -417,18 +317,13 @@ class Scheduler:
 
     def _prefill_and_join(self, events: list[RowTokens]) -> None:
         try:
-            self._prefill_and_join_rows(events)
+            joined, self._admitted = self._prefill.run(self._admitted, running_rows=len(self._batch))
+            self._join(joined, events)
         finally:  # the rows that joined hold the blocks they need; the step lets go of its own
-            for prompt in self._step_prompts:
-                prompt.kv.release()
-            self._step_prompts = []
+            self._prefill.release_step()
 
-    def _prefill_and_join_rows(self, events: list[RowTokens]) -> None:
-        joined: list[tuple[_Job, PrefilledPrompt]] = []
-        if self._chunking is not None:
-            joined += self._prefill_chunk()
-        else:
-            joined += self._prefill_admitted()
+    def _join(self, joined: list[tuple[Job, PrefilledPrompt]], events: list[RowTokens]) -> None:
+        """Each prefilled prompt's rows take their first token from its last logits and join the batch."""
         if not joined:
             return
         rows, row_jobs, prompts = [], [], []
@@ -450,160 +345,9 @@ class Scheduler:
             self._batch.join([rows[i] for i in keep], [row_jobs[i] for i in keep], [prompts[i] for i in keep],
                              tokens[keep])
 
-    def _prefill_admitted(self) -> list[tuple[_Job, PrefilledPrompt]]:
-        """Admitted jobs whose prompts are ready after this step's prefill (cached ones first)."""
-        plan = plan_prefill(self._admitted, self._find_cached,
-                            budget=self.limits.prefill_chunk_tokens if self._batch else None)
-        plan = self._hold_lone_joins(plan)
-        taken = set(map(id, plan.taken))
-        self._admitted = [job for job in self._admitted if id(job) not in taken]
-        for job, _ in plan.cached:
-            self._count_cached(job, job.prompt_len)
-        joined = list(plan.cached)
-        if plan.chunked is not None:
-            self._start_chunking(plan.chunked)
-        if plan.groups:
-            joined += self._compute_prompts(plan.groups)
-        if self._chunking is not None and not joined:
-            joined += self._prefill_chunk()
-        return joined
-
-    def _hold_lone_joins(self, plan: PrefillPlan) -> PrefillPlan:
-        """``plan`` without its prompts to compute while they wait for company (``hold_joins``);
-        what needs no forward (cached prompts, ended jobs) goes on. Company counts every admitted
-        row to compute, also past this step's prefill budget (waiting would not widen the forward)."""
-        if not plan.groups:
-            return plan
-        cached = {id(job) for job, _ in plan.cached}
-        joining = sum(len(job.rows) for job in self._admitted if job.state != "done" and id(job) not in cached)
-        limits = self.limits
-        if not hold_joins(running=len(self._batch), joining=joining, waited_steps=self._join_waited,
-                          ratio=limits.join_ratio, max_wait_steps=limits.join_wait_steps):
-            self._join_waited = 0
-            return plan
-        self._join_waited += 1
-        waiting = {id(job) for jobs in plan.groups.values() for job in jobs}
-        return replace(plan, groups={}, taken=[job for job in plan.taken if id(job) not in waiting])
-
-    def _find_cached(self, job: _Job) -> PrefilledPrompt | None:
-        """``job``'s prompt found whole in the pool (every block, and its last logits: it joins with
-        no forward), or None, having taken the cached blocks its prefill starts from (``prefix``)."""
-        self._drop_prefix(job)  # what it held while it waited may have grown
-        names, pool = job.names, self.pool
-        if names is None:
-            return None
-        every = [*names.full, names.tail] if names.tail is not None else list(names.full)
-        end = self.prompt_ends.get(names.last)
-        if end is not None and len(blocks := pool.cached_run(every)) == len(every):
-            pool.share(blocks)
-            prompt = PrefilledPrompt(PagedPrompt(pool, blocks, job.prompt_len), end.logits, end.rope_delta,
-                                     job.prompt_len)
-            self._step_prompts.append(prompt)
-            return prompt
-        found = pool.cached_run(names.full)
-        count = reusable_blocks(len(found), pool.block_size, job.prompt_len, [unit.span for unit in job.units])
-        job.prefix, job.prefix_tokens = found[:count], count * pool.block_size
-        pool.share(job.prefix)
-        return None
-
-    def _drop_prefix(self, job: _Job) -> None:
-        self.pool.release(job.prefix)
-        job.prefix, job.prefix_tokens = [], 0
-
-    def _keep(self, job: _Job, prompt: PrefilledPrompt) -> None:
-        """Name a computed prompt's blocks and keep its last logits, so later requests find it
-        (never a prompt whose forward went non-finite)."""
-        names = job.names
-        if names is None or not prompt.finite:
-            return
-        pool = self.pool
-        for block, name in zip(prompt.kv.blocks, [*names.full, names.tail], strict=False):
-            if name is not None:
-                pool.name(block, name)
-        self.prompt_ends.put(names.last, prompt)
-
-    def _keep_decoded_blocks(self, row: RowDecoder, job: _Job, table: list[int], length: int) -> None:
-        """A finished row's full blocks past its prompt's, named by its prompt and the tokens it
-        decoded: the next turn of an agent, which repeats them, computes none of them again."""
-        names, size = job.names, self.pool.block_size
-        if names is None or job.error is not None or length // size <= len(names.full):
-            return
-        tokens = [*job.request.prompt_token_ids, *row.token_ids][:length]
-        parent = names.full[-1] if names.full else names.root
-        first = len(names.full)
-        for block, name in zip(table[first:], chain(parent, tokens, size, [MediaSpan(*u.span, u.key) for u in job.units],
-                                                    first_block=first), strict=False):
-            self.pool.name(block, name)
-
-    def _compute_prompts(self, groups: dict[tuple, list[_Job]]) -> list[tuple[_Job, PrefilledPrompt]]:
-        leaders = [jobs[0] for jobs in groups.values()]
-        starts = [job.prefix_tokens for job in leaders]
-        try:
-            prefilled = zip(self.runner.prefill([self._prompt_input(job) for job in leaders]), starts, strict=True)
-        except Exception as error:
-            if len(leaders) == 1:
-                for job in groups[leaders[0].key]:
-                    self._fail(job, error)
-                return []
-            # One bad prompt must not fail the others: prefill each alone to find it.
-            out = []
-            for key, jobs in groups.items():
-                out += self._compute_prompts({key: jobs})
-            return out
-        out = []
-        for leader, (prompt, reused) in zip(leaders, prefilled, strict=True):
-            self._step_prompts.append(prompt)
-            self._keep(leader, prompt)
-            self.stats.prefill_tokens += prompt.length - reused
-            for i, job in enumerate(groups[leader.key]):
-                self._count_cached(job, job.prompt_len if i else reused)
-                out.append((job, prompt))
-        return out
-
-    def _count_cached(self, job: _Job, tokens: int) -> None:
-        job.cached_tokens = tokens
-        self.stats.cached_tokens += tokens
-
-    def _prompt_input(self, job: _Job) -> PromptInput:
-        """What the runner prefills for ``job``; its cached prefix (and the references) go with it."""
-        prompt = PromptInput(job.request.prompt_token_ids, job.features, job.units, job.prefix, job.prefix_tokens)
-        job.prefix, job.prefix_tokens = [], 0
-        return prompt
-
-    def _start_chunking(self, job: _Job) -> None:
-        start = job.prefix_tokens
-        self._chunking = _Chunking(job, self.runner.start_chunked(self._prompt_input(job)), reused=start)
-
-    def _prefill_chunk(self) -> list[tuple[_Job, PrefilledPrompt]]:
-        """The next chunk of the long prompt being prefilled; the prompt once its last chunk ran."""
-        state = self._chunking
-        job = state.job
-        if job.state == "done":
-            self._stop_chunking()
-            return []
-        try:
-            prompt = self.runner.prefill_chunk(state.prefill, self.limits.prefill_chunk_tokens)
-        except Exception as error:
-            self._chunking = None
-            self._fail(job, error)
-            return []
-        if prompt is None:
-            return []
-        self._chunking = None
-        self._step_prompts.append(prompt)
-        self._keep(job, prompt)
-        self.stats.prefill_tokens += prompt.length - state.reused
-        self._count_cached(job, state.reused)
-        return [(job, prompt)]
-
-    def _stop_chunking(self) -> None:
-        if self._chunking is not None:
-            self.runner.drop_chunked(self._chunking.prefill)
-            self._chunking = None
-
     # --- ending ------------------------------------------------------------------------------
 
-    def _fail(self, job: _Job, error: BaseException) -> None:
+    def _fail(self, job: Job, error: BaseException) -> None:
         if job.error is None:
             job.error = error
         for row in job.rows:
@@ -615,13 +359,13 @@ class Scheduler:
             if not all(row.done for row in job.rows):
                 continue
             del self._jobs[handle]
-            self._drop_prefix(job)
+            self.prefixes.drop(job)
             if job in self._pending:
                 self._pending.remove(job)
             if job in self._admitted:
                 self._admitted.remove(job)
-            if self._chunking is not None and self._chunking.job is job:
-                self._stop_chunking()
+            if self._prefill.chunking_job is job:
+                self._prefill.stop_chunking()
             job.state = "done"
             if job.preempted:
                 finished.append(Finished(handle, job.tag, preempted=True))
@@ -637,26 +381,3 @@ class Scheduler:
             finished.append(Finished(handle, job.tag, result=result, timed_out=job.timed_out,
                                      batch_rows=job.peak_rows))
         return finished
-
-def _media_units(facts: ModelFacts, request, features) -> list[MediaUnit]:
-    """The request's media as encoder units: one per finalized item (by content hash), or all of
-    its ready-made tensors as one unit."""
-    if not features:
-        return []
-    if request.items and all(item.content_hash for item in request.items):
-        return [MediaUnit(unit_key(facts.weight_version, f"{item.modality}:{item.content_hash}"), item.tensors(),
-                          tuple(item.offset))
-                for item in sorted(request.items, key=lambda i: i.offset)]
-    media = set(facts.media_token_ids.values())
-    at = [i for i, t in enumerate(request.prompt_token_ids) if t in media]
-    return [MediaUnit(unit_key(facts.weight_version, tensors_hash(features)), features, (at[0], at[-1] + 1))]
-
-
-def _generator(facts: ModelFacts, params: SamplingParams, choice: int) -> torch.Generator | None:
-    """A seeded row's own generator; None for greedy rows and for unseeded ones (they share one
-    draw per step: engine/sampling.py)."""
-    if params.greedy or params.seed is None:
-        return None
-    generator = torch.Generator(device=facts.device)
-    generator.manual_seed(choice_seed(params.seed, choice))
-    return generator
