@@ -6,10 +6,8 @@ and finalized (wrapped) multimodal items.
                                                                           ▼
     token_ids / prompt ─▶ placeholders expanded per item ─▶ finalize (hook → hash → wrap)
 
-Media: the parts the cache does not serve are fetched at once (at most
-``limits.media.fetch_concurrency`` at a time), all within one deadline for the whole request (the
-fetcher's total timeout): a request's media cost at most that long however many parts it has,
-and the first part that fails stops the others.
+Media: gathered by :mod:`processors.media_gather` (the cache, else fetched at once within one
+deadline for the whole request, then decoded).
 
 Placeholders: ``token_ids`` carry one collapsed placeholder per media item or its already expanded
 run; ``prompt`` text may use ``<image>``/``<video>``/``<audio>`` sentinels or the model's native
@@ -24,38 +22,27 @@ Precomputed ``features`` (instead of ``content_parts``) are decoded and checked 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import (
     InvalidRequestError,
-    MediaError,
     PlaceholderMismatchError,
     check_token_ids,
 )
 from engine.items import MultimodalItem, placeholder_range
-from engine.limits import Limits, MediaLimits
-from engine.request_rules import check_context, check_media_count, check_prompt_input
+from engine.limits import Limits
+from engine.request_rules import check_context, check_prompt_input
 from processors.base import Features, MultimodalProcessor
 from processors.cache import MultimodalCache
-from processors.decode import VideoSampling, decode_audio, decode_image, decode_video
-from processors.errors import PlaceholderCountError, UnsupportedModalityError
+from processors.errors import PlaceholderCountError
 from processors.features_codec import decode_features
 from processors.fetch import MediaTooShortError
 from processors.finalize import Wrapper, bundle_item, finalize
+from processors.media_gather import Media, MediaGather
 from processors.placeholders import expand_tokens
-
-_PART_MODALITY = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-
-
-def video_sampling(media: MediaLimits) -> VideoSampling:
-    """How a request's videos are sampled: its media limits' caps and frame rate."""
-    return VideoSampling(max_seconds=media.max_video_seconds, max_frames=media.max_video_frames,
-                         fps=media.video_fps, max_pixels=media.max_video_pixels)
 
 
 @dataclass
@@ -96,20 +83,8 @@ def preprocess(
         items=items,
         placeholder_ranges=[placeholder_range(item.modality, *item.offset) for item in items],
         timings=run.timings,
-        cache_hits=run.cache_hits,
+        cache_hits=run.gather.cache_hits,
     )
-
-
-@dataclass
-class _Media:
-    part: int
-    modality: str
-    url: str | None = None
-    cache_key: str | None = None
-    features: Features | None = None  # one item: from the cache or precomputed
-    content_hash: str = ""  # known when the features came from the cache
-    decoded: Any = None  # decoded (image, video or audio), still to process
-    cached: bool = False
 
 
 class _Run:
@@ -120,21 +95,17 @@ class _Run:
         self.new_tokens = new_tokens
         self.processor: MultimodalProcessor = processor
         self.owner = owner  # uuid cache entries are private to it (see processors.cache)
-        self.fetcher = fetcher
         self.cache: MultimodalCache | None = cache
         self.limits, self.media = limits, limits.media
-        self.video = video_sampling(limits.media)
         self.options = options
         self.timings = {"fetch": 0.0, "decode": 0.0, "cache": 0.0, "process": 0.0}
-        self.cache_hits = 0
-        self._deadline = None  # the request's one media budget, started by its first fetch
+        self.gather = MediaGather(processor, fetcher, cache, limits.media, options, owner, self.timings)
 
     def __enter__(self) -> _Run:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self._deadline is not None:
-            self._deadline.__exit__(*exc_info)
+        self.gather.close(*exc_info)
 
     def layout(
         self, request: Mapping[str, Any], *, add_special_tokens: bool
@@ -145,9 +116,9 @@ class _Run:
         if has_features:
             decoded = decode_features(request["features"], self.processor, max_items=self.media.max_items,
                                       max_bytes=self.media.max_feature_bytes)
-            media = [_Media(part=i, modality="image", features=f) for i, f in enumerate(decoded)]
+            media = [Media(part=i, modality="image", features=f) for i, f in enumerate(decoded)]
         else:
-            media = self._collect(request.get("content_parts") or [])
+            media = self.gather.collect(request.get("content_parts") or [])
 
         bundles = self._process(media)
         replacements = self._replacements(media, bundles)
@@ -207,118 +178,7 @@ class _Run:
                 self.cache.put(item.metadata["cache_key"], item.features, item.content_hash)
         self.timings["cache"] += time.perf_counter() - started
 
-    # --- media -------------------------------------------------------------------------------
-
-    def _collect(self, parts: Sequence[Mapping[str, Any]]) -> list[_Media]:
-        check_media_count(len(parts), self.media.max_items)
-        media = []
-        for i, part in enumerate(parts):
-            modality = _PART_MODALITY.get(part.get("type"))
-            if modality is None:
-                raise InvalidRequestError(f"content_parts[{i}]: unknown type {part.get('type')!r}")
-            if modality not in self.processor.modalities:
-                raise UnsupportedModalityError(
-                    f"content_parts[{i}]: this model takes {', '.join(sorted(self.processor.modalities))}, "
-                    f"not {modality}"
-                )
-            media.append(_Media(part=i, modality=modality, url=part["url"]))
-        for item, part in zip(media, parts, strict=True):
-            if self.cache is not None and part.get("uuid") is not None and self.owner:
-                item.cache_key = self._key(item.modality, uuid=str(part["uuid"]), owner=self.owner)
-                self._lookup(item)  # a uuid hit skips fetching entirely
-        missing = [item for item in media if not item.cached]
-        for item, data in zip(missing, self._fetch_all(missing), strict=True):
-            self._load(item, data)
-        return media
-
-    def _load(self, item: _Media, data: bytes) -> None:
-        """Decode ``item``'s fetched bytes, unless their sha256 hits the cache."""
-        if self.cache is not None and item.cache_key is None:
-            item.cache_key = self._key(item.modality, media_sha256=hashlib.sha256(data).hexdigest())
-            if self._lookup(item):
-                return
-        self._decode(item, data)
-
-    def _fetch_all(self, items: list[_Media]) -> list[bytes]:
-        """The bytes of every item, fetched at once (bounded), in order. The first failure ends
-        the request's media budget, so the fetches still running stop instead of finishing."""
-        if len(items) <= 1:
-            return [self._fetch(item) for item in items]
-        started = time.perf_counter()
-        deadline = self._media_deadline()
-        # Threads: fetching waits on sockets, and each fetch stays under the shared deadline.
-        with ThreadPoolExecutor(max_workers=min(self.media.fetch_concurrency, len(items)),
-                                thread_name_prefix="media-fetch") as pool:
-            futures = [pool.submit(self._fetch_one, item) for item in items]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f in done and f.exception() is not None]
-            if failed:
-                deadline.expire()
-                for future in futures:
-                    future.cancel()
-        self.timings["fetch"] += time.perf_counter() - started
-        if failed:
-            raise failed[0].exception()
-        return [future.result() for future in futures]
-
-    def _fetch(self, item: _Media) -> bytes:
-        started = time.perf_counter()
-        try:
-            return self._fetch_one(item)
-        finally:
-            self.timings["fetch"] += time.perf_counter() - started
-
-    def _fetch_one(self, item: _Media) -> bytes:
-        try:
-            return self.fetcher.fetch(item.url, deadline=self._media_deadline()).data
-        except MediaError as exc:
-            _at_part(exc, item.part)
-            raise
-
-    def _media_deadline(self):
-        """The one deadline all of this request's fetches share, started on first use."""
-        if self._deadline is None:
-            self._deadline = self.fetcher.deadline().__enter__()
-        return self._deadline
-
-    def _decode(self, item: _Media, data: bytes) -> None:
-        started = time.perf_counter()
-        try:
-            item.decoded = self._decoder(item.modality)(data)
-            if item.modality == "image":
-                self.processor.check_image(item.decoded)
-        except MediaError as exc:
-            _at_part(exc, item.part)
-            raise
-        finally:
-            self.timings["decode"] += time.perf_counter() - started
-
-    def _decoder(self, modality: str):
-        media, video = self.media, self.video
-        if modality == "video":
-            return lambda data: decode_video(data, video)
-        if modality == "audio":
-            rate = self.processor.audio_sample_rate
-            return lambda data: decode_audio(data, max_seconds=media.max_audio_seconds, sample_rate=rate)
-        return lambda data: decode_image(data, max_pixels=media.max_image_pixels)
-
-    def _key(self, modality: str, **source: str) -> str:
-        options = self.options
-        if modality == "video":  # the frames sampled depend on these too
-            options = {**options, "_video": [self.video.fps, self.video.max_frames]}
-        return MultimodalCache.key(model_id=self.processor.model_id, modality=modality, options=options, **source)
-
-    def _lookup(self, item: _Media) -> bool:
-        started = time.perf_counter()
-        entry = self.cache.get(item.cache_key)
-        self.timings["cache"] += time.perf_counter() - started
-        if entry is not None:
-            item.features, item.content_hash = entry.features, entry.content_hash
-        item.cached = entry is not None
-        self.cache_hits += item.cached
-        return item.cached
-
-    def _process(self, media: list[_Media]) -> dict[str, Features]:
+    def _process(self, media: list[Media]) -> dict[str, Features]:
         """One bundle per modality of the freshly decoded items, in their order."""
         fresh: dict[str, list[Any]] = {}
         for item in media:
@@ -334,7 +194,7 @@ class _Run:
 
     # --- placeholders ------------------------------------------------------------------------
 
-    def _replacements(self, media: list[_Media], bundles: dict[str, Features]) -> list[list[int]]:
+    def _replacements(self, media: list[Media], bundles: dict[str, Features]) -> list[list[int]]:
         replacements, index = [], dict.fromkeys(bundles, 0)
         for item in media:
             if item.features is not None:
@@ -351,15 +211,15 @@ class _Run:
             replacements.append(run)
         return replacements
 
-    def _expand(self, token_ids: Sequence[int], replacements: list[list[int]], media: list[_Media]):
+    def _expand(self, token_ids: Sequence[int], replacements: list[list[int]], media: list[Media]):
         return expand_tokens(
             token_ids, replacements, placeholder_ids=self.processor.media_placeholder_ids,
             collapsed_id=[self.processor.token_id(item.modality) for item in media],
             modalities=[item.modality for item in media], token_modality=self.processor.token_modality,
         )
 
-    def _bundles(self, media: list[_Media], bundles: dict[str, Features], offsets) -> list[MultimodalItem]:
-        def meta(item: _Media) -> dict[str, Any]:
+    def _bundles(self, media: list[Media], bundles: dict[str, Features], offsets) -> list[MultimodalItem]:
+        def meta(item: Media) -> dict[str, Any]:
             known = {"content_hash": item.content_hash} if item.features is not None and item.content_hash else {}
             return {"part": item.part, "cache_key": item.cache_key, "cached": item.cached, **known}
 
@@ -374,7 +234,7 @@ class _Run:
         return items
 
     def _authoritative(
-        self, prompt: str, media: list[_Media], counted: int, add_special_tokens: bool
+        self, prompt: str, media: list[Media], counted: int, add_special_tokens: bool
     ) -> tuple[list[int], list[MultimodalItem]]:
         """The full HF processor over the raw prompt: the last word on where images go."""
         hf = self.processor.hf
@@ -383,8 +243,8 @@ class _Run:
         if any(item.modality != "image" for item in media) or prompt.count(hf.image_token) != len(media):
             raise _mismatch(counted, len(media), "prompt")
         unfetched = [item for item in media if item.decoded is None]  # cache hits: the HF processor needs pixels
-        for item, data in zip(unfetched, self._fetch_all(unfetched), strict=True):
-            self._decode(item, data)
+        for item, data in zip(unfetched, self.gather.fetch_all(unfetched), strict=True):
+            self.gather.decode(item, data)
             item.features, item.content_hash = None, ""  # now from the HF processor's bundle
         started = time.perf_counter()
         out = hf(text=[prompt], images=[m.decoded for m in media] or None, return_tensors="pt",
@@ -406,15 +266,6 @@ def _mismatch(placeholders: int, items: int, where: str, detail: str = "") -> Pl
         placeholders=placeholders,
         items=items,
     )
-
-
-def _at_part(exc: MediaError, part: int) -> None:
-    """Name the content part in ``exc``'s message and errors; the caller re-raises it (same
-    object: its type, fields and cause stay as the fetcher made them)."""
-    exc.message = f"content_parts[{part}]: {exc.message}"
-    exc.args = (exc.message, *exc.args[1:])
-    if exc.errors is None or isinstance(exc.errors, dict):
-        exc.errors = {**(exc.errors or {}), "part": part}
 
 
 def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
