@@ -167,6 +167,17 @@ class Stack:
         process.kill()
         process.wait()
 
+    def pause(self, name: str) -> None:
+        """SIGSTOP the worker and its pool processes: what a GC pause, swap storm or frozen VM
+        looks like from outside (its heartbeat lapses, its sockets stay open)."""
+        for pid in _process_tree(self.workers[name].pid):
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        """SIGCONT what ``pause`` stopped: the worker goes on from where it was."""
+        for pid in _process_tree(self.workers[name].pid):
+            os.kill(pid, signal.SIGCONT)
+
     def stop(self, name: str, timeout: float = 15.0) -> None:
         """Stop the worker gracefully (SIGTERM: Celery's warm shutdown), SIGKILL if it hangs."""
         _stop([self.workers[name]], timeout)
@@ -217,6 +228,19 @@ class Stack:
     def close(self) -> None:
         _stop([p for p in self.workers.values()], timeout=10.0)
         self.services.redis.close()
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux /proc), parents first."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").glob("*"):
+            try:
+                tree.extend(int(child) for child in (task / "children").read_text().split())
+            except OSError:
+                pass  # the task ended meanwhile
+        i += 1
+    return tree
 
 
 def _die_with_parent() -> None:
