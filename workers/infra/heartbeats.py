@@ -64,7 +64,7 @@ def start_heartbeat(client: redis.Redis, kind: str, name: str, status: Callable[
                 now = time.monotonic()
                 if now - last > ttl:
                     log.warning("this %s worker's heartbeat lapsed for %.1f s (paused?): what it held may have "
-                                "run elsewhere, and its late writes are fenced", kind, now - last)
+                                "run elsewhere meanwhile", kind, now - last)
                 last = now
             except redis.RedisError:
                 pass  # Redis is down: the heartbeat resumes when it is back

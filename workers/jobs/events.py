@@ -24,7 +24,10 @@ twice): tokens carry their attempt and offset. The native events route passes ``
 its readers drop the void attempt's tokens (the Python client does). A dialect stream cannot take
 tokens back, so it continues only where it can prove equality: the new attempt's tokens at offsets
 already delivered must equal them (they are skipped) and only later ones are sent; a mismatch
-ends the stream with a ``stream_diverged`` error (``workers.jobs.follow.TokenLedger``).
+ends the stream with a ``stream_diverged`` error (``workers.jobs.follow.TokenLedger``). Once a
+redo's ``restart`` is written, the older attempt writes nothing more: token entries are written by a
+script that checks the writer's attempt is the newest (``workers/jobs/attempts.py``), so a worker
+that only seemed dead and wakes later cannot add tokens behind the restart.
 
 Tokens are written only for jobs someone reads (``rq:job:<id>:watched``). Every reader marks
 the jobs it follows (:meth:`JobEvents.watch`, called by ``workers.jobs.follow.follow``), and a job

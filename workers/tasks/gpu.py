@@ -59,7 +59,9 @@ def generate(self, requests) -> str | None:
         except Exception:
             # celery-batches only logs an exception from the batch body and leaves every job waiting;
             # end each job that is still open instead (their messages are settled on return).
-            for live in session.live.values():
-                fail_unexpected(rt, live.job["id"], "generating")
-            release_prompts(rt.redis, [live.prompt for live in session.live.values()])
+            # A superseded attempt's job is the newer attempt's to end (workers/jobs/attempts.py).
+            owned = [live for live in session.live.values() if not live.superseded]
+            for live in owned:
+                fail_unexpected(rt, live.job["id"], "generating", fence=live.fence)
+            release_prompts(rt.redis, [live.prompt for live in owned])
     return None
