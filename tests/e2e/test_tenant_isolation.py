@@ -23,10 +23,11 @@ import pytest
 from PIL import Image
 
 from processors.fetch import GuardedFetcher
+from processors.registry import load_processor
 from tests.e2e.conftest import API_KEY, OTHER_KEY
 from tests.workers.bad_rows import plant_job, plant_mismatched_image_job
 from web.auth import key_id
-from workers.runtime import fetch_policy
+from workers.runtimes import fetch_policy
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 PNG = {"Content-Type": "image/png"}
@@ -170,6 +171,7 @@ def test_bad_rows_of_one_key_never_fail_another_keys_jobs_in_their_batch(stack, 
     good = [{"token_ids": [100 + n, 110, 120], "sampling_params": GREEDY} for n in range(3)] + [
         {"kind": "score", "token_ids": [100 + n, 101, 102], "completion_token_ids": [110 + n, 111, 112]}
         for n in range(3)]
+    processor = load_processor(svc.model_path, model_id=svc.model_id)  # as the CPU worker plants jobs
     gpu = stack.workers["gpu"]
     gpu.send_signal(signal.SIGSTOP)  # everything waits in the queue, then shares batches
     try:
@@ -177,7 +179,7 @@ def test_bad_rows_of_one_key_never_fail_another_keys_jobs_in_their_batch(stack, 
         bad = {"score": [plant(kind="score", token_ids=[100, 101], completion_token_ids=[110, vocab + 7]),
                          plant(kind="score", token_ids=[100, 101], completion_token_ids=[vocab])],
                "prompt": [plant(token_ids=[100, vocab + 1000, 102])],
-               "untyped": [plant_mismatched_image_job(svc.jobs, svc.celery, owner, processor=svc.processor,
+               "untyped": [plant_mismatched_image_job(svc.jobs, svc.celery, owner, processor=processor,
                                                       fetcher=GuardedFetcher(fetch_policy(svc.settings)),
                                                       image_url=media.a)]}
         mine += [stack.submit(body, key=OTHER_KEY)["id"] for body in good[2:]]

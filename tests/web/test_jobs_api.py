@@ -206,7 +206,7 @@ def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, r
     """ROLLOUT_MAX_MODEL_LEN is the limit every layer checks, built once (workers/limits.py): the
     API's, the CPU worker's after expansion (which fell back to 32,768 where the others had none)
     and the engine's (which used the model's own)."""
-    from workers.runtime import Runtime
+    from workers.runtimes import GpuRuntime
     from workers.settings import Settings
 
     app = make_app(max_model_len=100)
@@ -214,11 +214,11 @@ def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, r
     too_long = app.test_client().post("/v1/jobs", json={"token_ids": [100] * 90, "sampling_params": {"max_tokens": 11}},
                                       headers=auth())
     assert too_long.status_code == 422 and too_long.get_json()["code"] == "context_length_exceeded"
-    rt = Runtime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=100), redis_url)
+    rt = GpuRuntime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=100), redis_url)
     assert rt.limits.context_tokens == 100
     assert rt.engine.loaded.max_context_length == 100
     # Never past the model's own context.
-    huge = Runtime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=10**7), redis_url)
+    huge = GpuRuntime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=10**7), redis_url)
     assert huge.engine.loaded.max_context_length == huge.model_facts.context_length < 10**7
 
 

@@ -43,7 +43,7 @@ def test_on_cuda_the_kv_pool_takes_its_share_of_free_device_memory(demo_model_di
     from engine.loading import load_model
     from engine.paged_kv import kv_bytes_per_token
     from workers.limits import build_limits
-    from workers.runtime import _pool_sized
+    from workers.runtimes import _pool_sized
 
     loaded = load_model(str(demo_model_dir), device="cuda")
     settings = Settings(kv_cache_memory_fraction=0.5, kv_cache_tokens=2**40)

@@ -11,7 +11,7 @@ So the heartbeat of every worker lists the delivery tags it holds: what its Cele
 (:func:`celery_held_tags`; a prefork worker's main process tracks what its pool processes run) and,
 on a GPU worker, the generate messages celery-batches buffers or its running session holds
 (:meth:`workers.tasks.gpu_batching.GenerateBatches.held_delivery_tags`). A sweep per kind (every few
-seconds, in one worker at a time; the kinds' tasks: ``workers.worker_main.TASKS_HELD_BY``) restores
+seconds, in one worker at a time; the kinds' tasks: ``WorkerKind.tasks_held``, workers/worker_kinds.py) restores
 each message of the kind's tasks in ``unacked`` that no
 live worker of the kind lists, once every live one has beaten since the message was reserved (plus
 a margin): a message a live worker has just taken is never restored under it, and a dead worker's

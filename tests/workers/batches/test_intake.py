@@ -27,6 +27,7 @@ from workers.names import (
     SHARED_GENERATE_QUEUE,
 )
 from workers.runtime import runtime
+from workers.runtimes import GpuRuntime
 from workers.settings import Settings
 from workers.tasks.batches import submit_chunk
 from workers.tasks.score_lines import _score_chunk
@@ -42,7 +43,9 @@ def make_rt(redis_url, demo_model_dir, tmp_path):
     def make(**overrides):
         settings = Settings(state_dir=tmp_path, model=str(demo_model_dir), batch_chunk_size=4,
                             fidelity_check=False, **overrides)
-        made.append(rt := runtime(create_celery(settings, empty_db_url(redis_url, 30))))
+        app = create_celery(settings, empty_db_url(redis_url, 30))
+        app.rollout_runtime_class = GpuRuntime  # the chunks' scoring runs as on a GPU worker
+        made.append(rt := runtime(app))
         rt.load_model()  # as a GPU worker does before it takes work
         return rt
 

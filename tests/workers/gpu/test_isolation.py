@@ -21,6 +21,7 @@ from workers.gpu.session import GenerateSession
 from workers.jobs.request import JobRequest
 from workers.jobs.submission import submit_job
 from workers.runtime import runtime
+from workers.runtimes import CpuRuntime, GpuRuntime
 from workers.settings import Settings
 from workers.tasks.score_lines import _score
 
@@ -34,7 +35,12 @@ GOOD = [stored_request(token_ids=[100 + n, 110, 120]) for n in range(3)] + [
 def rt(redis_url, demo_model_dir, tmp_path_factory):
     app = create_celery(Settings(state_dir=tmp_path_factory.mktemp("state"), model=str(demo_model_dir)),
                         empty_db_url(redis_url, 11))
+    app.rollout_runtime_class = CpuAndGpuRuntime
     return runtime(app)
+
+
+class CpuAndGpuRuntime(GpuRuntime, CpuRuntime):
+    """These tests plant jobs as a CPU worker makes them and run them as the GPU worker does."""
 
 
 class OneBatch:

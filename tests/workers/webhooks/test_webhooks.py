@@ -23,7 +23,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from workers.celery_app import create_celery
 from workers.jobs.store import JobStore, StoreLimits
 from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
-from workers.runtime import Runtime
+from workers.runtimes import WebhooksRuntime
 from workers.settings import Settings
 from workers.tasks.webhooks import run_attempt
 from workers.webhooks import (
@@ -258,6 +258,7 @@ def celery_app(settings, webhook_redis_url):
         client.flushdb()
     app = create_celery(settings, webhook_redis_url)
     app.conf.include = ["workers.tasks.webhooks"]  # this worker serves the webhooks queue only
+    app.rollout_runtime_class = WebhooksRuntime
     with start_worker(app, pool="solo", perform_ping_check=False, queues=[WEBHOOKS_QUEUE],
                       shutdown_timeout=20):
         yield app
@@ -265,7 +266,7 @@ def celery_app(settings, webhook_redis_url):
 
 @pytest.fixture(scope="module")
 def rt(settings, webhook_redis_url, celery_app):
-    return Runtime(settings, webhook_redis_url, celery_app)
+    return WebhooksRuntime(settings, webhook_redis_url, celery_app)
 
 
 def make_job(rt, *, status="succeeded", webhook=None, owner=OWNER) -> dict:
@@ -476,7 +477,7 @@ def test_redelivered_attempt_sends_again_with_the_same_id_but_a_duplicate_does_n
 def test_guard_refuses_loopback_without_outbound_allow_networks(settings, webhook_redis_url, celery_app, receiver):
     # The guard decision lives in the fetcher the delivery uses, so this drives the delivery body
     # directly with a runtime whose settings allow no internal networks.
-    blocked = Runtime(settings.replace(outbound_allow_networks=()), webhook_redis_url, celery_app)
+    blocked = WebhooksRuntime(settings.replace(outbound_allow_networks=()), webhook_redis_url, celery_app)
     url = receiver.script("/blocked", [(200, {})])
     store = WebhookStore(blocked.redis, 600)
     event_id, _ = store.create(object_kind="job", object_id="job_blocked", owner=OWNER,
@@ -558,7 +559,7 @@ def test_attempts_that_time_out_or_cannot_connect_have_webhook_codes(settings, w
         hanging.listen()  # the kernel accepts the connection; nobody ever answers
         closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
         ports = {"timeout": hanging.getsockname()[1], "refused": closed.getsockname()[1]}
-        rt = Runtime(settings.replace(outbound_allowed_ports=tuple(ports.values()), webhook_timeout=0.5),
+        rt = WebhooksRuntime(settings.replace(outbound_allowed_ports=tuple(ports.values()), webhook_timeout=0.5),
                            webhook_redis_url, celery_app)
         store = WebhookStore(rt.redis, 600)
         for name, code in (("timeout", "webhook_timeout"), ("refused", "webhook_connection_failed")):
