@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,10 +35,27 @@ def choice_seed(seed: int, index: int) -> int:
 MIN_TOP_P = 1e-6
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One draw of a step's rows."""
+
+    tokens: torch.Tensor  # (rows,) long: each row's token
+    # (rows, vocab) fp32, not normalized: the distribution each row's token was drawn from, after
+    # temperature, top-k, top-p and min-p (0 where a token was cut); a greedy row's is a point mass
+    # at its token, as is a row whose distribution came out non-finite or empty.
+    probs: torch.Tensor
+
+
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token id per row (a long tensor of shape (rows,)) from fp32 logits (rows, vocab) (raw,
     or penalized by the caller); ``generators[i]``: row i's own (seeded rows), or None."""
+    return draw_rows(logits, params, generators).tokens
+
+
+def draw_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+              generators: Sequence[torch.Generator | None]) -> Draw:
+    """:func:`sample_rows`, with the processed distribution the tokens were drawn from."""
     device, vocab = logits.device, logits.shape[-1]
     greedy = torch.tensor([p.greedy for p in params], device=device)
     temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
@@ -61,8 +79,10 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     if any(p.min_p > 0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    # Never a non-finite or empty distribution to the draw: the most likely token then.
-    usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    # Never a non-finite or empty distribution to the draw: the most likely token then. A greedy
+    # row draws its point mass too (its token is ``best`` either way), so ``probs`` is what it
+    # was drawn from at no extra cost.
+    usable = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0) & ~greedy
     best = scores.argmax(dim=-1)
     probs = torch.where(usable[:, None], probs.nan_to_num(0.0),
                         torch.nn.functional.one_hot(best, vocab).to(probs.dtype))
@@ -78,7 +98,7 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 q[i].exponential_(generator=generator)
     # A zero q would turn a dropped token's 0 / 0 into NaN, which argmax takes for the largest.
     drawn = (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-    return torch.where(greedy, best, drawn)
+    return Draw(torch.where(greedy, best, drawn), probs)
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
