@@ -21,6 +21,9 @@ MAX_STOP_STRING_CHARS = 1024
 # A temperature below this samples greedily, as vLLM's and SGLang's samplers do (_SAMPLING_EPS):
 # dividing logits by 1e-40 (or 5e-324) overflows fp32 to inf and the softmax to NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Which distribution logprobs are of: "raw", the model's (the default: importance ratios over the
+# whole vocabulary), or "processed", the one each token was drawn from (vLLM's processed_logprobs).
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    top_logprobs: int = 0  # per step, this many most likely tokens of the raw distribution
+    top_logprobs: int = 0  # per step, this many most likely tokens of the logprobs_mode distribution
+    logprobs_mode: str = "raw"  # one of LOGPROBS_MODES (engine/processed_rows.py)
+    # Per token, the ids the token could have been drawn from (vLLM's SamplingMask, SGLang's
+    # output_token_sampling_mask): Choice.sampling_mask.
+    sampling_mask: bool = False
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and top k
     detokenize: bool = True  # return the choice's text
     skip_special_tokens: bool = True
@@ -84,7 +91,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             problems["ignore_eos"] = "must be a boolean"
         for name in ("logprobs", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+                     "spaces_between_special_tokens", "sampling_mask"):
             if not isinstance(getattr(self, name), bool):
                 problems[name] = "must be a boolean"
         if (len(self.stop) > MAX_STOP_STRINGS
@@ -101,6 +108,8 @@ class SamplingParams:
                 problems[name] = "must be in [-2, 2] (0 turns it off)"
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             problems["top_logprobs"] = f"must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+        if not isinstance(self.logprobs_mode, str) or self.logprobs_mode not in LOGPROBS_MODES:
+            problems["logprobs_mode"] = f"must be one of {', '.join(LOGPROBS_MODES)}"
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             problems["prompt_logprobs"] = f"must be null or an integer in [0, {MAX_TOP_LOGPROBS}]"
@@ -110,6 +119,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def processed(self) -> bool:
+        """The sampler hands this row its processed distribution (engine/processed_rows.py)."""
+        return self.sampling_mask or self.logprobs_mode == "processed"
 
     @property
     def penalized(self) -> bool:
