@@ -4,7 +4,10 @@ them, one batched argmax for the greedy rows, one batched draw for the sampled o
 (:func:`engine.sampling.sample_rows`), and one device-to-host copy of the tokens and their
 logprobs together.
 
-Logprobs are the raw distribution's (what trainers feed their loss), never the processed one's.
+Logprobs are the raw distribution's (what trainers feed their loss) unless a row asks for
+``logprobs_mode`` "processed"; the rows that ask for it or for a sampling mask get their processed
+distribution from one batched pass over them (engine/processed_rows.py), with one more copy to
+the host for the masks, on steps where some row asked for one; other steps keep no distribution.
 A media placeholder id is never drawn: fed back (the next turn of a rollout, a scoring call) it
 would be taken for a media slot. Real checkpoints give them ~0 probability; tiny random ones do
 not.
@@ -21,7 +24,8 @@ import torch
 
 from engine.decoding import RowDecoder
 from engine.errors import NonFiniteOutputError
-from engine.sampling import sample_rows
+from engine.processed_rows import processed_rows
+from engine.sampling import draw_rows
 
 
 @dataclass
@@ -63,26 +67,45 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
                 fail(jobs[i], error)
                 failed.add(i)
     tokens = scores.argmax(dim=-1)  # the greedy rows' tokens
+    asked = [i for i in live if rows[i].params.processed]
+    sampled_probs = None  # kept only when some row asked for it
     if sampled := [i for i in live if not rows[i].params.greedy and i not in failed]:
         try:
             index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = sample_rows(scores.index_select(0, index), [rows[i].params for i in sampled],
-                                        [rows[i].generator for i in sampled])
+            draw = draw_rows(scores.index_select(0, index), [rows[i].params for i in sampled],
+                             [rows[i].generator for i in sampled])
+            tokens[index] = draw.tokens
+            sampled_probs = draw.probs if asked else None
         except Exception:  # a broken batched draw: each row alone, so one bad row ends alone
+            probs = []
             for i in sampled:
                 try:
-                    tokens[i] = sample_rows(scores[i:i + 1], [rows[i].params], [rows[i].generator])[0]
+                    draw = draw_rows(scores[i:i + 1], [rows[i].params], [rows[i].generator])
+                    tokens[i] = draw.tokens[0]
+                    probs.append(draw.probs)
                 except Exception as row_error:
                     fail(jobs[i], row_error)
                     failed.add(i)
+                    probs.append(torch.zeros_like(scores[i:i + 1]))  # never read: the row failed
+            sampled_probs = torch.cat(probs) if asked else None
     chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-    top_k = max((rows[i].params.top_logprobs for i in live), default=0)
+    top_k = max((rows[i].params.top_logprobs for i in live if rows[i].params.logprobs_mode == "raw"), default=0)
     top = torch.topk(raw_logprobs, top_k) if top_k else None
+    processed, reported = None, chosen
+    if asked := [i for i in asked if i not in failed]:
+        processed = processed_rows(
+            asked, sampled, sampled_probs, tokens,
+            top_k=max((rows[i].params.top_logprobs for i in asked if rows[i].params.logprobs_mode == "processed"),
+                      default=0),
+            masked=[rows[i].params.sampling_mask for i in asked])
+        reported = chosen.index_copy(0, processed.rows, processed.logprobs)
     # A NaN or +inf logit makes the row's log-softmax NaN or its normalizer infinite, so the chosen
     # token's logprob is not finite: one check of a value per row, where a scan of the logits cost
     # 2 % of a decode step on the demo model.
     finite = torch.isfinite(chosen).to(chosen.dtype)
-    host_tokens, host_logprobs, host_finite = torch.stack([tokens.to(chosen.dtype), chosen, finite]).tolist()  # one copy
+    host = torch.stack([tokens.to(chosen.dtype), chosen, finite, *([reported] if processed else [])]).tolist()  # one copy
+    host_tokens, host_logprobs, host_finite = host[:3]
+    position = {row: j for j, row in enumerate(asked)}
     for i in live:
         if i in failed:
             continue
@@ -92,12 +115,20 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
                 errors={"choice": rows[i].choice_index, "tokens_so_far": len(rows[i].token_ids)}))
             continue
         row, job = rows[i], jobs[i]
-        token, logprob, k = int(host_tokens[i]), host_logprobs[i], row.params.top_logprobs
+        token = int(host_tokens[i])
         row.note_sampled(tokens[i])
-        row.add_logprobs(logprob, top.values[i, :k] if k else None, top.indices[i, :k] if k else None)
+        if row.params.sampling_mask:
+            row.add_mask(processed.masks[position[i]])
+        k = row.params.top_logprobs
+        if row.params.logprobs_mode == "processed":
+            logprob, (values, ids), at = host[3][i], processed.top or (None, None), position[i]
+        else:
+            logprob, (values, ids), at = host_logprobs[i], top or (None, None), i
+        row.add_logprobs(logprob, values[at, :k] if k else None, ids[at, :k] if k else None)
         row.record(token, aborted=False)
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
         events.append(RowTokens(job.tag, row.choice_index, token, logprob if row.params.logprobs else None,
                                 row.finish_reason))
     return tokens
+

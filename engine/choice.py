@@ -1,7 +1,7 @@
 """One sampled continuation of a prompt, as the engine makes it and a job's result stores it.
 
 Apart from ``engine/generation_types.py``, which holds tensors, so the API reads stored results
-(``workers.jobs.results.JobResult``) without importing torch.
+(``domain.jobs.results.JobResult``) without importing torch.
 """
 
 from __future__ import annotations
@@ -13,13 +13,19 @@ from dataclasses import dataclass, fields
 class Choice:
     index: int
     token_ids: list[int]
-    logprobs: list[float] | None  # per token, raw-distribution logprob; None unless asked
+    # Per token, its logprob under the raw distribution (or the processed one, under logprobs_mode
+    # "processed": engine/processed_rows.py); None unless asked.
+    logprobs: list[float] | None
     finish_reason: str  # "stop" | "length" | "abort"
     # The stop token id (eos included) or stop string that ended the choice; None otherwise.
     matched_stop: int | str | None = None
     text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
-    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (raw); None unless asked.
+    # Per token, [[token_id, logprob], ...] of the top_logprobs most likely tokens (of the
+    # logprobs_mode distribution: RowDecoder.top_logprobs); None unless asked.
     top_logprobs: list[list[list]] | None = None
+    # With sampling_mask: {"token_ids": [...], "offsets": [...]}, CSR over the tokens (vLLM's
+    # SamplingMask): token i could have been drawn from token_ids[offsets[i]:offsets[i + 1]].
+    sampling_mask: dict[str, list[int]] | None = None
 
     @classmethod
     def from_record(cls, record: dict) -> Choice:

@@ -8,7 +8,10 @@ decode steps.
 Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf) and the
 penalties (:mod:`engine.penalties`), both :meth:`RowDecoder.adjust`, then temperature and
 truncation, batched over the step's rows (:func:`engine.sampling.sample_rows`).
-Logprobs, the sampled token's and the top-k alternatives, are of the raw logits before all of it.
+Logprobs, the sampled token's and the top-k alternatives, are of the raw logits before all of it,
+or, under ``logprobs_mode`` "processed", of the distribution the token was drawn from after all of
+it (engine/processed_rows.py); with ``sampling_mask`` each token's support is kept too
+(engine/sampling_mask.py).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
+from engine.sampling_mask import SamplingMasks
 from engine.sampling_params import SamplingParams
 
 
@@ -50,6 +55,7 @@ class RowDecoder:
         self._logprobs: list[float] = []
         self._top_values: list[torch.Tensor] = []
         self._top_ids: list[torch.Tensor] = []
+        self._masks = SamplingMasks() if params.sampling_mask else None
 
     @property
     def done(self) -> bool:
@@ -82,6 +88,10 @@ class RowDecoder:
         if top_values is not None:
             self._top_values.append(top_values)
             self._top_ids.append(top_ids)
+
+    def add_mask(self, token_ids: np.ndarray) -> None:
+        """This step's sampling mask: the ids its token could have been drawn from (host, int32)."""
+        self._masks.add(token_ids)
 
     def record(self, token: int, *, aborted: bool) -> None:
         """The token this step produced (on the host); decides whether the row ends here."""
@@ -131,11 +141,20 @@ class RowDecoder:
         return list(self._logprobs)
 
     def top_logprobs(self) -> list[list[list]] | None:
-        """Per token, ``[[token_id, logprob], ...]`` of the k most likely tokens, most likely first."""
+        """Per token, ``[[token_id, logprob], ...]`` of the k most likely tokens, most likely first.
+
+        Under ``logprobs_mode`` "processed" these are the top k of the processed distribution, and
+        only tokens in its support: a step whose support is smaller than k lists fewer (a greedy
+        step lists its token alone, at 0.0), as a cut token has no finite logprob to give."""
         if not self.params.top_logprobs:
             return None
         if not self._top_values:
             return []
         values, ids = torch.stack(self._top_values).tolist(), torch.stack(self._top_ids).tolist()
-        return [[[t, v] for t, v in zip(step_ids, step_values, strict=True)]
+        cut = -math.inf if self.params.logprobs_mode == "processed" else None
+        return [[[t, v] for t, v in zip(step_ids, step_values, strict=True) if v != cut]
                 for step_ids, step_values in zip(ids, values, strict=True)]
+
+    def sampling_mask(self) -> dict[str, list[int]] | None:
+        """CSR over the tokens (engine/sampling_mask.py) when the request asked, else None."""
+        return self._masks.csr() if self._masks is not None else None

@@ -33,7 +33,7 @@ def build_result(facts: ModelFacts, job: Any,
         timings["prompt_logprobs_s"] = time.perf_counter() - started
     choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
-                      top_logprobs=row.top_logprobs())
+                      top_logprobs=row.top_logprobs(), sampling_mask=row.sampling_mask())
                for row in job.rows]
     return GenerationResult(
         prompt_token_ids=list(request.prompt_token_ids),
