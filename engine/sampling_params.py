@@ -58,7 +58,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     top_logprobs: int = 0  # per step, this many most likely tokens of the logprobs_mode distribution
-    logprobs_mode: str = "raw"  # one of LOGPROBS_MODES (engine/processed_rows.py)
+    # One of LOGPROBS_MODES (engine/processed_rows.py); prompt logprobs stay raw (nothing is drawn there).
+    logprobs_mode: str = "raw"
     # Per token, the ids the token could have been drawn from (vLLM's SamplingMask, SGLang's
     # output_token_sampling_mask): Choice.sampling_mask.
     sampling_mask: bool = False
