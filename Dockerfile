@@ -24,6 +24,7 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY processors ./processors
+COPY domain ./domain
 COPY workers ./workers
 COPY web ./web
 COPY clients/python ./clients/python

@@ -27,12 +27,12 @@ BODY = {"token_ids": list(range(100, 132)), "sampling_params": {"max_tokens": 32
 
 
 def run(calls: int = CALLS, rounds: int = 3) -> list[dict]:
+    from domain.infra.redis_server import EmbeddedRedis
+    from domain.settings import Settings
     from engine.demo_model import build_demo_model
     from web.app import create_app
     from web.blueprint import Blueprint
     from web.schemas import SubmitJobSchema
-    from workers.infra.redis_server import EmbeddedRedis
-    from workers.settings import Settings
 
     parser = Blueprint.ARGUMENTS_PARSER
     shared = SubmitJobSchema()

@@ -1,7 +1,7 @@
 """Scoring a batch while its file is read, beside reading it whole first (issue #29, bulk scoring).
 
 ``POST /v1/batches`` checks a file a block of lines at a time and stores each block as it comes
-(``workers/batches/creation.BatchIntake``): the chunks of plain score lines are queued at once, and
+(``domain/batches/creation.BatchIntake``): the chunks of plain score lines are queued at once, and
 the GPU worker scores them while the API checks the rest. Before, the whole file was checked first
 and only then stored and queued, so the GPU worker waited out the intake. Here the earlier way is
 the same code handed the whole file as one block.
@@ -26,10 +26,10 @@ from pathlib import Path
 
 from bench.rows import print_rows
 from bench.service import BATCH, HEADERS, NEW_TOKENS, Service, job_body, prompt
+from domain.batches.creation import ParsedBatch
 from engine.demo_model import build_demo_model
 from web import batches as batches_route
 from web.batch_upload import check_lines
-from workers.batches.creation import ParsedBatch
 
 ROWS = 2000
 

@@ -39,11 +39,11 @@ import requests  # noqa: E402
 from rollout_queue_client import RolloutClient  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
 
+from domain.infra.redis_server import EmbeddedRedis  # noqa: E402
+from domain.settings import Settings  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
 from web import batch_upload, batches  # noqa: E402
 from web.app import create_app  # noqa: E402
-from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
-from workers.settings import Settings  # noqa: E402
 from workers.tasks.batches import submit_chunk  # noqa: E402
 
 GOAL_SECONDS = 5.0

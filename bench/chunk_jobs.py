@@ -21,15 +21,15 @@ import time
 from pathlib import Path
 
 from bench.rows import print_rows
+from domain.infra.redis_server import EmbeddedRedis
+from domain.jobs.request import JobRequest
+from domain.jobs.store import QueueFullError
+from domain.jobs.submission import submit_job, submit_jobs
+from domain.names import SHARED_GENERATE_QUEUE
+from domain.settings import Settings
 from engine.demo_model import build_demo_model
 from web.schemas import JobRequestSchema
-from workers.infra.redis_server import EmbeddedRedis
-from workers.jobs.request import JobRequest
-from workers.jobs.store import QueueFullError
-from workers.jobs.submission import submit_job, submit_jobs
-from workers.names import SHARED_GENERATE_QUEUE
 from workers.runtime import Runtime
-from workers.settings import Settings
 
 JOBS = 2048
 CHUNK = 64  # ROLLOUT_BATCH_CHUNK_SIZE's default

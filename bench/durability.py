@@ -41,10 +41,10 @@ def submits_per_second(client, jobs: int) -> float:
 
 
 def run(jobs: int = JOBS) -> list[dict]:
+    from domain.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
+    from domain.settings import Settings
     from engine.demo_model import build_demo_model
     from web.app import create_app
-    from workers.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
-    from workers.settings import Settings
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_demo_model(Path(tmp) / "demo")

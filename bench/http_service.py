@@ -37,10 +37,10 @@ from bench.service import (
     job_body,
     process_cpu_seconds,
 )
+from domain.infra.redis_server import free_port
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
 from engine.loading import load_model
-from workers.infra.redis_server import free_port
 
 JOBS = 64
 

@@ -38,6 +38,7 @@ import soundfile as sf  # noqa: E402
 import torch  # noqa: E402
 
 from bench.rows import print_rows  # noqa: E402
+from domain.infra.redis_server import EmbeddedRedis  # noqa: E402
 from engine.demo_model import SERVED_ARCH, build_demo_model  # noqa: E402
 from engine.limits import Limits  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
@@ -45,7 +46,6 @@ from processors.cache import MultimodalCache  # noqa: E402
 from processors.fetch import FetchPolicy, GuardedFetcher  # noqa: E402
 from processors.pipeline import preprocess  # noqa: E402
 from processors.registry import load_processor  # noqa: E402
-from workers.infra.redis_server import EmbeddedRedis  # noqa: E402
 
 MISS_RUNS, HIT_RUNS = 5, 15
 

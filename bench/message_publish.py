@@ -19,11 +19,11 @@ from pathlib import Path
 from kombu.transport import redis as kombu_redis
 
 from bench.rows import print_rows
-from workers.batches.messages import send_chunk, send_chunks
+from domain.batches.messages import send_chunk, send_chunks
+from domain.infra.redis_server import EmbeddedRedis
+from domain.names import PREPROCESS_QUEUE, PREPROCESS_TASK
+from domain.settings import Settings
 from workers.celery_app import create_celery
-from workers.infra.redis_server import EmbeddedRedis
-from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
-from workers.settings import Settings
 
 MESSAGES = 2000
 CHUNKS = 32  # bench.service's 2,000 score rows at the default chunk size (64)
@@ -63,7 +63,7 @@ def run(messages: int = MESSAGES, rounds: int = 3) -> list[dict]:
 
 
 def chunk_messages(app, rounds: int) -> dict[str, float]:
-    """The API's chunk messages for a file (workers.batches.messages.send_chunks, a publish batch)
+    """The API's chunk messages for a file (domain.batches.messages.send_chunks, a publish batch)
     against the same messages sent one at a time through one producer (the way before); best of
     ``rounds``, alternated."""
     best = {"one by one": float("inf"), "batch": float("inf")}

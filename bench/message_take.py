@@ -21,8 +21,8 @@ import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 from bench.rows import print_rows
+from domain.infra.redis_server import EmbeddedRedis
 from workers import celery_transport
-from workers.infra.redis_server import EmbeddedRedis
 
 QUEUE = Queue("bench-take", Exchange("bench-take"), routing_key="bench-take")
 PREFETCH = 32

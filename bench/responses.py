@@ -33,15 +33,15 @@ from flask.json.provider import DefaultJSONProvider
 from marshmallow import fields
 
 from bench.rows import print_rows
+from domain.infra.redis_records import decode_record
+from domain.infra.redis_server import EmbeddedRedis
+from domain.jobs.store import _JSON_FIELDS, _OWN_JSON_FIELDS, TERMINAL
+from domain.jobs.view import public_job
+from domain.lifecycle import end_jobs
+from domain.settings import Settings
 from web.app import create_app
 from web.json_body import JsonProvider, _finite_float, _refuse_constant, _walk, parse_json
 from web.schemas import JobLookupResultSchema, NumberList
-from workers.infra.redis_records import decode_record
-from workers.infra.redis_server import EmbeddedRedis
-from workers.jobs.store import _JSON_FIELDS, _OWN_JSON_FIELDS, TERMINAL
-from workers.jobs.view import public_job
-from workers.lifecycle import end_jobs
-from workers.settings import Settings
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

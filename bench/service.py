@@ -45,15 +45,15 @@ from pathlib import Path
 import torch
 
 from bench.generation_batching import score_in_process
+from domain.infra.heartbeats import alive_workers, statuses
+from domain.infra.redis_server import EmbeddedRedis
+from domain.settings import Settings
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 from web.app import create_app
-from workers.infra.heartbeats import alive_workers, statuses
-from workers.infra.redis_server import EmbeddedRedis
-from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "bench-key"

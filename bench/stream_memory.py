@@ -32,10 +32,10 @@ import requests
 
 from bench.http_service import _children
 from bench.rows import print_rows
+from domain.infra.redis_server import EmbeddedRedis, free_port
+from domain.settings import Settings
 from engine.demo_model import build_demo_model
-from workers.infra.redis_server import EmbeddedRedis, free_port
 from workers.runtime import Runtime
-from workers.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "bench-key"

@@ -35,10 +35,10 @@ import torch
 
 from bench.http_service import start_api
 from bench.service import BATCH, HEADERS, Service, _row, engine_request, job_body
+from domain.jobs.events import JobEvents
 from engine.demo_model import build_demo_model
 from engine.generation import Engine
 from engine.loading import load_model
-from workers.jobs.events import JobEvents
 
 
 def first_and_total(url: str, body: dict) -> tuple[float, float]:

@@ -110,7 +110,7 @@ def _row(name: str, value: float, goal: str | None, unit: str) -> dict:
 def _redis_server():
     import tempfile
 
-    from workers.infra.redis_server import EmbeddedRedis
+    from domain.infra.redis_server import EmbeddedRedis
 
     with tempfile.TemporaryDirectory() as data, EmbeddedRedis(data, persistent=False) as server:
         yield server.url

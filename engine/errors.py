@@ -3,7 +3,7 @@
 Every error a user can see derives from :class:`RolloutError` and carries a stable ``code``,
 its :class:`Fault` (what kind of failure it is) and whether retrying may help (``retryable``).
 No protocol is named here: the layers that answer a caller map a fault to their status
-(workers/error_statuses.py: the API's HTTP statuses and the OpenAI batch output's). Code
+(domain/error_statuses.py: the API's HTTP statuses and the OpenAI batch output's). Code
 branches on the type, ``code`` or ``fault``, never on message text. It lives in ``engine`` because
 that is the lowest layer: every other layer may import it.
 

@@ -1,9 +1,9 @@
 """Every limit a request meets, in one object: built once per process from the settings and the
-model (``workers/limits.py``), and handed to the API's checks, the preprocessing pipeline and the
+model (``domain/limits.py``), and handed to the API's checks, the preprocessing pipeline and the
 engine, so each limit has one name and one value wherever it is checked.
 
 Torch-free: the API holds one. The defaults are the settings' defaults (checked by
-tests/workers/test_limits.py), so a part built without settings limits what the service would.
+tests/domain/test_limits.py), so a part built without settings limits what the service would.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from workers.infra.redis_server import EmbeddedRedis
+    from domain.infra.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persistent=False).start()
     yield server

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from domain.infra.heartbeats import WORKER_KINDS
+from domain.settings import load_settings
 from web.cli import build_parser
-from workers.infra.heartbeats import WORKER_KINDS
-from workers.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -71,7 +71,7 @@ def test_the_sentinel_profile_watches_redis_with_a_replica_and_three_sentinels(c
         script = profiled[name]["command"][-1]
         assert "sentinel monitor rollout redis 6379 2" in script and "--sentinel" in script
     # What the README tells the workers to use with the profile parses as a Sentinel target.
-    from workers.redis_target import parse_sentinel_url
+    from domain.redis_target import parse_sentinel_url
 
     target = parse_sentinel_url("redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/rollout/0")
     assert target.master == "rollout" and len(target.sentinels) == 3

@@ -1,4 +1,4 @@
-"""The import direction web -> workers -> processors -> engine is a contract (import-linter)."""
+"""The import direction web -> workers -> domain -> processors -> engine is a contract (import-linter)."""
 
 import shutil
 import subprocess
@@ -12,7 +12,7 @@ def test_layers_import_downward_only():
     lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
     result = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 5 kept, 0 broken" in result.stdout
+    assert "Contracts: 7 kept, 0 broken" in result.stdout
 
 
 def test_no_module_imports_itself_in_a_circle():
@@ -20,7 +20,7 @@ def test_no_module_imports_itself_in_a_circle():
     the import order matter and hide which module is the lower one."""
     import grimp
 
-    graph = grimp.build_graph("web", "workers", "processors", "engine", "rollout_queue_client", cache_dir=None)
+    graph = grimp.build_graph("web", "workers", "domain", "processors", "engine", "rollout_queue_client", cache_dir=None)
     edges = {module: graph.find_modules_directly_imported_by(module) for module in graph.modules}
     loops = [sorted(component) for component in _strongly_connected(edges) if len(component) > 1]
     assert loops == []

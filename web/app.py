@@ -6,6 +6,7 @@ import logging
 
 from flask import Flask, g, request
 
+from domain.settings import Settings, load_settings
 from engine.errors import PayloadTooLargeError
 from web import batches, deliveries, files, generate, health, jobs, metrics, render, weights
 from web.batch_upload import MULTIPART_OVERHEAD
@@ -14,7 +15,6 @@ from web.dialects import openai_views, sglang_views, vllm_views
 from web.errors import ServiceApi, register_error_handlers
 from web.json_body import JsonProvider
 from web.services import Services
-from workers.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 

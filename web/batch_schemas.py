@@ -7,14 +7,14 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, pre_load, validate
 
+from domain.batches.store import STATUSES
+from domain.webhooks import BATCH_EVENTS
 from web.json_body import InvalidJsonError, UnsupportedJsonValueError, parse_json
 from web.long_poll import wait_field
 from web.openai_batch_lines import ENDPOINTS
 from web.openai_batch_object import VIEWS
 from web.schema_base import Schema
 from web.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema
-from workers.batches.store import STATUSES
-from workers.webhooks import BATCH_EVENTS
 
 
 class JsonText(fields.Field):

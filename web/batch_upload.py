@@ -15,6 +15,9 @@ from flask import request
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge, UnsupportedMediaType
 
+from domain.batches.creation import BatchTooLargeError, ParsedBatch
+from domain.error_statuses import http_status
+from domain.infra import finite_json
 from engine.errors import InvalidRequestError, RolloutError
 from engine.request_rules import check_metadata
 from web.auth import current_owner
@@ -33,15 +36,12 @@ from web.openai_batch_lines import (
 )
 from web.services import services
 from web.submit import check_limits
-from workers.batches.creation import BatchTooLargeError, ParsedBatch
-from workers.error_statuses import http_status
-from workers.infra import finite_json
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "text/plain")
 # Inputs and results of a running batch sit in Redis for its whole window: a week bounds that.
 MAX_COMPLETION_WINDOW = 7 * 24 * 3600
 MIN_COMPLETION_WINDOW = 60
-# Line errors shown in a 422 (the batch object shows workers.batches.creation.REPORTED_LINE_ERRORS).
+# Line errors shown in a 422 (the batch object shows domain.batches.creation.REPORTED_LINE_ERRORS).
 REFUSED_LINE_ERRORS = 5
 # Room for the multipart boundaries and the form fields around the file.
 MULTIPART_OVERHEAD = 64 * 1024

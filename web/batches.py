@@ -8,7 +8,7 @@ gets). Each line of the file is ours, ``{"custom_id": ..., "kind": "generate" | 
 The body is checked by the same schema and limits as ``POST /v1/jobs`` (the line's ``kind`` wins
 over ``body.kind``). An invalid line does not fail the batch: it goes to the batch's errors with
 its line number, and the batch runs the other lines; only a file without one valid line is refused
-(422). The file is validated here, in the API process, a block at a time; ``workers.batches.creation``
+(422). The file is validated here, in the API process, a block at a time; ``domain.batches.creation``
 stores each block's valid lines in Redis as it comes (its score lines start scoring while the rest
 is read), and the jobs are made by ``rollout.batches.enqueue_chunk``, one Celery message per chunk
 of lines.
@@ -20,6 +20,9 @@ from __future__ import annotations
 from flask import Response, request
 from flask.views import MethodView
 
+from domain.batches.creation import BatchIntake
+from domain.batches.messages import request_cancel
+from domain.batches.store import TERMINAL
 from web.auth import current_owner
 from web.batch_schemas import (
     BatchListQuerySchema,
@@ -42,9 +45,6 @@ from web.blueprint import Blueprint
 from web.long_poll import long_wait
 from web.openai_batch_object import batch_view
 from web.services import services
-from workers.batches.creation import BatchIntake
-from workers.batches.messages import request_cancel
-from workers.batches.store import TERMINAL
 
 blp = Blueprint("batches", __name__, url_prefix="/v1/batches", description="Offline batches of jobs from JSONL files")
 

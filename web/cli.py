@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from domain.infra.heartbeats import WORKER_KINDS
 from engine.errors import RolloutError
-from workers.infra.heartbeats import WORKER_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if getattr(args, "handler", None):  # batch subcommands talk to a running service
         return args.handler(args)
-    from workers.infra.logs import configure_logging
-    from workers.settings import load_settings
+    from domain.infra.logs import configure_logging
+    from domain.settings import load_settings
 
     settings = load_settings()
     configure_logging(settings.log_level)
@@ -74,7 +74,7 @@ def _run(args) -> int:
 
 
 def _require_redis(settings) -> str:
-    from workers.settings import SettingsError
+    from domain.settings import SettingsError
 
     if not settings.redis_target:
         raise SettingsError("ROLLOUT_REDIS_URL or ROLLOUT_REDIS_SENTINELS is required here (or use 'rollout-queue up')")

@@ -17,10 +17,10 @@ from kombu.exceptions import OperationalError
 from werkzeug.exceptions import HTTPException
 
 import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
+from domain.error_statuses import http_status
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
 from web.schema_base import Schema
 from web.services import services
-from workers.error_statuses import http_status
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ from flask.views import MethodView
 from marshmallow import fields, validate
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from domain.batches.creation import BatchTooLargeError
+from domain.batches.files import PURPOSES
 from engine.errors import InvalidRequestError, NotFoundError
 from web.attachment import attachment
 from web.auth import current_owner
@@ -30,8 +32,6 @@ from web.dialects.errors import install, openai_shape
 from web.openai_batch_lines import render_results
 from web.schema_base import Schema
 from web.services import services
-from workers.batches.creation import BatchTooLargeError
-from workers.batches.files import PURPOSES
 
 blp = Blueprint("files", __name__, url_prefix="/v1/files", description="Files for batches (OpenAI's Files API)")
 install(blp, openai_shape)

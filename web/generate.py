@@ -10,13 +10,13 @@ from __future__ import annotations
 from flask import jsonify
 from flask.views import MethodView
 
+from domain.jobs.view import public_job
 from web.blueprint import Blueprint
 from web.dialects.common import job_error
 from web.idempotency import OPENAPI_PARAMETERS, answered_job, job_answer, once, replay_headers
 from web.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.services import services
 from web.submit import confirm_created, submit
-from workers.jobs.view import public_job
 
 blp = Blueprint("generate", __name__, description="Synchronous generation in the native shape")
 

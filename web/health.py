@@ -5,12 +5,12 @@ from __future__ import annotations
 from flask.views import MethodView
 from marshmallow import fields
 
+from domain.infra.heartbeats import WORKER_KINDS, alive_workers
+from domain.infra.redis_memory import MemoryUse
 from web.blueprint import Blueprint
 from web.schema_base import Schema
 from web.services import services
 from workers.gpu.model_check import last_model_check
-from workers.infra.heartbeats import WORKER_KINDS, alive_workers
-from workers.infra.redis_memory import MemoryUse
 
 blp = Blueprint("health", __name__, description="Health")
 

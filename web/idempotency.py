@@ -4,7 +4,7 @@ A submit with a key makes its jobs once: sent again with the same key and body (
 closed connection and cannot know whether the first one arrived), it is answered with the jobs the
 first one made, ``Idempotent-Replayed: true`` beside them; with another body, 409
 ``idempotency_key_reused``. Keys are the caller's own: two API keys' equal keys are two submits.
-The store is ``workers/jobs/idempotency.py``.
+The store is ``domain/jobs/idempotency.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 import redis
 from flask import request as http_request
 
+from domain.jobs.idempotency import Answer, Claim, IdempotencyKeyInUseError, fingerprint
 from engine.errors import Fault, RolloutError
 from web.auth import current_owner
 from web.services import services
-from workers.jobs.idempotency import Answer, Claim, IdempotencyKeyInUseError, fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,10 @@ import time
 from flask import request as http_request
 from flask.views import MethodView
 
+from domain.jobs.idempotency import Answer
+from domain.jobs.store import TERMINAL, QueueFullError
+from domain.jobs.view import public_job
+from domain.lifecycle import cancel_job
 from engine.errors import NotFoundError
 from web.auth import current_owner
 from web.blueprint import Blueprint
@@ -26,10 +30,6 @@ from web.schemas import (
 from web.services import services
 from web.streams import job_events, last_event_id, stream_response
 from web.submit import confirm_created, submit, submit_many
-from workers.jobs.idempotency import Answer
-from workers.jobs.store import TERMINAL, QueueFullError
-from workers.jobs.view import public_job
-from workers.lifecycle import cancel_job
 
 blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Generation and scoring jobs")
 

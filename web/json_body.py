@@ -31,8 +31,8 @@ from marshmallow import missing
 from webargs.flaskparser import FlaskParser, is_json_request
 from werkzeug.exceptions import UnsupportedMediaType
 
+from domain.infra import finite_json
 from engine.errors import Fault, InvalidRequestError, RolloutError
-from workers.infra import finite_json
 
 # Far deeper than any request we define, far shallower than the recursion limit, so nothing that
 # walks a request later (marshmallow, json.dumps of metadata) can run out of stack.

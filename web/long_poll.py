@@ -1,7 +1,7 @@
 """Long polling: a read that waits (``?wait=S``) answers when its record ends or after S seconds,
 one request where polling takes one per interval (as SQS's and Google's long-running operations'
-``wait`` do). The waiting itself is ``workers.infra.wakeups`` (an API process's waits share one
-BLPOP: ``workers/infra/wakeup_hub.py``).
+``wait`` do). The waiting itself is ``domain.infra.wakeups`` (an API process's waits share one
+BLPOP: ``domain/infra/wakeup_hub.py``).
 
 A waiting read holds one of the API process's request threads. One key may hold at most half of
 them in long polls (:class:`web.wait_slots.WaitSlots`); its next long poll answers at once, as a long poll may

@@ -13,16 +13,16 @@ from flask import Blueprint, Response, request
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from domain.infra.metrics import snapshot
+from domain.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 from engine.errors import ForbiddenError
 from web.services import services
-from workers.infra.metrics import snapshot
-from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 
 blp = Blueprint("metrics", __name__)
 
 
 class RedisCollector:
-    """Reads the numbers every process keeps in Redis (see ``workers.infra.metrics``) at scrape time."""
+    """Reads the numbers every process keeps in Redis (see ``domain.infra.metrics``) at scrape time."""
 
     def __init__(self, svc):
         self.svc = svc

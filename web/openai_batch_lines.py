@@ -33,12 +33,12 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate
 
+from domain.infra import finite_json
 from engine.errors import InvalidRequestError
 from web.dialects import openai
 from web.dialects.errors import openai_shape
 from web.schema_base import Schema
 from web.schemas import JobRequestSchema
-from workers.infra import finite_json
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

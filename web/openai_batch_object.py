@@ -1,4 +1,4 @@
-"""The batch as OpenAI's Batch object, beside our own view (``workers.batches.store.public_batch``).
+"""The batch as OpenAI's Batch object, beside our own view (``domain.batches.store.public_batch``).
 
 Which view a call gets: the OpenAI object for a batch made the OpenAI way (``POST /v1/batches``
 with a JSON body naming an ``input_file_id``), our view for one uploaded as a file (multipart or
@@ -15,9 +15,9 @@ from typing import Any
 
 from flask import request
 
+from domain.batches.store import STATUS_TIMESTAMPS, public_batch
 from web.dialects.common import served_model_name
 from web.openai_batch_lines import JOBS_URL
-from workers.batches.store import STATUS_TIMESTAMPS, public_batch
 
 VIEWS = ("openai", "native")
 

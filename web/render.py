@@ -12,6 +12,10 @@ from typing import Any
 from flask.views import MethodView
 from marshmallow import fields, validate
 
+from domain.infra.fair_share import KeyShare
+from domain.infra.heartbeats import any_alive
+from domain.infra.redis_records import new_id
+from domain.renders import NoRenderWorkerError, request_render, wait_bound, wait_render
 from engine.errors import RateLimitedError
 from engine.request_rules import check_media_count
 from processors.chat_messages import template_messages
@@ -20,10 +24,6 @@ from web.blueprint import Blueprint
 from web.schema_base import Schema
 from web.schemas import ContentPartSchema
 from web.services import services
-from workers.infra.fair_share import KeyShare
-from workers.infra.heartbeats import any_alive
-from workers.infra.redis_records import new_id
-from workers.renders import NoRenderWorkerError, request_render, wait_bound, wait_render
 
 blp = Blueprint("render", __name__, description="Chat template rendering (on a CPU worker; the request waits for it)")
 

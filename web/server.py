@@ -6,11 +6,11 @@ from gunicorn import util
 from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import ThreadWorker
 
+from domain.settings import Settings
 from web.batch_upload import MULTIPART_OVERHEAD
 from web.early_errors import error_response
 from web.request_buffering import RequestBuffering
 from web.thread_share import digests
-from workers.settings import Settings
 
 
 class _ErrorCapture:

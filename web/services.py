@@ -3,7 +3,7 @@ uses) plus what only the API serves. Built once per app and kept in ``app.extens
 
 The API needs the model's config and its tokenizer, never the model or the processor: media are
 fetched and rendered by CPU workers (web/render.py), tokens made by GPU workers. Both are read
-without importing torch (``workers/model_probe.py``), so an API process starts light.
+without importing torch (``domain/model_probe.py``), so an API process starts light.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from functools import cached_property
 
 from flask import current_app
 
+from domain.infra.redis_client import with_pool_size
+from domain.infra.redis_memory import MemoryGauge
+from domain.infra.wakeup_hub import WakeupHub
+from domain.infra.wakeups import WaitAny
+from domain.jobs.event_hub import EventHub
+from domain.jobs.events import JobEvents
+from domain.jobs.idempotency import IdempotencyStore
+from domain.settings import Settings
 from web.auth import KeyRing
 from web.wait_slots import WaitSlots
-from workers.infra.redis_client import with_pool_size
-from workers.infra.redis_memory import MemoryGauge
-from workers.infra.wakeup_hub import WakeupHub
-from workers.infra.wakeups import WaitAny
-from workers.jobs.event_hub import EventHub
-from workers.jobs.events import JobEvents
-from workers.jobs.idempotency import IdempotencyStore
 from workers.runtime import Runtime
-from workers.settings import Settings
 
 
 class Services(Runtime):
@@ -53,7 +53,7 @@ class Services(Runtime):
 
     @cached_property
     def redis_memory(self) -> MemoryGauge:
-        """Redis' memory against its bound, read at most once a second (workers/infra/redis_memory.py):
+        """Redis' memory against its bound, read at most once a second (domain/infra/redis_memory.py):
         new work is refused at its high-water mark; /healthz and /metrics show it."""
         return MemoryGauge(self.redis)
 
@@ -64,7 +64,7 @@ class Services(Runtime):
 
     @cached_property
     def wakeup_hub(self) -> WakeupHub:
-        """One BLPOP for every wait this process holds (workers/infra/wakeup_hub.py), on three
+        """One BLPOP for every wait this process holds (domain/infra/wakeup_hub.py), on three
         connections of its own: a long poll or a synchronous call costs no connection of the pool
         ``/healthz``, the admin's calls and other keys use."""
         return WakeupHub(with_pool_size(self.redis, 3))
@@ -75,7 +75,7 @@ class Services(Runtime):
 
     @cached_property
     def event_hub(self) -> EventHub:
-        """One XREAD for every stream this process serves (workers/jobs/event_hub.py)."""
+        """One XREAD for every stream this process serves (domain/jobs/event_hub.py)."""
         return EventHub(self.events)
 
 

@@ -1,6 +1,6 @@
 """An agent's session id from its HTTP request: SkyRL's ``X-Session-ID`` header, on every route,
 for the dialects whose bodies have no such field. It only routes the agent's turns to one GPU
-worker (``workers/infra/gpu_affinity.py``, docs/architecture.md); what a request computes never
+worker (``domain/infra/gpu_affinity.py``, docs/architecture.md); what a request computes never
 depends on it."""
 
 from __future__ import annotations

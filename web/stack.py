@@ -20,13 +20,13 @@ from pathlib import Path
 import redis
 import requests
 
+from domain.infra.redis_client import connect
+from domain.infra.redis_memory import HIGH_WATER, default_maxmemory_bytes
+from domain.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
+from domain.models import DEMO_MODEL_NAME, resolve_model_path
+from domain.settings import Settings, SettingsError
 from engine.errors import ServiceUnavailableError
 from web.supervisor import Child, Supervisor, process_child
-from workers.infra.redis_client import connect
-from workers.infra.redis_memory import HIGH_WATER, default_maxmemory_bytes
-from workers.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
-from workers.models import DEMO_MODEL_NAME, resolve_model_path
-from workers.settings import Settings, SettingsError
 
 CHILDREN = (("api",), ("worker", "cpu"), ("worker", "gpu"), ("worker", "webhooks"), ("worker", "batches"))
 READY_TIMEOUT = 180.0
@@ -38,7 +38,7 @@ class RedisUnreachableError(ServiceUnavailableError):
 
 def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[str, str]:
     """The environment ``up`` starts its children with: the Redis and the model it prepared."""
-    # The URL names a Sentinel target too (workers/redis_target.py): it replaces the sentinels' settings.
+    # The URL names a Sentinel target too (domain/redis_target.py): it replaces the sentinels' settings.
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_REDIS_SENTINEL")},
            "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
     if not settings.model and not settings.served_model_name:

@@ -1,6 +1,6 @@
 """A stored JSON value sent as the streams spell JSON, a piece at a time, without decoding it.
 
-A job's result is stored as orjson writes it (``workers/infra/finite_json.compact``); a stream
+A job's result is stored as orjson writes it (``domain/infra/finite_json.compact``); a stream
 has always sent ``json.dumps``' spelling (``web/streams.py`` ``sse``). Both write the same values,
 but orjson leaves characters past ASCII (and DEL) unescaped and writes floats under 1e-4 its own
 way (``0.00001``, ``1e-7``), where ``json`` writes ``\\u`` escapes and Python's repr (``1e-05``,

@@ -2,7 +2,7 @@
 
 How long-lived streams are served (gunicorn's gthread worker, ``web/server.py``): a stream is a
 WSGI response generator on a worker thread, and that thread spends its life waiting on its queue
-of the process's event hub (``workers/jobs/event_hub.py``: one XREAD for every stream of the
+of the process's event hub (``domain/jobs/event_hub.py``: one XREAD for every stream of the
 process), which releases the GIL: an idle stream costs a parked OS thread (its stack is virtual
 memory, mostly untouched) and no CPU. That is why threads and not gevent
 (monkey-patching Celery's publisher, redis-py and the rest of the API process for one route) nor a
@@ -27,13 +27,13 @@ from typing import Any
 import redis
 from flask import Response
 
+from domain.infra.redis_records import StoredJSON
+from domain.jobs.events import plausible_event_id
+from domain.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
+from domain.jobs.view import public_job
 from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
 from web.auth import current_owner
 from web.stored_json import respelled
-from workers.infra.redis_records import StoredJSON
-from workers.jobs.events import plausible_event_id
-from workers.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
-from workers.jobs.view import public_job
 
 log = logging.getLogger(__name__)
 

@@ -7,6 +7,10 @@ from typing import Any
 import flask
 from flask import has_request_context
 
+from domain.infra.replication import confirm_if_asked
+from domain.jobs.request import JobRequest
+from domain.jobs.store import QueueFullError
+from domain.jobs.submission import submit_job, submit_jobs
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, PlaceholderMismatchError, RolloutError, check_token_ids
 from engine.request_rules import (
@@ -19,10 +23,6 @@ from engine.request_rules import (
 from web.auth import current_owner
 from web.services import services
 from web.session_header import with_session
-from workers.infra.replication import confirm_if_asked
-from workers.jobs.request import JobRequest
-from workers.jobs.store import QueueFullError
-from workers.jobs.submission import submit_job, submit_jobs
 
 
 def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def submit_checked(requests: list[JobRequest], *, confirm: bool = True) -> list[
     """The caller's jobs of ``requests`` created in one round trip and their messages sent in one
     more, so they reach the GPU workers together. Each one's job, or the QueueFullError its turn met
     under the caps (the others still run). Refused whole (503 ``redis_memory_full``) while Redis is at
-    its high-water mark: what it holds already may then still finish (workers/infra/redis_memory.py)."""
+    its high-water mark: what it holds already may then still finish (domain/infra/redis_memory.py)."""
     svc = services()
     svc.redis_memory.admit()
     outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],

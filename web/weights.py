@@ -3,7 +3,7 @@
 ``POST /v1/weights`` checks the directory here first (under ``ROLLOUT_WEIGHTS_ROOT``, same
 architecture, tensor names and shapes from the safetensors headers), so a bad directory is a 422
 that changes nothing; then it sets the fleet's target and answers once every live GPU worker
-serves it (see ``workers/weights/updates.py``). SGLang's ``/update_weights_from_disk``,
+serves it (see ``domain/weights/updates.py``). SGLang's ``/update_weights_from_disk``,
 ``/pause_generation`` and ``/continue_generation`` map onto the same calls for RL frameworks that
 speak SGLang (slime, AReaL); their replies are SGLang's ``{success, message, num_paused_requests}``.
 """
@@ -15,15 +15,15 @@ from dataclasses import asdict
 from flask.views import MethodView
 from marshmallow import EXCLUDE, fields, validate
 
+from domain.weights.paths import resolve_weights_dir
+from domain.weights.store import MODES, PAUSE_MODES
+from domain.weights.updates import fleet_paused, update_weights
 from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import check_checkpoint, weight_version_of
 from web.auth import require_admin
 from web.blueprint import Blueprint
 from web.schema_base import Schema
 from web.services import services
-from workers.weights.paths import resolve_weights_dir
-from workers.weights.store import MODES, PAUSE_MODES
-from workers.weights.updates import fleet_paused, update_weights
 
 blp = Blueprint("weights", __name__, description="Weight updates (admin keys only)")
 

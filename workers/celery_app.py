@@ -1,6 +1,6 @@
 """The Celery app factory.
 
-Queues and task names: ``workers.names``.
+Queues and task names: ``domain.names``.
 
 Reliability settings, and why:
 - JSON only: tasks carry ids and small JSON, never pickled objects.
@@ -29,10 +29,10 @@ from functools import cached_property
 from celery import Celery
 from kombu import Exchange, Queue
 
+from domain.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
+from domain.redis_target import broker_options
+from domain.settings import Settings
 from workers.celery_transport import transport_for
-from workers.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
-from workers.redis_target import broker_options
-from workers.settings import Settings
 
 TASK_MODULES = [
     "workers.tasks.cpu",

@@ -10,11 +10,11 @@ window has room for more, one Lua script records that message and pops up to the
 more from the same queue (its priority lists in kombu's order), recording each in ``unacked`` /
 ``unacked_index`` exactly as ``QoS.append`` does, before it returns. Popping and recording in one
 script leaves no moment where a message is held by nobody (kombu's BRPOP path has one, which
-``workers/infra/lost_messages.py`` covers for the first message as before).
+``domain/infra/lost_messages.py`` covers for the first message as before).
 
 The messages are then delivered one by one through kombu's own callback; their QoS entry skips the
 Redis write the script already made. Everything else (acks, rejects, restores, the visibility
-timeout, ``workers/infra/held_messages.py``) reads the records as kombu wrote them.
+timeout, ``workers/held_messages.py``) reads the records as kombu wrote them.
 ``tests/workers/test_celery_transport.py`` pins the kombu internals this relies on. (A connection
 that fails over to another of a Sentinel broker's URLs gets that URL's stock transport from kombu,
 and takes one message per wake-up from then on, as before.)
@@ -204,5 +204,5 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 
 
 def transport_for(broker_url: str) -> type[kombu_redis.Transport]:
-    """The bulk-taking transport for a broker URL ``workers.redis_target.broker_options`` made."""
+    """The bulk-taking transport for a broker URL ``domain.redis_target.broker_options`` made."""
     return SentinelTransport if broker_url.startswith("sentinel://") else Transport

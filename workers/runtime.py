@@ -18,14 +18,14 @@ from pathlib import Path
 
 import redis
 
+from domain.infra.redis_client import connect
+from domain.infra.wakeups import WaitAny
+from domain.jobs.events import JobEvents
+from domain.jobs.store import JobStore, StoreLimits
+from domain.limits import build_limits
+from domain.models import model_id, resolve_model_path
+from domain.settings import Settings
 from engine.limits import Limits
-from workers.infra.redis_client import connect
-from workers.infra.wakeups import WaitAny
-from workers.jobs.events import JobEvents
-from workers.jobs.store import JobStore, StoreLimits
-from workers.limits import build_limits
-from workers.models import model_id, resolve_model_path
-from workers.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,21 @@ class Runtime:
 
     @cached_property
     def batches(self):
-        from workers.batches.store import BatchStore
+        from domain.batches.store import BatchStore
 
         return BatchStore(self.redis, result_ttl=self.settings.result_ttl, hooked_owners=self._hooked_owners,
                           wait_any=self.wait_any)
 
     @cached_property
     def files(self):
-        from workers.batches.files import FileStore
+        from domain.batches.files import FileStore
 
         return FileStore(self.redis, ttl=self.settings.result_ttl)
 
     @cached_property
     def weight_store(self):
-        """The fleet's weight target and each worker's report (workers/weights/store.py)."""
-        from workers.weights.store import WeightStore
+        """The fleet's weight target and each worker's report (domain/weights/store.py)."""
+        from domain.weights.store import WeightStore
 
         return WeightStore(self.redis)
 
@@ -106,7 +106,7 @@ class Runtime:
     @cached_property
     def webhooks(self):
         """Webhook events and their attempts in Redis."""
-        from workers.webhooks import WebhookStore
+        from domain.webhooks import WebhookStore
 
         return WebhookStore(self.redis, self.settings.result_ttl)
 
@@ -117,7 +117,7 @@ class Runtime:
     @cached_property
     def model_probe(self):
         """The model's facts and tokenizer class, read without torch where this process has none."""
-        from workers.model_probe import probe
+        from domain.model_probe import probe
 
         return probe(self.model_path, cache_dir=Path(self.settings.state_dir) / "model-probes")
 
@@ -132,7 +132,7 @@ class Runtime:
     @cached_property
     def tokenizer(self):
         """The model's tokenizer alone (the API decodes and counts tokens with it; no processor)."""
-        from workers.model_probe import load_tokenizer
+        from domain.model_probe import load_tokenizer
 
         return load_tokenizer(self.model_path, self.model_probe.tokenizer_class)
 
@@ -148,7 +148,7 @@ class Runtime:
 
     def share(self, kind: str):
         """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""
-        from workers.infra.fair_share import KeyShare
+        from domain.infra.fair_share import KeyShare
 
         if kind not in self._shares:
             s = self.settings

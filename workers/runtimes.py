@@ -10,9 +10,9 @@ import threading
 from functools import cached_property
 from pathlib import Path
 
+from domain.settings import Settings
 from processors.fetch import FetchPolicy, GuardedFetcher
 from workers.runtime import Runtime
-from workers.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ class GpuRuntime(Runtime):
 
     @cached_property
     def weight_sync(self):
-        """This GPU worker's side of fleet-wide weight updates (workers/weights/sync.py)."""
-        from workers.weights.sync import WeightSync
+        """This GPU worker's side of fleet-wide weight updates (workers/gpu/weight_sync.py)."""
+        from workers.gpu.weight_sync import WeightSync
 
         s = self.settings
         return WeightSync(self.weight_store, self.engine, worker=f"{s.node_id}-{os.getpid()}", node=s.node_id,
@@ -147,13 +147,13 @@ class WebhooksRuntime(Runtime):
     @cached_property
     def webhook_fetcher(self) -> GuardedFetcher:
         """The fetcher webhook attempts go through: its policy differs from ``fetcher``'s."""
-        from workers.webhooks import webhook_policy
+        from domain.webhooks import webhook_policy
 
         return GuardedFetcher(webhook_policy(self.settings))
 
     @cached_property
     def webhook_signer(self):
-        from workers.webhooks import Signer
+        from domain.webhooks import Signer
 
         signer = Signer(self.settings.webhook_secrets)
         if not signer.signs:

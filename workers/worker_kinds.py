@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from workers.infra.gpu_affinity import register_direct_queue
-from workers.names import (
+from domain.infra.gpu_affinity import register_direct_queue
+from domain.names import (
     BATCHES_QUEUE,
     CANCEL_BATCH_TASK,
     DELIVER_TASK,
@@ -25,9 +25,9 @@ from workers.names import (
     WEBHOOKS_QUEUE,
     direct_queue,
 )
+from domain.settings import Settings
 from workers.runtime import Runtime
 from workers.runtimes import CpuRuntime, GpuRuntime, WebhooksRuntime
-from workers.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,12 @@ class WorkerKind:
     name: ClassVar[str]
     runtime_class: ClassVar[type[Runtime]] = Runtime
     # The tasks whose messages this kind's workers hold: what a dead one held goes back to the
-    # queue once its heartbeat expires, not after the visibility timeout (workers/infra/held_messages.py).
+    # queue once its heartbeat expires, not after the visibility timeout (workers/held_messages.py).
     tasks_held: ClassVar[tuple[str, ...]]
     pool: ClassVar[str] = "solo"
 
     def __init__(self, settings: Settings, worker: str):
-        self.settings, self.worker = settings, worker  # worker: its name (workers.names.worker_name)
+        self.settings, self.worker = settings, worker  # worker: its name (domain.names.worker_name)
 
     def queues(self) -> tuple[str, ...]:
         raise NotImplementedError
@@ -76,7 +76,7 @@ class CpuWorker(WorkerKind):
     # Prefork even for one process, because only prefork enforces Celery's time limits (the solo
     # pool enforces none). More processes than cores: a job waiting on slow media holds its
     # process without using the CPU, and one key may hold at most ROLLOUT_CPU_PER_KEY slots
-    # (workers/infra/fair_share.py), so the rest stay free for other keys.
+    # (domain/infra/fair_share.py), so the rest stay free for other keys.
     pool = "prefork"
 
     def queues(self) -> tuple[str, ...]:
@@ -86,8 +86,8 @@ class CpuWorker(WorkerKind):
         return self.settings.cpu_concurrency
 
     def start_sweeps(self, rt) -> None:
+        from domain.infra.fair_share import start_sweeper
         from engine.transport import sweep_orphaned_segments
-        from workers.infra.fair_share import start_sweeper
 
         # Segments of producers killed together with their resource tracker. It judges owners by
         # pid, so run one CPU worker per pid namespace that shares this /dev/shm (compose does).
@@ -126,7 +126,7 @@ class GpuWorker(WorkerKind):
     pool = "threads"
 
     def queues(self) -> tuple[str, ...]:
-        # The prompts whose prefix it holds come to its own queue (workers/infra/gpu_affinity.py).
+        # The prompts whose prefix it holds come to its own queue (domain/infra/gpu_affinity.py).
         return (self.settings.generate_queue, SHARED_GENERATE_QUEUE, direct_queue(self.worker))
 
     def prefetch(self) -> int:
@@ -149,7 +149,7 @@ class GpuWorker(WorkerKind):
         ready = rt.model_ready
         # The weight version it serves (what SGLang-style /get_model_info reports); the generate
         # messages celery-batches buffers out of Celery's own state; the jobs its session runs,
-        # of which another worker begins no attempt (workers/jobs/attempts.py).
+        # of which another worker begins no attempt (domain/jobs/attempts.py).
         return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
                 "held": held + generate.held_delivery_tags(), "node": self.settings.node_id,
                 "direct_queue": direct_queue(self.worker), "running": generate.running_job_ids()}
@@ -166,7 +166,7 @@ class WebhooksWorker(WorkerKind):
     runtime_class = WebhooksRuntime
     tasks_held = (JOB_ENDED_TASK, DELIVER_TASK)
     # Deliveries wait on the network, not the CPU: threads, many of them, of which one key holds
-    # at most ROLLOUT_WEBHOOK_PER_KEY (workers/infra/fair_share.py), so hanging receivers of one
+    # at most ROLLOUT_WEBHOOK_PER_KEY (domain/infra/fair_share.py), so hanging receivers of one
     # key leave threads for everyone else.
     pool = "threads"
 
@@ -177,8 +177,8 @@ class WebhooksWorker(WorkerKind):
         return self.settings.webhook_concurrency
 
     def start_sweeps(self, rt) -> None:
-        from workers.infra.fair_share import start_sweeper
-        from workers.webhooks.reaper import start_webhook_reaper
+        from domain.infra.fair_share import start_sweeper
+        from domain.webhooks.reaper import start_webhook_reaper
 
         start_sweeper(rt.share("webhooks"), rt.publish)  # wakes what a dead worker left parked
         start_webhook_reaper(rt, stall_s=self.settings.stalled_job_after)  # webhooks whose message a crash lost
@@ -192,7 +192,7 @@ class BatchesWorker(WorkerKind):
         return (BATCHES_QUEUE,)
 
     def start_sweeps(self, rt) -> None:
-        from workers.batches.reaper import start_batch_reaper
+        from domain.batches.reaper import start_batch_reaper
 
         _ = rt.model_facts  # which lines need no processor: read the model's config once, now
         start_batch_reaper(rt, stall_s=self.settings.stalled_job_after)  # chunks and expiry checks a crash lost
@@ -202,7 +202,7 @@ KINDS: dict[str, type[WorkerKind]] = {kind.name: kind for kind in (CpuWorker, Gp
 
 
 def _start_job_reapers(rt) -> None:
-    from workers.jobs.reaper import start_after_death_reaper, start_direct_queue_drain, start_reaper
+    from domain.jobs.reaper import start_after_death_reaper, start_direct_queue_drain, start_reaper
 
     start_reaper(rt, stall_s=rt.settings.stalled_job_after)  # jobs whose message a crash lost
     start_after_death_reaper(rt)  # ... looked for at once when a worker dies

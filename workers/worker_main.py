@@ -9,11 +9,11 @@ import os
 
 from celery import signals
 
+from domain.infra.heartbeats import start_heartbeat
+from domain.infra.logs import configure_logging
+from domain.names import worker_name
+from domain.settings import Settings
 from workers.celery_app import create_celery
-from workers.infra.heartbeats import start_heartbeat
-from workers.infra.logs import configure_logging
-from workers.names import worker_name
-from workers.settings import Settings
 from workers.worker_kinds import KINDS, WorkerKind
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def run_worker(kind: str, settings: Settings, redis_url: str) -> None:
             os._exit(3)
 
     def start_parts(consumer) -> None:
-        from workers.infra.held_messages import celery_held_tags, start_held_message_sweep
+        from workers.held_messages import celery_held_tags, start_held_message_sweep
         from workers.runtime import runtime
 
         rt = runtime(app)

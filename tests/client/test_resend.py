@@ -13,9 +13,9 @@ import redis
 from rollout_queue_client import ConnectionFailedError, RetryPolicy, RolloutClient
 from werkzeug.serving import make_server
 
+from domain.settings import Settings
 from tests.conftest import db_url
 from web.app import create_app
-from workers.settings import Settings
 
 KEY = "client-resend-key"
 PROMPT = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4, "seed": 1}}

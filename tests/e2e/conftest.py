@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from domain.settings import load_settings
 from web.app import create_app
-from workers.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 WEBHOOK_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -189,7 +189,7 @@ class Stack:
 
     def heartbeat(self, name: str) -> dict | None:
         """The live heartbeat of this very worker process (a dead one's may linger for its TTL)."""
-        from workers.infra.heartbeats import live
+        from domain.infra.heartbeats import live
 
         suffix = f"-{self.workers[name].pid}"
         return next((status for key, status in live(self.services.redis, (self.kinds[name],)).items()

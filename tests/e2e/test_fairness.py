@@ -17,11 +17,11 @@ import time
 import pytest
 from PIL import Image
 
+from domain.infra.fair_share import KeyShare
 from tests.conftest import empty_db_url
 from tests.e2e.conftest import API_KEY, OTHER_KEY, build_stack, log_dir_for, make_stack_env
 from web.auth import key_id
 from workers.celery_app import PREPROCESS_QUEUE
-from workers.infra.fair_share import KeyShare
 
 SLOW_MEDIA_S = 15.0  # under the stack's media deadline: A's jobs are slow, not failing
 HANG_S = 25.0  # past the webhook deadline: each of A's attempts holds a thread for the whole of it

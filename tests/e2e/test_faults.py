@@ -3,7 +3,7 @@
 This module runs its own stack (its own persistent Redis on a fixed port, its own workers), so the
 shared session stack is never disturbed. Its Celery limits are small, so redelivery is quick:
 a message a dead worker held comes back after ROLLOUT_VISIBILITY_TIMEOUT (30 s; a dead GPU
-worker's at once, workers/infra/held_messages.py); the hard and soft task limits are 24 s and 20 s,
+worker's at once, workers/held_messages.py); the hard and soft task limits are 24 s and 20 s,
 and the time-limit test restarts its workers under 8 s and 6 s (settings refuse visibility <= hard
 <= soft).
 
@@ -34,19 +34,19 @@ import psutil
 import pytest
 from PIL import Image
 
+from domain.infra.redis_server import EmbeddedRedis, free_port
+from domain.jobs.prompt_codec import text_prompt
+from domain.names import SHARED_GENERATE_QUEUE
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env, settings_from_env
 from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, wait_until, webhook_counts
 from web.app import create_app
 from workers.celery_app import create_celery
-from workers.infra.redis_server import EmbeddedRedis, free_port
-from workers.jobs.prompt_codec import text_prompt
-from workers.names import SHARED_GENERATE_QUEUE
 
 # Limits with room for the long rows below on a slow machine (an outage or a restart's backlog
 # included); the time-limit test runs its workers under short ones of its own.
 VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 30, 24, 20
 SHORT_HARD_LIMIT_S, SHORT_SOFT_LIMIT_S = 8, 6
-STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (workers/jobs/reaper.py)
+STALLED_S = 5  # a job unmoved this long, that no message carries, is queued again (domain/jobs/reaper.py)
 HOOK_PATH = "/hooks/faults"
 # Token ids >= 100 are plain text on the demo model; equal lengths keep batches free of padding.
 # 1,000 tokens: a batch still decodes when a test kills the worker or stops Redis under it. On a

@@ -1,7 +1,7 @@
 """A killed GPU worker's jobs end soon after a restart, at the default visibility timeout (an hour)
 and stall period (two minutes): its held messages go back to their queues once its heartbeat is
-gone (workers/infra/held_messages.py), not when kombu's visibility timeout would give them back, and a
-message it had popped but not yet recorded is sent again then too (workers/jobs/reaper.py), not
+gone (workers/held_messages.py), not when kombu's visibility timeout would give them back, and a
+message it had popped but not yet recorded is sent again then too (domain/jobs/reaper.py), not
 when the job has stalled."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_a_message_a_killed_worker_popped_and_never_recorded_runs_soon_after_its
         # What a worker killed between kombu's BRPOP and its unacked record leaves: the oldest
         # message gone from its queue and held nowhere. (A busy worker is often in that window:
         # killed while it took messages, it lost one in three kills.) Its heartbeat lingers for
-        # its TTL, so the jobs went to its own queue (workers/infra/gpu_affinity.py): the others
+        # its TTL, so the jobs went to its own queue (domain/infra/gpu_affinity.py): the others
         # are sent again from there once it lapses.
         assert stack.services.redis.rpop(own_queue) is not None
         stack.start("gpu")

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
+from domain.jobs.store import JobStore
 from tests.conftest import db_url
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
 from tests.e2e.test_jobs_e2e import GREEDY, image_data_url
-from workers.jobs.store import JobStore
 
 
 @pytest.fixture(scope="module")

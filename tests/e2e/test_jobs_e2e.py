@@ -150,7 +150,7 @@ def test_healthz_and_metrics_reflect_the_running_stack(stack):
 
 def metrics_with(stack, line: str) -> str | None:
     """``GET /metrics``'s text once it holds ``line``: the GPU worker writes its jobs' ends with its
-    other metrics, within a second (``workers.infra.metrics.MetricsBatch``)."""
+    other metrics, within a second (``domain.infra.metrics.MetricsBatch``)."""
     text = stack.client.get("/metrics").get_data(as_text=True)
     return text if line in text else None
 

@@ -1,7 +1,7 @@
 """A worker that only seems dead: paused (SIGSTOP) mid-job past its heartbeat's TTL, its messages
 run on a second worker, then it wakes (SIGCONT). One attempt, the newest, is the job: its tokens
 are the record's, the stream's (read as README says: a ``restart`` voids older attempts) and the
-webhook's, and the woken worker writes nothing more for the job (workers/jobs/attempts.py).
+webhook's, and the woken worker writes nothing more for the job (domain/jobs/attempts.py).
 
 Heartbeats beat every 0.5 s here (a 2.5 s TTL), so a pause of a few seconds is a death."""
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
+from domain.jobs.attempts import attempt_key, holder_key, preprocess_key
 from tests.conftest import empty_db_url
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
 from tests.e2e.job_checks import assert_one_webhook_each, wait_until
 from tests.media_files import png_bytes
-from workers.jobs.attempts import attempt_key, holder_key, preprocess_key
 
 FAST_BEATS = {"ROLLOUT_HEARTBEAT_SECONDS": "0.5", "ROLLOUT_VISIBILITY_TIMEOUT": "3600"}
 HOOK = "/hooks/paused"

@@ -1,7 +1,7 @@
 """Redis fails over under load, twice, and nothing a client was answered 202 for is lost.
 
-A primary, two replicas and three sentinels on loopback (workers/infra/redis_server.LocalFailoverGroup),
-every worker and the API connected through the sentinels (workers/redis_target.py), a 202 only once
+A primary, two replicas and three sentinels on loopback (domain/infra/redis_server.LocalFailoverGroup),
+every worker and the API connected through the sentinels (domain/redis_target.py), a 202 only once
 a replica holds the job (``ROLLOUT_REDIS_REPLICA_ACKS=1``; two replicas, so one is left to confirm
 after a failover). Jobs with webhooks and a batch run while the primary is killed with SIGKILL; the
 sentinels promote a replica, every process follows it without a restart, and every job answered
@@ -19,12 +19,12 @@ import time
 import redis
 import requests
 
+from domain.infra.redis_server import LocalFailoverGroup
+from domain.webhooks.store import OWED_KEY
 from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
 from tests.e2e.dialect_server import serve
 from tests.e2e.job_checks import assert_one_event_each, wait_until, webhook_counts
 from tests.e2e.sse import messages
-from workers.infra.redis_server import LocalFailoverGroup
-from workers.webhooks.store import OWED_KEY
 
 HOOK_PATH = "/hooks/failover"
 VISIBILITY_S = 45

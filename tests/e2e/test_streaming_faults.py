@@ -14,10 +14,10 @@ import pytest
 import requests
 from rollout_queue_client import RolloutClient
 
+from domain.infra.redis_server import EmbeddedRedis, free_port
+from domain.names import SHARED_GENERATE_QUEUE
 from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
 from tests.e2e.dialect_server import serve
-from workers.infra.redis_server import EmbeddedRedis, free_port
-from workers.names import SHARED_GENERATE_QUEUE
 
 VISIBILITY_S, HARD_LIMIT_S, SOFT_LIMIT_S = 8, 7, 6
 

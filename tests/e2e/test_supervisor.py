@@ -24,8 +24,8 @@ import pytest
 import requests
 from PIL import Image
 
+from domain.infra.redis_server import free_port
 from tests.e2e.conftest import ROOT, WEBHOOK_SECRET
-from workers.infra.redis_server import free_port
 
 KEY = "supervisor-key"
 HOOK = "/hooks/supervisor"
@@ -152,7 +152,7 @@ def test_up_restarts_every_child_kind_killed_under_load(up, loopback_host):
     kill_and_recover(process, url, log_path, ["api", "cpu", "webhooks", "batches"])
     wave = submit_wave(url, loopback_host, "redis")
     # Killed with this wave's jobs in flight. A message popped but not yet recorded when Redis
-    # dies is lost; the workers' sweep queues its job again (workers/jobs/reaper.py).
+    # dies is lost; the workers' sweep queues its job again (domain/jobs/reaper.py).
     wait_until_taken(url, wave)
     jobs += wave
     kill_and_recover(process, url, log_path, ["redis"])

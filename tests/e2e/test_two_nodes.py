@@ -17,9 +17,9 @@ import time
 import pytest
 from PIL import Image
 
+from domain.infra.redis_server import EmbeddedRedis
+from domain.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from tests.e2e.conftest import build_stack, log_dir_for, make_stack_env
-from workers.infra.redis_server import EmbeddedRedis
-from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 # kombu's Redis consumer blocks in BRPOP for up to 1 s; a cancelled queue is left out of the next one.

@@ -20,10 +20,10 @@ import time
 import pytest
 from safetensors.torch import load_file, save_file
 
+from domain.infra.redis_server import EmbeddedRedis, free_port
 from engine.demo_model import build_demo_model
 from tests.e2e.conftest import OTHER_KEY, build_stack, log_dir_for, make_stack_env
 from tests.e2e.job_checks import assert_one_webhook_each, statuses, submit_all, wait_until
-from workers.infra.redis_server import EmbeddedRedis, free_port
 
 ADMIN = "e2e-admin-key"
 HOOK_PATH = "/hooks/weights"

@@ -194,7 +194,7 @@ def test_a_file_that_is_a_symlink_out_of_the_root_is_refused(tmp_path, untouched
 
 def test_a_directory_swapped_for_a_symlink_after_its_check_is_refused(tmp_path, untouched, new_weights_dir):
     """The race a path check leaves open: checked, then swapped for a symlink out, then read."""
-    from workers.weights.paths import resolve_weights_dir
+    from domain.weights.paths import resolve_weights_dir
 
     root, outside = _root_with_copy(tmp_path, new_weights_dir)
     checked = resolve_weights_dir("step-1", root)

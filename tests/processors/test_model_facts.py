@@ -1,14 +1,14 @@
-"""What the API knows of a model from its config alone (workers.models.ModelFacts) and the tokenizer
-it loads without torch (workers.model_probe) agree with the model's processor, for every demo
+"""What the API knows of a model from its config alone (domain.models.ModelFacts) and the tokenizer
+it loads without torch (domain.model_probe) agree with the model's processor, for every demo
 architecture: the API never loads the processor."""
 
 from __future__ import annotations
 
 import pytest
 
+from domain.model_probe import load_tokenizer, probe_here
+from domain.models import model_facts
 from engine.demo_model import ARCHS
-from workers.model_probe import load_tokenizer, probe_here
-from workers.models import model_facts
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -32,8 +32,8 @@ import pytest
 import requests
 from PIL import Image
 
+from domain.infra.redis_server import free_port
 from processors.cache import MultimodalCache
-from workers.infra.redis_server import free_port
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(660)]
 

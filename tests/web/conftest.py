@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import redis
 
+from domain.settings import Settings
 from tests.conftest import db_url
 from web.app import create_app
-from workers.settings import Settings
 
 KEY_A = "key-a-secret"
 KEY_B = "key-b-secret"

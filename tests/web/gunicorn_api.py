@@ -13,8 +13,8 @@ from pathlib import Path
 
 import requests
 
+from domain.infra.redis_server import free_port
 from tests.web.conftest import KEY_A
-from workers.infra.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

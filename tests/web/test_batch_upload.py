@@ -13,6 +13,7 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from domain.settings import Settings
 from tests.web.test_batches_api import jsonl, line
 from web import batch_upload
 from web.app import create_app
@@ -21,7 +22,6 @@ from web.dialects import openai
 from web.dialects.common import token_ids_of
 from web.openai_batch_lines import CHAT_URL, begin_line, finish_line
 from web.submit import check_limits
-from workers.settings import Settings
 
 PNG = "data:image/png;base64,iVBORw0KGgo="  # intake checks the reference only: nothing is fetched
 CHUNK = 4  # several chunks in every file here, the last one partial
@@ -174,7 +174,7 @@ def test_batched_ids_are_the_tokenizers_own_call_whatever_is_left_set_on_it(app,
 
 
 def test_a_line_holding_an_integer_past_64_bits_is_stored_as_json_writes_it(app):
-    # orjson writes every line but refuses such an integer (workers/infra/finite_json.compact).
+    # orjson writes every line but refuses such an integer (domain/infra/finite_json.compact).
     huge = 2**70 + 1
     obj = {"custom_id": "big", "kind": "generate",
            "body": {"token_ids": [1, 2], "metadata": {"step": huge}, "sampling_params": {"max_tokens": 2}}}

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
+from domain.batches.progress import record_lines
+from domain.batches.sweeps import cancel_lines
+from domain.lifecycle import end_job
+from domain.names import BATCHES_QUEUE
 from tests.web.conftest import KEY_B, auth
 from web import batches
-from workers.batches.progress import record_lines
-from workers.batches.sweeps import cancel_lines
-from workers.lifecycle import end_job
-from workers.names import BATCHES_QUEUE
 from workers.tasks.batches import submit_chunk
 
 RESULT = {"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "token_ids": [7], "finish_reason": "length"}]}
@@ -273,7 +273,7 @@ def test_stored_batch_input_is_capped_per_key(make_batch_app):
     assert upload(client, file, key=KEY_B).status_code == 202  # another key has its own allowance
     too_big = upload(client, jsonl(*(line(f"r{n}") for n in range(150))))
     assert too_big.status_code == 413 and too_big.get_json()["code"] == "batch_too_large"
-    # Refused while its lines were stored: the batch made for it is gone (part way: tests/workers/batches/test_intake.py).
+    # Refused while its lines were stored: the batch made for it is gone (part way: tests/domain/batches/test_intake.py).
     assert len(client.get("/v1/batches", headers=auth()).get_json()["data"]) == 1
 
     svc.batches.release(first.get_json()["id"])  # the first batch ended: its input is gone

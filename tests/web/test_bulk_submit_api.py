@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from domain.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 from tests.web.conftest import KEY_B, auth
-from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
 
 GENERATE = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4, "temperature": 0}}
 SCORE = {"kind": "score", "token_ids": [100, 101], "completion_token_ids": [102, 103]}
@@ -97,8 +97,8 @@ def test_a_bulk_submit_no_replica_confirms_is_503_naming_its_jobs(make_app):
 def test_a_broker_that_cannot_take_the_messages_is_a_503_and_no_job_lingers(make_app):
     """The job store answers but the messages cannot be published (the broker is away): 503, and
     the jobs made are failed, so none holds a place under the caps."""
+    from domain.infra.redis_server import free_port
     from workers.celery_app import create_celery
-    from workers.infra.redis_server import free_port
 
     app = make_app()
     svc = app.extensions["rollout"]

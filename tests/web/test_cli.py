@@ -48,9 +48,9 @@ def test_start_up_mistakes_are_one_line_and_exit_2(case, tmp_path, busy_port, de
 def test_up_serves_the_demo_model_under_its_name(tmp_path, monkeypatch):
     """``up`` hands its children the built demo model's path; OpenAI and vLLM clients still send
     ``model: demo-qwen2.5-omni`` (README's examples), so the children serve it under that name."""
+    from domain.models import DEMO_MODEL_NAME
+    from domain.settings import Settings, load_settings
     from web.stack import child_env
-    from workers.models import DEMO_MODEL_NAME
-    from workers.settings import Settings, load_settings
 
     monkeypatch.delenv("ROLLOUT_SERVED_MODEL_NAME", raising=False)
     demo = child_env(Settings(state_dir=tmp_path), redis_url="redis://r/0", model_path="/built/demo")

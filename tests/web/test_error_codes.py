@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from domain.error_statuses import HTTP_STATUS, http_status
 from engine.errors import Fault, InternalError, RolloutError
-from workers.error_statuses import HTTP_STATUS, http_status
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "processors", "workers", "web", "client")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from domain.batches.files import CHUNK
 from tests.web.conftest import KEY_B, auth
-from workers.batches.files import CHUNK
 
 
 def upload(client, data: bytes, *, key=None, purpose="batch", filename="in.jsonl"):

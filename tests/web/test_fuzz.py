@@ -7,9 +7,9 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from web.app import create_app
-from workers.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
+from domain.batches.progress import record_job_lines
+from domain.lifecycle import end_job
+from domain.names import PREPROCESS_QUEUE
 from tests.web.conftest import auth
-from workers.batches.progress import record_job_lines
-from workers.lifecycle import end_job
-from workers.names import PREPROCESS_QUEUE
 
 BIG_INT = "1" + "0" * 5000
 DEEP = "[" * 1000 + "]" * 1000

@@ -9,10 +9,10 @@ import uuid
 import pytest
 
 import web.idempotency
+from domain.jobs.idempotency import CLAIM_TTL, IdempotencyStore
+from domain.names import SHARED_GENERATE_QUEUE
 from tests.web.conftest import KEY_A, KEY_B, auth
 from web.auth import key_id
-from workers.jobs.idempotency import CLAIM_TTL, IdempotencyStore
-from workers.names import SHARED_GENERATE_QUEUE
 
 GENERATE = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4, "seed": 1}}
 OTHER = {"token_ids": [100, 101, 103], "sampling_params": {"max_tokens": 4, "seed": 1}}

@@ -203,11 +203,11 @@ def test_vllm_abort_requests_cancels_the_callers_jobs_by_request_id_or_all_when_
 
 
 def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, redis_url, demo_model_dir, tmp_path):
-    """ROLLOUT_MAX_MODEL_LEN is the limit every layer checks, built once (workers/limits.py): the
+    """ROLLOUT_MAX_MODEL_LEN is the limit every layer checks, built once (domain/limits.py): the
     API's, the CPU worker's after expansion (which fell back to 32,768 where the others had none)
     and the engine's (which used the model's own)."""
+    from domain.settings import Settings
     from workers.runtimes import GpuRuntime
-    from workers.settings import Settings
 
     app = make_app(max_model_len=100)
     assert app.extensions["rollout"].limits.context_tokens == 100
@@ -341,7 +341,7 @@ def test_a_submit_no_replica_confirms_is_503_not_durable_and_names_the_job(make_
 def test_waiting_takes_no_connection_of_the_shared_pool(make_app):
     """Issue #47: 300 synchronous calls of one key took every Redis connection of the API process,
     and /healthz, other keys and the admin answered 503. Waits share one BLPOP of their own now
-    (workers/infra/wakeup_hub.py): 60 long polls hold a few connections, and the rest answer."""
+    (domain/infra/wakeup_hub.py): 60 long polls hold a few connections, and the rest answer."""
     import threading
     import time
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
+from domain.infra.metrics import count, observe_stage, record_job_ends
+from domain.webhooks import WebhookStore
 from tests.web.conftest import KEY_B, auth
-from workers.infra.metrics import count, observe_stage, record_job_ends
-from workers.webhooks import WebhookStore
 
 
 def submit_job(client) -> dict:

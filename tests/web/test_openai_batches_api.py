@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 import json
 
+from domain.lifecycle import end_job
 from tests.web.conftest import auth
 from tests.web.test_batches_api import jsonl, line
-from workers.lifecycle import end_job
 from workers.tasks.batches import submit_chunk
 
 CHAT_RESULT = {"prompt_token_ids": [1, 2, 3], "usage": {"prompt_tokens": 3, "completion_tokens": 2},

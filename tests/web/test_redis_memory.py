@@ -10,15 +10,15 @@ import re
 import pytest
 import redis
 
+from domain.infra.redis_memory import default_maxmemory_bytes
+from domain.infra.redis_server import EmbeddedRedis
+from domain.lifecycle import end_job
+from domain.settings import Settings
+from tests.domain.infra.test_redis_memory import MIB, fill_until
 from tests.web.conftest import KEY_A, KEY_B, auth
 from tests.web.test_stream_memory import large_result
-from tests.workers.infra.test_redis_memory import MIB, fill_until
 from web.app import create_app
 from web.stack import embedded_maxmemory
-from workers.infra.redis_memory import default_maxmemory_bytes
-from workers.infra.redis_server import EmbeddedRedis
-from workers.lifecycle import end_job
-from workers.settings import Settings
 
 BOUND = 8 * MIB
 JOB = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from domain.jobs.request import sampling_params
 from tests.web.conftest import auth
 from web.schemas import JobSchema
-from workers.jobs.request import sampling_params
 
 KNOBS = {"max_tokens": 8, "stop": "\n\n", "include_stop_str_in_output": True, "min_tokens": 2,
          "repetition_penalty": 1.1, "frequency_penalty": -0.5, "presence_penalty": 0.25, "top_logprobs": 5,

@@ -1,6 +1,6 @@
 """An agent's session id reaches its job's stored request, from the native body's ``session_id`` or
 the ``X-Session-ID`` header on any route (web/session_header.py); the GPU router reads it there
-(tests/workers/infra/test_gpu_affinity.py). A bad header is a 422 with a code, never a 500."""
+(tests/domain/infra/test_gpu_affinity.py). A bad header is a 422 with a code, never a 500."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from domain.jobs.store import JobStore
 from tests.web.conftest import auth
-from workers.jobs.store import JobStore
 
 PROMPT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0}}
 

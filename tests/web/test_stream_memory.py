@@ -13,12 +13,12 @@ import tracemalloc
 import pytest
 import redis
 
+from domain.jobs.view import public_job
+from domain.settings import Settings
 from tests.conftest import db_url
 from tests.web.conftest import KEY_A, auth
 from web.app import create_app
 from web.streams import sse
-from workers.jobs.view import public_job
-from workers.settings import Settings
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The API process never imports torch: it reads the model's config and tokenizer through
-``workers/model_probe.py``, and a fresh interpreter proves it (the test process holds torch)."""
+``domain/model_probe.py``, and a fresh interpreter proves it (the test process holds torch)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from domain.model_probe import load_tokenizer, probe_here
 from tests.conftest import empty_db_url
 from tests.web.conftest import KEY_A
-from workers.model_probe import load_tokenizer, probe_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_SCRIPT = """
 import json, sys
 from web.app import create_app
-from workers.settings import Settings
+from domain.settings import Settings
 
 model, redis_url, state, key = sys.argv[1:5]
 app = create_app(Settings(state_dir=state, model=model, api_keys=(key,)), redis_url)

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from domain.weights.store import WeightStore
 from engine.demo_model import build_demo_model
 from tests.web.conftest import KEY_A, auth
-from workers.weights.store import WeightStore
 
 ADMIN = "admin-key-secret"
 

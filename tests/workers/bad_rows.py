@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from domain.jobs.request import JobRequest
+from domain.jobs.submission import submit_job
+from domain.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
 from web.schemas import SamplingParamsSchema
-from workers.jobs.request import JobRequest
-from workers.jobs.submission import submit_job
-from workers.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 DEFAULT_SAMPLING = SamplingParamsSchema().load({})  # as the API stores a request's sampling_params
@@ -32,10 +32,10 @@ def plant_job(jobs, celery, facts, owner: str, **request) -> str:
 def plant_mismatched_image_job(jobs, celery, owner: str, *, processor, fetcher, image_url: str) -> str:
     """An image job whose stored prompt lost one image placeholder: the model itself raises (an
     untyped RuntimeError, features and placeholders do not match), which no check catches first."""
+    from domain.jobs.prompt_codec import encode_prompt
     from engine.limits import Limits
     from engine.transport import InlineTransport
     from processors.pipeline import preprocess
-    from workers.jobs.prompt_codec import encode_prompt
 
     request = stored_request(prompt="<image>Describe it.", content_parts=[{"type": "image_url", "url": image_url}])
     processed = preprocess(request, processor=processor, fetcher=fetcher, cache=None, transport=InlineTransport(),

@@ -10,10 +10,10 @@ import time
 import redis
 from celery.backends.base import DisabledBackend
 
+from domain.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from workers.celery_app import create_celery, restore_interval
-from workers.names import PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE
-from workers.settings import Settings
 
 
 def test_every_thread_shares_one_disabled_backend_and_tasks_reach_undeclared_queues(redis_url):

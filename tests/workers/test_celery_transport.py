@@ -11,10 +11,10 @@ import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from workers import celery_transport
 from workers.celery_app import create_celery
-from workers.settings import Settings
 
 QUEUE = Queue("bulk-take-test", Exchange("bulk-take-test"), routing_key="bulk-take-test", max_priority=9)
 
@@ -23,7 +23,7 @@ QUEUE = Queue("bulk-take-test", Exchange("bulk-take-test"), routing_key="bulk-ta
 def private_redis(tmp_path_factory):
     # Its own server: the tests count commands in INFO commandstats, which is server-wide, and any
     # other client of the suite's shared server (a worker an earlier test left draining) counts there.
-    from workers.infra.redis_server import EmbeddedRedis
+    from domain.infra.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis-transport"), persistent=False).start()
     yield server

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
+from domain.jobs.request import JobRequest
+from domain.jobs.submission import submit_job
+from domain.names import PREPROCESS_QUEUE, PREPROCESS_TASK
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
-from workers.jobs.request import JobRequest
-from workers.jobs.submission import submit_job
-from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
-from workers.settings import Settings
 from workers.tasks.cpu import PreprocessRequest
 
 OWNER = "key_owner"

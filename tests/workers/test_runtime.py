@@ -6,10 +6,10 @@ import os
 
 import pytest
 
+from domain.settings import Settings
 from tests.conftest import db_url
 from workers.celery_app import create_celery
 from workers.runtime import fresh_runtime, runtime
-from workers.settings import Settings
 
 
 def test_the_app_keeps_one_runtime_until_a_pool_process_asks_for_a_fresh_one(redis_url, tmp_path):
@@ -40,9 +40,9 @@ def test_a_forked_child_given_a_fresh_runtime_talks_to_redis_on_its_own_connecti
 def test_on_cuda_the_kv_pool_takes_its_share_of_free_device_memory(demo_model_dir):
     import torch
 
+    from domain.limits import build_limits
     from engine.loading import load_model
     from engine.paged_kv import kv_bytes_per_token
-    from workers.limits import build_limits
     from workers.runtimes import _pool_sized
 
     loaded = load_model(str(demo_model_dir), device="cuda")

@@ -1,6 +1,6 @@
 """Aborting the caller's own unfinished jobs (SGLang's ``/abort_request``, vLLM's ``/abort_requests``).
 
-An aborted job ends as a cancel does (``workers.lifecycle.cancel_job``): one not yet generating
+An aborted job ends as a cancel does (``domain.lifecycle.cancel_job``): one not yet generating
 ends ``cancelled`` at once; a generating one stops at its next decode step and keeps its tokens so
 far, ``finish_reason: abort``. A synchronous call waiting on the job answers with that.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from domain.jobs.store import TERMINAL
+from domain.lifecycle import cancel_job
 from web.services import services
-from workers.jobs.store import TERMINAL
-from workers.lifecycle import cancel_job
 
 _PAGE = 200
 

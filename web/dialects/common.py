@@ -14,6 +14,8 @@ from typing import Any
 
 from marshmallow import ValidationError
 
+from domain.jobs.store import TERMINAL
+from domain.lifecycle import cancel_job
 from engine.errors import Fault, InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
 from web.auth import current_owner
 from web.client_gone import hung_up_check
@@ -21,8 +23,6 @@ from web.dialects.errors import flatten
 from web.schemas import TOKENIZER_MADE, JobRequestSchema
 from web.services import services
 from web.submit import check_vocabulary, checked_request, submit_checked
-from workers.jobs.store import TERMINAL
-from workers.lifecycle import cancel_job
 
 _NATIVE = JobRequestSchema()
 _HANG_UP_CHECK_S = 1.0  # how often a synchronous call looks whether its client is still there
@@ -52,7 +52,7 @@ def job_error(job: dict) -> RolloutError:
 
 
 def usage(*results) -> dict[str, Any]:
-    """OpenAI's ``usage`` of jobs' results (``workers.jobs.results.JobResult``), with the prompt
+    """OpenAI's ``usage`` of jobs' results (``domain.jobs.results.JobResult``), with the prompt
     tokens their KV came from cache for (``prompt_tokens_details.cached_tokens``, as OpenAI and
     vLLM name it)."""
     prompt, completion = sum(r.prompt_tokens for r in results), sum(r.completion_tokens for r in results)
@@ -208,7 +208,7 @@ class TokenTexts:
 
 
 def served_model_name() -> str:
-    from workers.models import model_id
+    from domain.models import model_id
 
     settings = services().settings
     return settings.served_model_name or model_id(settings)

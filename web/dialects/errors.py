@@ -16,9 +16,9 @@ from flask import jsonify
 from kombu.exceptions import OperationalError
 from werkzeug.exceptions import HTTPException
 
+from domain.error_statuses import http_status
 from engine.errors import InternalError, RolloutError
 from web.errors import _HTTP_CODES, RedisUnavailableError, _json_safe
-from workers.error_statuses import http_status
 
 log = logging.getLogger(__name__)
 

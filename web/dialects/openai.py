@@ -18,6 +18,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError, NotFoundError
 from web.dialects import chat_template
@@ -43,7 +44,6 @@ from web.dialects.fields import (
 from web.dialects.sampling import native_sampling, sampling_fields
 from web.schemas import StrictBoolean
 from web.services import services
-from workers.jobs.results import JobResult
 
 MAX_LOGPROBS = 20
 # OpenAI / vLLM knobs this service cannot honour: accepted only at these values.

@@ -19,14 +19,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from domain.error_statuses import http_status
+from domain.jobs.follow import ChoiceDelta, TokenLedger
+from domain.jobs.results import JobResult
 from engine.errors import RolloutError
 from web.dialects import openai, vllm
 from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
 from web.streams import sse
-from workers.error_statuses import http_status
-from workers.jobs.follow import ChoiceDelta, TokenLedger
-from workers.jobs.results import JobResult
 
 
 def _error(error: RolloutError) -> bytes:

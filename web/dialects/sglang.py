@@ -19,13 +19,13 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.dialects.sampling import top_k_of
 from web.schemas import StrictBoolean, StrictFloat
-from workers.jobs.results import JobResult
 
 # SGLang sampling name -> ours.
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",

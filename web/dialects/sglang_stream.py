@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from domain.error_statuses import http_status
+from domain.jobs.follow import ChoiceDelta, TokenLedger
 from engine.errors import RolloutError
 from web.dialects import sglang
 from web.dialects.common import TokenTexts
 from web.dialects.errors import sglang_shape
 from web.streams import sse
-from workers.error_statuses import http_status
-from workers.jobs.follow import ChoiceDelta, TokenLedger
 
 
 class SglangChunks:

@@ -10,6 +10,8 @@ from flask import jsonify
 from flask.views import MethodView
 from marshmallow import fields, validate
 
+from domain.infra.heartbeats import alive_workers
+from domain.models import model_id
 from engine.errors import ServiceUnavailableError
 from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
@@ -23,8 +25,6 @@ from web.schema_base import Schema
 from web.schemas import NumberList, StrictBoolean
 from web.services import services
 from workers.gpu.model_check import last_model_check
-from workers.infra.heartbeats import alive_workers
-from workers.models import model_id
 
 blp = Blueprint("sglang", __name__, description="SGLang's native API (/generate and its small routes)")
 install(blp, sglang_shape)

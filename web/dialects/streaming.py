@@ -7,7 +7,7 @@ what follows the last job (usage chunks: it gets the ended jobs with their resul
 and ``error`` for the dialect's in-stream error shape. Once a job's chunks are made, the stream
 keeps them and drops the job's record and ledger: a reader that stops reading holds its reply's
 bytes, not the objects they were made of.
-The tokens come through :class:`workers.jobs.follow.TokenLedger`: each once, in order, equal to the
+The tokens come through :class:`domain.jobs.follow.TokenLedger`: each once, in order, equal to the
 result's (the ledger's ``finish`` checks it), also across a redo after a worker died.
 
 Disconnect: the WSGI server closes the response when a write fails; a stream that did not reach
@@ -23,16 +23,16 @@ from typing import Any, Protocol
 
 import redis
 
+from domain.jobs.follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
+from domain.jobs.results import JobResult
+from domain.jobs.store import TERMINAL
+from domain.lifecycle import cancel_job
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
 from web.auth import current_owner
 from web.dialects.common import job_error
 from web.services import services
 from web.streams import KEEPALIVE, sse, stream_response
 from web.submit import submit
-from workers.jobs.follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
-from workers.jobs.results import JobResult
-from workers.jobs.store import TERMINAL
-from workers.lifecycle import cancel_job
 
 log = logging.getLogger(__name__)
 

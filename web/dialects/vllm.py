@@ -20,6 +20,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, validate, validates_schema
 
+from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from engine.request_rules import prompt_input_problem
@@ -35,7 +36,6 @@ from web.dialects.fields import NullMeansDefault, StreamOptionsSchema, refuse_no
 from web.dialects.openai import check_model
 from web.dialects.sampling import SAME, native_sampling, sampling_fields
 from web.schemas import ContentPartSchema, StrictBoolean, TokenIds
-from workers.jobs.results import JobResult
 
 _UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
                 "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),

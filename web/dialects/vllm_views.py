@@ -7,6 +7,7 @@ from flask import jsonify
 from flask.views import MethodView
 from marshmallow import EXCLUDE, ValidationError, fields, validate, validates_schema
 
+from domain.weights.updates import fleet_paused
 from engine.errors import InvalidRequestError
 from web.auth import current_owner, require_admin
 from web.blueprint import Blueprint
@@ -22,7 +23,6 @@ from web.schema_base import Schema
 from web.schemas import StrictBoolean
 from web.services import services
 from web.weights import PAUSE_REPORT_SECONDS
-from workers.weights.updates import fleet_paused
 
 blp = Blueprint("vllm", __name__, description="vLLM's token-in-token-out API (generate and render)")
 install(blp, openai_shape)

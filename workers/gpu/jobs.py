@@ -12,18 +12,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from domain.infra.metrics import count, observe_stage
+from domain.infra.redis_client import REDIS_DOWN
+from domain.jobs.attempts import attempt_key
+from domain.jobs.events import Attempt, watch_key
+from domain.jobs.prompt_codec import open_prompt, release_prompts
+from domain.jobs.request import JobRequest
+from domain.jobs.results import engine_result
+from domain.jobs.store import TERMINAL, JobStore
+from domain.jobs.submission import enqueue_preprocess, placement, send_placed
+from domain.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
+from domain.names import worker_name
 from engine.errors import HandleUnavailableError, RolloutError
-from workers.infra.metrics import count, observe_stage
-from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.attempts import attempt_key
-from workers.jobs.events import Attempt, watch_key
-from workers.jobs.prompt_codec import open_prompt, release_prompts
-from workers.jobs.request import JobRequest
-from workers.jobs.results import engine_result
-from workers.jobs.store import TERMINAL, JobStore
-from workers.jobs.submission import enqueue_preprocess, placement, send_placed
-from workers.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
-from workers.names import worker_name
 
 log = logging.getLogger(__name__)
 

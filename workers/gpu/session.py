@@ -17,12 +17,12 @@ fails ends alone (the scheduler isolates it); score jobs run as a group when the
 
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
 session writes those of the jobs someone reads to their event streams in one pipeline
-(``workers/jobs/events.py``), before the jobs that ended in that step are moved (so a stream's
+(``domain/jobs/events.py``), before the jobs that ended in that step are moved (so a stream's
 tokens always precede its ``ended`` status). A reader that comes mid-job is seen at the next
 cancel poll and gets the tokens so far (the scheduler's) in one entry. Each job's run here is
 numbered (an attempt); a redo of a job whose worker died writes a ``restart`` event first.
 
-Fencing (workers/jobs/attempts.py): the session's writes for a job (its tokens, its end, giving it
+Fencing (domain/jobs/attempts.py): the session's writes for a job (its tokens, its end, giving it
 back to the queue) land only while its attempt is the newest. A worker paused past its heartbeat's
 TTL has its messages run elsewhere meanwhile; when it wakes, its next write or its next poll (the
 attempt counters are read with the cancel flags) finds its attempt superseded, and the session
@@ -39,17 +39,17 @@ from typing import Any
 
 import redis
 
+from domain.infra.heartbeats import heartbeat_key
+from domain.infra.metrics import MetricsBatch
+from domain.jobs.attempts import FENCED, Fence
+from domain.jobs.prompt_codec import release_prompts
+from domain.jobs.request import JobRequest
+from domain.jobs.stream_text import StreamText
+from domain.lifecycle import end_fenced, fail_job
+from domain.names import worker_name
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
 from workers.gpu.jobs import ending, open_jobs, poll_session, requeue_generate, run_score_jobs
-from workers.infra.heartbeats import heartbeat_key
-from workers.infra.metrics import MetricsBatch
-from workers.jobs.attempts import FENCED, Fence
-from workers.jobs.prompt_codec import release_prompts
-from workers.jobs.request import JobRequest
-from workers.jobs.stream_text import StreamText
-from workers.lifecycle import end_fenced, fail_job
-from workers.names import worker_name
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class GenerateSession:
         self.batches = batches
         self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
-        # What this worker's attempts are held by (its heartbeat key, workers/jobs/attempts.py).
+        # What this worker's attempts are held by (its heartbeat key, domain/jobs/attempts.py).
         self.holder = heartbeat_key("gpu", worker_name(rt.settings.node_id))
         self._by_job: dict[str, _Live] = {}
         # Tokens not yet written, by (job id, attempt) then choice (see _publish).

@@ -29,23 +29,23 @@ from typing import Any
 
 from celery import shared_task
 
-from engine.errors import NotFoundError
-from workers.batches.messages import schedule_expiry, send_score_lines
-from workers.batches.progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
-from workers.batches.store import DIRECT_LINE
-from workers.batches.sweeps import cancel_lines, expire
-from workers.infra import finite_json
-from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.request import JobRequest
-from workers.jobs.store import TERMINAL as JOB_TERMINAL
-from workers.jobs.store import QueueFullError
-from workers.jobs.submission import submit_jobs
-from workers.lifecycle import cancel_job
-from workers.names import (
+from domain.batches.messages import schedule_expiry, send_score_lines
+from domain.batches.progress import CANCELLED, EXPIRED, job_entry, line_error, record_lines
+from domain.batches.store import DIRECT_LINE
+from domain.batches.sweeps import cancel_lines, expire
+from domain.infra import finite_json
+from domain.infra.redis_client import REDIS_DOWN
+from domain.jobs.request import JobRequest
+from domain.jobs.store import TERMINAL as JOB_TERMINAL
+from domain.jobs.store import QueueFullError
+from domain.jobs.submission import submit_jobs
+from domain.lifecycle import cancel_job
+from domain.names import (
     CANCEL_BATCH_TASK,
     ENQUEUE_CHUNK_TASK,
     EXPIRE_BATCH_TASK,
 )
+from engine.errors import NotFoundError
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 from workers.tasks.score_lines import scorable_directly
@@ -113,7 +113,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         skip |= {line["line"] for line in direct}
     if batch["status"] == "validating":
         # Its file is still read: only its direct score lines run now, which nothing outside the
-        # batch sees if the upload is refused (workers.batches.creation); the rest when it closes.
+        # batch sees if the upload is refused (domain.batches.creation); the rest when it closes.
         if all(line["line"] in skip for line in lines):
             _mark_submitted(rt, batch, index, {n: given.get(n) for n in numbers})
         return 0

@@ -7,10 +7,10 @@ acknowledges the message without running any of our code, so :class:`PreprocessR
 job then, with the same code.
 
 Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY`` preprocessing
-slots; otherwise its message is parked until one of the key's jobs ends (workers/infra/fair_share.py says
+slots; otherwise its message is parked until one of the key's jobs ends (domain/infra/fair_share.py says
 why this shape), so one key's slow media never hold every process.
 
-Fencing (workers/jobs/attempts.py): each run of a job here is numbered as it starts. A worker paused
+Fencing (domain/jobs/attempts.py): each run of a job here is numbered as it starts. A worker paused
 past its heartbeat (mid-fetch, say) has its message run by another CPU worker meanwhile; when it
 wakes, its run is no longer the newest, so it saves no prompt, sends no ``generate`` and fails
 nothing (its fetch deadline passed while it slept), and frees the feature memory it made.
@@ -27,17 +27,17 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
+from domain.infra.logs import job_context
+from domain.infra.metrics import count, observe_stage
+from domain.infra.redis_client import REDIS_DOWN
+from domain.jobs.prompt_codec import encode_prompt
+from domain.jobs.request import JobRequest
+from domain.jobs.store import TERMINAL
+from domain.jobs.submission import placement, send_placed
+from domain.lifecycle import fail_job, fail_unexpected, resume_followups
+from domain.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from engine.request_rules import new_tokens_of
-from workers.infra.logs import job_context
-from workers.infra.metrics import count, observe_stage
-from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.prompt_codec import encode_prompt
-from workers.jobs.request import JobRequest
-from workers.jobs.store import TERMINAL
-from workers.jobs.submission import placement, send_placed
-from workers.lifecycle import fail_job, fail_unexpected, resume_followups
-from workers.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 

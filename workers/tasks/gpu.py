@@ -12,7 +12,7 @@ the threads pool cannot interrupt a thread anyway), so every job keeps its own d
 ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after it joins: its rows stop then and it fails with
 ``job_time_limit_exceeded``, its batch mates go on.
 
-Weight updates (workers/weights/sync.py, driven by the session): a pending target stops new rows
+Weight updates (workers/gpu/weight_sync.py, driven by the session): a pending target stops new rows
 from joining; in mode ``finish`` the running rows end on the old weights, in ``abort`` they end
 now with ``finish_reason: "abort"`` and their tokens so far, in ``retract`` their jobs go back to
 the queue to run again from the prompt on the new weights. The batch then loads the target and
@@ -26,12 +26,12 @@ import logging
 
 from celery import shared_task
 
+from domain.infra.logs import job_context
+from domain.infra.redis_client import REDIS_DOWN
+from domain.jobs.prompt_codec import release_prompts
+from domain.lifecycle import fail_unexpected
+from domain.names import GENERATE_TASK
 from workers.gpu.session import REQUEUE, GenerateSession
-from workers.infra.logs import job_context
-from workers.infra.redis_client import REDIS_DOWN
-from workers.jobs.prompt_codec import release_prompts
-from workers.lifecycle import fail_unexpected
-from workers.names import GENERATE_TASK
 from workers.runtime import runtime
 from workers.tasks.gpu_batching import GenerateBatches
 
@@ -59,7 +59,7 @@ def generate(self, requests) -> str | None:
         except Exception:
             # celery-batches only logs an exception from the batch body and leaves every job waiting;
             # end each job that is still open instead (their messages are settled on return).
-            # A superseded attempt's job is the newer attempt's to end (workers/jobs/attempts.py).
+            # A superseded attempt's job is the newer attempt's to end (domain/jobs/attempts.py).
             owned = [live for live in session.live.values() if not live.superseded]
             for live in owned:
                 fail_unexpected(rt, live.job["id"], "generating", fence=live.fence)

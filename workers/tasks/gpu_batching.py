@@ -48,10 +48,10 @@ import time
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
+from domain.infra.redis_client import REDIS_DOWN
+from domain.names import SHARED_GENERATE_QUEUE
 from workers.gpu.bulk_ack import acknowledge_messages
 from workers.gpu.session import REQUEUE
-from workers.infra.redis_client import REDIS_DOWN
-from workers.names import SHARED_GENERATE_QUEUE
 from workers.runtime import runtime
 
 
@@ -130,7 +130,7 @@ class GenerateBatches(Batches):
 
     def held_delivery_tags(self) -> list[str]:
         """The delivery tags of every message this worker holds unsettled (buffered, or taken by the
-        running session): what its heartbeat reports (``workers/infra/held_messages.py``). Read from the
+        running session): what its heartbeat reports (``workers/held_messages.py``). Read from the
         heartbeat thread: the buffer under its own mutex, the in-flight map as one atomic copy."""
         with self._buffer.mutex:
             buffered = list(self._buffer.queue)
@@ -139,7 +139,7 @@ class GenerateBatches(Batches):
 
     def running_job_ids(self) -> list[str]:
         """The jobs of the messages the running session took and has not settled: what its
-        heartbeat lists as running (``workers/jobs/attempts.py``). Read from the heartbeat thread."""
+        heartbeat lists as running (``domain/jobs/attempts.py``). Read from the heartbeat thread."""
         return sorted({request.args[0] for request in self._inflight.copy().values() if request.args})
 
     def take(self, limit: int) -> list[SimpleRequest]:

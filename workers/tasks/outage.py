@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from celery.exceptions import Reject
 
-from workers.infra.redis_client import REDIS_DOWN
+from domain.infra.redis_client import REDIS_DOWN
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The render task (queue ``preprocess``): chat messages → exact token ids, for ``POST /v1/render``.
 
 It runs where a job's preprocessing runs, with the same processor, fetcher (one media deadline for
-all images), configured limits and per-key share of the worker (workers/renders.py says why).
+all images), configured limits and per-key share of the worker (domain/renders.py says why).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import time
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
+from domain.infra.redis_client import REDIS_DOWN
+from domain.names import PREPROCESS_QUEUE, RENDER_TASK
+from domain.renders import answer_render, error_answer, request_key
 from engine.errors import InternalError, JobTimeoutError, RolloutError
-from workers.infra.redis_client import REDIS_DOWN
-from workers.names import PREPROCESS_QUEUE, RENDER_TASK
-from workers.renders import answer_render, error_answer, request_key
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 

@@ -15,11 +15,11 @@ from typing import Any
 import orjson
 from celery import shared_task
 
+from domain.batches.progress import line_error, record_lines
+from domain.batches.store import DIRECT_LINE
+from domain.jobs.results import engine_result
+from domain.names import SCORE_LINES_TASK
 from engine.errors import NotFoundError, RolloutError
-from workers.batches.progress import line_error, record_lines
-from workers.batches.store import DIRECT_LINE
-from workers.jobs.results import engine_result
-from workers.names import SCORE_LINES_TASK
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 

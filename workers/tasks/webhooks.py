@@ -1,7 +1,7 @@
 """The webhook tasks (queue ``webhooks``): make one event per object end, deliver it with retries.
-Events are made by ``workers.webhooks.emit``.
+Events are made by ``domain.webhooks.emit``.
 
-- ``rollout.webhooks.job_ended(job_id)``: sent by ``workers.lifecycle`` when a job ends. Makes the
+- ``rollout.webhooks.job_ended(job_id)``: sent by ``domain.lifecycle`` when a job ends. Makes the
   job's event (at most one per job and event type: a second call finds it and only makes sure its
   first attempt runs) and runs attempt 1 itself, so a job's end reaches its receiver in one hop.
 - ``rollout.webhooks.deliver(event_id, attempt=1)``: one attempt; a retryable outcome queues the
@@ -23,19 +23,19 @@ from collections.abc import Callable
 
 from celery import shared_task
 
-from engine.errors import NotFoundError
-from workers.infra.metrics import count
-from workers.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
-from workers.runtime import runtime
-from workers.tasks.outage import requeued_while_redis_is_down
-from workers.webhooks import (
+from domain.infra.metrics import count
+from domain.names import DELIVER_TASK, JOB_ENDED_TASK, WEBHOOKS_QUEUE
+from domain.webhooks import (
     FINAL_STATES,
     RETRYING,
     SUCCEEDED,
     retry_delay,
     send_attempt,
 )
-from workers.webhooks.emit import emit_job_event, queue_attempt
+from domain.webhooks.emit import emit_job_event, queue_attempt
+from engine.errors import NotFoundError
+from workers.runtime import runtime
+from workers.tasks.outage import requeued_while_redis_is_down
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _deliver(task, event_id: str, attempt: int) -> str | None:
     if owner is None:
         return None  # no such event (expired)
     # Fairness: one key's hanging receivers may hold only its share of the delivery threads; an
-    # attempt over the share is parked until one of the key's attempts ends (workers/infra/fair_share.py).
+    # attempt over the share is parked until one of the key's attempts ends (domain/infra/fair_share.py).
     share, member = rt.share("webhooks"), f"{event_id}:{attempt}"
     if not share.acquire_or_park(owner, member, task=DELIVER_TASK, args=[event_id], kwargs={"attempt": attempt},
                                  queue=WEBHOOKS_QUEUE):

@@ -14,15 +14,15 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
+from domain.jobs.request import JobRequest
+from domain.jobs.submission import submit_job
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import plant_job, plant_mismatched_image_job, stored_request
 from workers.celery_app import create_celery
 from workers.gpu.session import GenerateSession
-from workers.jobs.request import JobRequest
-from workers.jobs.submission import submit_job
 from workers.runtime import runtime
 from workers.runtimes import CpuRuntime, GpuRuntime
-from workers.settings import Settings
 from workers.tasks.score_lines import _score
 
 KEY_A, KEY_B = "key_a", "key_b"

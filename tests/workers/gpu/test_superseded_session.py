@@ -1,7 +1,7 @@
 """A GPU session whose attempt another worker supersedes mid-run drops that job's rows and writes
 nothing more for it (no tokens behind the restart, no end, its prompt left to the newer attempt),
 while its other jobs end as usual; and a session begins no attempt of a job another live worker
-runs (workers/jobs/attempts.py).
+runs (domain/jobs/attempts.py).
 
 Real Redis, the real engine on the demo model, and the GPU task's body called with the very batch
 to run, as tests/workers/gpu/test_isolation.py does (database 11 is that module's too: each
@@ -13,17 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from domain.infra.heartbeats import beat, heartbeat_key
+from domain.jobs.attempts import attempt_key
+from domain.jobs.request import JobRequest
+from domain.jobs.submission import submit_job
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from tests.workers.bad_rows import stored_request
 from workers.celery_app import create_celery
 from workers.gpu.session import GenerateSession
-from workers.infra.heartbeats import beat, heartbeat_key
-from workers.jobs.attempts import attempt_key
-from workers.jobs.request import JobRequest
-from workers.jobs.submission import submit_job
 from workers.runtime import runtime
 from workers.runtimes import GpuRuntime
-from workers.settings import Settings
 
 OWNER = "key_owner"
 OTHER = "other-node-7"  # the worker that redid the job while this one seemed dead

@@ -10,11 +10,11 @@ import time
 import pytest
 from celery.contrib.testing.worker import start_worker
 
+from domain.names import SHARED_GENERATE_QUEUE
+from domain.settings import Settings
 from tests.conftest import empty_db_url
 from workers.celery_app import create_celery
 from workers.gpu.session import REQUEUE
-from workers.names import SHARED_GENERATE_QUEUE
-from workers.settings import Settings
 from workers.tasks.gpu_batching import GenerateBatches
 
 TASK = "tests.gpu_batching.record"

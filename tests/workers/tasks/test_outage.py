@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 from celery.exceptions import Reject
 
-from workers.celery_app import create_celery
-from workers.infra.redis_server import free_port
-from workers.names import (
+from domain.infra.redis_server import free_port
+from domain.names import (
     CANCEL_BATCH_TASK,
     DELIVER_TASK,
     ENQUEUE_CHUNK_TASK,
@@ -21,7 +20,8 @@ from workers.names import (
     RENDER_TASK,
     SCORE_LINES_TASK,
 )
-from workers.settings import Settings
+from domain.settings import Settings
+from workers.celery_app import create_celery
 
 
 @pytest.fixture

@@ -1,0 +1,459 @@
+"""Job records in Redis.
+
+A job is a hash ``rq:job:<id>``. Its status only moves forward
+(queued → preprocessing → generating → succeeded | failed | cancelled); the move is one Lua
+script, so two workers racing on a redelivered message cannot move a job backwards or end it
+twice. Only the call that actually ends a job gets ``True`` back, and only that call may fire the
+job's webhook.
+
+Per-owner indexes: ``rq:jobs:<owner>`` (sorted by creation, for listing) and an active-job counter
+per owner and in total (for backpressure), kept exact by the same scripts. ``rq:unfinished`` holds
+every unfinished job scored by its last move, for the sweep that finds jobs no message carries
+(``domain/jobs/reaper.py``). ``rq:webhook:owed`` gets every job whose end owes a webhook, in the
+script that ends it: a failover that keeps the end keeps the debt too (Redis replicates a script
+as one write), and the webhook reaper (``domain/webhooks/reaper.py``) pays a debt whose
+``job_ended`` message was lost. ``rq:batch:uncounted`` the same way gets every ended job of a batch
+until its line is counted; the batch reaper (``domain/batches/reaper.py``) counts the ones a crash
+or a failover left behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from domain.infra import wakeups
+from domain.infra.pipelined_scripts import run_scripts
+from domain.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
+from domain.jobs.attempts import Fence, fence_lua, preprocess_key
+from domain.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
+from engine.errors import NotFoundError, RateLimitedError, RolloutError
+
+STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+_RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
+_JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
+_OWN_JSON_FIELDS = ("result", "timings")  # the service's own numbers only (decode_record)
+TOTAL_ACTIVE_KEY = "rq:active:_total"
+UNFINISHED_KEY = "rq:unfinished"
+_OTHER: dict[str, Any] = {}  # a listed job of another status than the one asked (JobStore._with_status)
+WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
+UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
+
+# KEYS: job records. Returns the places (from 1) of those ended or gone: one command where a
+# pipeline of one HGET each would be as many.
+_ENDED = """
+local terminal = {succeeded=true, failed=true, cancelled=true}
+local ended = {}
+for place, key in ipairs(KEYS) do
+  local status = redis.call('HGET', key, 'status')
+  if not status or terminal[status] then table.insert(ended, place) end
+end
+return ended
+"""
+
+# Lua, an expression: whether the record hash at {key} names a webhook of its own (a JSON field,
+# ``null`` when it has none). The scripts that end a job or a batch record its debt on it.
+OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
+
+# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
+# unfinished index, webhook debts, uncounted batch lines, the mover's fence counter (attempts.py).
+# ARGV: new status, its rank, now, ttl, events maxlen, '1' when the owner has a key-wide webhook,
+# the mover's run number ('' when it has none), then field/value pairs to set with the move.
+# Returns 1 when the job moved, FENCED when a newer run began (nothing written); the move's status
+# event goes to the job's stream in the same call, and an end that owes a webhook (the job's own, or
+# its owner's) or a batch line is recorded as a debt.
+_TRANSITION = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if not current then return -1 end
+""" + fence_lua(key="KEYS[11]", number="ARGV[7]") + """
+local ranks = {queued=0, preprocessing=1, generating=2, succeeded=3, failed=3, cancelled=3}
+local from = ranks[current]
+local to = tonumber(ARGV[2])
+if from >= 3 or to <= from then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
+if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+if to == 3 then
+  redis.call('ZREM', KEYS[8], redis.call('HGET', KEYS[1], 'id'))
+  redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
+  redis.call('DECR', KEYS[2])
+  redis.call('DECR', KEYS[3])
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  -- Wakes a waiter (POST /generate, GET /v1/jobs/{id}?wait=) without polling.
+  """ + wakeups.PUSH_LUA.format(key="KEYS[4]", value="ARGV[1]") + """
+  redis.call('DEL', KEYS[5], KEYS[6])
+  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
+  if ARGV[6] == '1' or """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """ then
+    redis.call('ZADD', KEYS[9], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+  end
+  local batch = redis.call('HGET', KEYS[1], 'batch_id')
+  if batch and batch ~= '' then redis.call('ZADD', KEYS[10], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+end
+return 1
+"""
+
+# KEYS: job, owner index, owner active counter, total active counter, prompt, events, unfinished index.
+# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, events maxlen, then
+# the job's field/value pairs. The job's event stream starts with its ``queued`` event.
+_CREATE = """
+if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
+if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+""" + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
+redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
+redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('ZADD', KEYS[7], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
+redis.call('INCR', KEYS[3])
+redis.call('INCR', KEYS[4])
+if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
+if ARGV[7] == '1' then redis.call('SET', KEYS[8], 1, 'EX', tonumber(ARGV[5])) end
+return 1
+"""
+
+# KEYS: preprocess run counter. ARGV: ttl. Returns the new run's number.
+_CLAIM_PREPROCESSING = """
+local run = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+return run
+"""
+
+# KEYS: job, prompt, preprocess run counter. ARGV: the run's number, the prompt, ttl, '1' when the job
+# may be generating (its handles are made again). Returns 1 when saved; 0 when the job moved on
+# (ended, or generating from another run's prompt); FENCED when a newer run began.
+_SAVE_PROMPT = fence_lua(key="KEYS[3]", number="ARGV[1]") + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'failed' or status == 'cancelled' then return 0 end
+if status == 'generating' and ARGV[4] ~= '1' then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3]))
+return 1
+"""
+
+
+class QueueFullError(RateLimitedError):
+    code = "queue_full"
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_active_per_owner: int
+    max_active_total: int
+    result_ttl: int
+    events_maxlen: int = DEFAULT_MAXLEN
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A job to create (``JobStore.add``, ``JobStore.create_many``): ``JobStore.create``'s arguments."""
+
+    owner: str
+    kind: str
+    request: dict[str, Any]
+    request_id: str | None = None
+    webhook: dict | None = None
+    metadata: dict | None = None
+    extra: dict[str, str] | None = None
+    prompt: str | None = None
+    watched: bool = False
+
+
+class JobStore:
+    """``hooked_owners``: the owners with a key-wide webhook (``ROLLOUT_KEY_WEBHOOKS``), whose every
+    job's end owes one."""
+
+    def __init__(self, client: redis.Redis, limits: StoreLimits, *, hooked_owners: frozenset[str] = frozenset(),
+                 wait_any: wakeups.WaitAny | None = None):
+        self.redis = client
+        self.limits = limits
+        self.hooked_owners = hooked_owners
+        self.wait_any_wakeup = wait_any or wakeups.waiting_on(client)
+        self._create = client.register_script(_CREATE)
+        self._transition = client.register_script(_TRANSITION)
+        self._ended_places = client.register_script(_ENDED)
+        self._claim_preprocessing = client.register_script(_CLAIM_PREPROCESSING)
+        self._save_prompt = client.register_script(_SAVE_PROMPT)
+
+    @staticmethod
+    def key(job_id: str) -> str:
+        return f"rq:job:{job_id}"
+
+    @staticmethod
+    def prompt_key(job_id: str) -> str:
+        """Where the finalized prompt waits for the GPU worker (``save_prompt``, ``prompts``)."""
+        return f"rq:job:{job_id}:prompt"
+
+    @staticmethod
+    def cancel_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:cancel"
+
+    @staticmethod
+    def done_key(job_id: str) -> str:
+        return f"rq:job:{job_id}:done"
+
+    @staticmethod
+    def _active_key(owner: str) -> str:
+        return f"rq:active:{owner}"
+
+    def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
+               webhook: dict | None = None, metadata: dict | None = None,
+               extra: dict[str, str] | None = None, prompt: str | None = None, watched: bool = False) -> dict[str, Any]:
+        """Store a new queued job and return its record. ``prompt``, a finalized prompt as JSON, is
+        stored with it (under ``prompt_key``) when the job needs no preprocessing; ``watched``: a
+        reader follows its events from the start (its tokens are written, see job_events).
+        QueueFullError past a cap on unfinished jobs."""
+        return self.add(NewJob(owner=owner, kind=kind, request=request, request_id=request_id, webhook=webhook,
+                               metadata=metadata, extra=extra, prompt=prompt, watched=watched))
+
+    def add(self, new: NewJob) -> dict[str, Any]:
+        """``create`` of a :class:`NewJob`."""
+        keys, args, encoded = self._create_call(new)
+        return self._created(self._create(keys=keys, args=args), encoded)
+
+    def create_many(self, jobs: list[NewJob]) -> list[dict[str, Any] | QueueFullError]:
+        """``create`` for many jobs in one round trip: each one's record, or the QueueFullError it
+        met (the caps are checked job by job, in order)."""
+        calls = [(self._create, *self._create_call(new)) for new in jobs]
+        replies = run_scripts(self.redis, [call[:3] for call in calls]) if calls else []
+        outcomes: list[dict[str, Any] | QueueFullError] = []
+        for (*_, encoded), outcome in zip(calls, replies, strict=True):
+            try:
+                outcomes.append(self._created(outcome, encoded))
+            except QueueFullError as full:
+                outcomes.append(full)
+        return outcomes
+
+    def _create_call(self, new: NewJob) -> tuple[list[str], list[Any], dict[str, str]]:
+        now = time.time()
+        job_id = new_id("job")
+        fields: dict[str, Any] = {
+            "id": job_id, "owner": new.owner, "kind": new.kind, "status": "queued", "created_at": now,
+            "request_id": new.request_id or "", "request": new.request, "webhook": new.webhook,
+            "metadata": new.metadata, **(new.extra or {}),
+        }
+        encoded = {name: _encode(name, value) for name, value in fields.items()}
+        args: list[Any] = [self.limits.max_active_per_owner, self.limits.max_active_total, now, new.prompt or "",
+                           self.limits.result_ttl, self.limits.events_maxlen, "1" if new.watched else "0"]
+        for pair in encoded.items():
+            args += pair
+        keys = [self.key(job_id), f"rq:jobs:{new.owner}", self._active_key(new.owner), TOTAL_ACTIVE_KEY,
+                self.prompt_key(job_id), events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
+        return keys, args, encoded
+
+    def _created(self, outcome: int, encoded: dict[str, str]) -> dict[str, Any]:
+        if outcome == -1:
+            raise QueueFullError("too many unfinished jobs for this API key", headers={"Retry-After": "5"})
+        if outcome == -2:
+            raise QueueFullError("the service has too many unfinished jobs", headers={"Retry-After": "5"})
+        return self._decode(encoded)  # what the hash now holds, without reading it back
+
+    def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
+        """The job, or NotFoundError — also when it belongs to another owner."""
+        raw = self.redis.hgetall(self.key(job_id)) if plausible_id(job_id) else {}
+        if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
+            raise NotFoundError(f"no job {job_id!r}")
+        return self._decode(raw)
+
+    def check_owner(self, job_id: str, owner: str) -> None:
+        """NotFoundError where ``get`` with ``owner`` raises one, reading two short fields: the
+        record holds the result (up to tens of MB), which a stream reads later, once."""
+        found, owned_by = self.redis.hmget(self.key(job_id), ["id", "owner"]) if plausible_id(job_id) else (None, None)
+        if found is None or (owned_by or b"").decode() != owner:
+            raise NotFoundError(f"no job {job_id!r}")
+
+    def owned(self, job_ids: list[str], owner: str) -> list[dict[str, Any] | None]:
+        """``get`` of many ids in one round trip: each job, or None where it is not ``owner``'s."""
+        jobs = self.get_many([job_id for job_id in job_ids if plausible_id(job_id)])
+        found = {job["id"]: job for job in jobs if job is not None and job.get("owner") == owner}
+        return [found.get(job_id) for job_id in job_ids]
+
+    def get_many(self, job_ids: list[str], *, stored_result: bool = False) -> list[dict[str, Any] | None]:
+        """The jobs (None where gone), in one round trip. ``stored_result``: each result left as
+        stored, a :class:`~domain.infra.redis_records.StoredJSON` (for a stream that sends it on)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.key(job_id))
+        decode = _decode_stored_result if stored_result else self._decode
+        return [decode(raw) if raw else None for raw in pipe.execute()]
+
+    def existing(self, job_ids: list[str]) -> set[str]:
+        """Which of ``job_ids`` have a record here, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.key(job_id))
+        return {job_id for job_id, found in zip(job_ids, pipe.execute() if job_ids else [], strict=True) if found}
+
+    def advance(self, job_id: str, status: str, *, owner: str | None = None, fence: Fence | None = None,
+                **fields: Any) -> bool:
+        """Move the job forward to ``status``; False if it is already there, past it, or ended, or
+        ``fence``'s run is no longer the newest (domain/jobs/attempts.py). Pass ``owner`` when
+        known: it saves a round trip."""
+        if owner is None:
+            owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
+        keys, args = self._transition_call(job_id, owner, status, fields, fence)
+        return self._transition(keys=keys, args=args) == 1
+
+    def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
+        """``advance`` for many ``(job id, owner)`` pairs in one round trip."""
+        return self.advance_each([(job_id, owner, status, {}) for job_id, owner in jobs])
+
+    def advance_each(self, moves: list[tuple[str, str, str, dict[str, Any]]]) -> list[bool]:
+        """``advance`` for many ``(job id, owner, status, fields)`` in one round trip."""
+        return [outcome == 1 for outcome in self.advance_fenced(moves, [None] * len(moves))]
+
+    def advance_fenced(self, moves: list[tuple[str, str, str, dict[str, Any]]],
+                       fences: list[Fence | None]) -> list[int]:
+        """``advance_each``, each move made only while its fence holds: per move 1 (moved), 0 (it
+        was there or past it), -1 (no such job) or ``FENCED`` (a newer run began: nothing written)."""
+        calls = [(self._transition, *self._transition_call(job_id, owner, status, fields, fence))
+                 for (job_id, owner, status, fields), fence in zip(moves, fences, strict=True)]
+        return [int(outcome) for outcome in run_scripts(self.redis, calls)] if calls else []
+
+    def _transition_call(self, job_id: str, owner: str, status: str, fields: dict[str, Any], fence: Fence | None):
+        args: list[Any] = [status, _RANK[status], time.time(), self.limits.result_ttl, self.limits.events_maxlen,
+                           "1" if owner in self.hooked_owners else "0", "" if fence is None else fence.number]
+        for name, value in fields.items():
+            args += [name, _encode(name, value)]
+        keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
+                self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY,
+                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY, fence.key if fence else preprocess_key(job_id)]
+        return keys, args
+
+    def fail(self, job_id: str, error: RolloutError, *, fence: Fence | None = None) -> bool:
+        # The code alone says the type (and its HTTP status): RolloutError.from_record.
+        return self.advance(job_id, "failed", fence=fence, error=error.to_dict())
+
+    def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
+        """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""
+        job = self.get(job_id)
+        if job["status"] in TERMINAL or timeout <= 0:
+            return job if job["status"] in TERMINAL else None
+        if self.wait_any_wakeup([self.done_key(job_id)], timeout):
+            return self.get(job_id)
+        job = self.get(job_id)
+        return job if job["status"] in TERMINAL else None
+
+    def wait_any(self, job_ids: list[str], *, timeout: float) -> dict[str, dict[str, Any] | None]:
+        """Block until one of ``job_ids`` has ended, or ``timeout`` seconds pass: the records of those
+        ended by then, by id (None for one no longer stored); empty when none has. One wait watches
+        them all, so following a step's jobs costs a few round trips per group that ends together,
+        not one per job."""
+        if not job_ids:
+            return {}  # nothing to wait for (a BLPOP of no keys is an error)
+        ended = self._ended(job_ids)
+        if not ended and timeout > 0 and self.wait_any_wakeup([self.done_key(j) for j in job_ids], timeout):
+            ended = self._ended(job_ids)
+        return dict(zip(ended, self.get_many(ended), strict=True)) if ended else {}
+
+    def _ended(self, job_ids: list[str]) -> list[str]:
+        """Those of ``job_ids`` that have ended or are no longer stored (one script reads their statuses)."""
+        places = self._ended_places(keys=[self.key(job_id) for job_id in job_ids]) if job_ids else []
+        return [job_ids[place - 1] for place in places]
+
+    def save_prompt(self, job_id: str, prompt: str) -> None:
+        """Leave the job's finalized prompt (JSON, see ``domain.jobs.prompt_codec``) for the GPU worker.
+        It is deleted when the job ends."""
+        self.redis.set(self.prompt_key(job_id), prompt, ex=self.limits.result_ttl)
+
+    def claim_preprocessing(self, job_id: str) -> Fence:
+        """Number a CPU task's run of the job: its prompt is saved, and the job failed, only while no
+        newer run began (a worker paused past its heartbeat has its message run elsewhere)."""
+        run = self._claim_preprocessing(keys=[preprocess_key(job_id)], args=[self.limits.result_ttl])
+        return Fence.preprocessing(job_id, int(run))
+
+    def save_prompt_fenced(self, job_id: str, prompt: str, fence: Fence, *, generating_ok: bool = False) -> bool:
+        """``save_prompt`` for the run ``fence`` names, if it is still the newest and the job still
+        waits for its prompt (``generating_ok``: also while generating, for handles made again).
+        False: the run is late, send no ``generate``."""
+        saved = self._save_prompt(keys=[self.key(job_id), self.prompt_key(job_id), fence.key],
+                                  args=[fence.number, prompt, self.limits.result_ttl, "1" if generating_ok else "0"])
+        return saved == 1
+
+    def prompts(self, job_ids: list[str]) -> list[bytes | None]:
+        """The jobs' finalized prompts as stored (JSON); None where a job has none (yet, or any more)."""
+        return self.redis.mget([self.prompt_key(job_id) for job_id in job_ids]) if job_ids else []
+
+    def with_prompts(self, job_ids: list[str]) -> list[tuple[dict[str, Any] | None, bytes | None]]:
+        """Each job and its finalized prompt as stored (JSON), in one round trip; None where a job
+        is gone, or has no prompt (yet, or any more)."""
+        if not job_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hgetall(self.key(job_id))
+        pipe.mget([self.prompt_key(job_id) for job_id in job_ids])
+        *records, prompts = pipe.execute()
+        return [(self._decode(raw) if raw else None, prompt) for raw, prompt in zip(records, prompts, strict=True)]
+
+    def request_abort(self, job_id: str) -> None:
+        """Ask the GPU worker running this job to stop (it ends the job with finish_reason abort)."""
+        self.redis.set(self.cancel_key(job_id), 1, ex=self.limits.result_ttl)
+
+    def list(self, *, owner: str, status: str | None, limit: int, cursor: str | None) -> tuple[list[dict], str | None]:
+        """The owner's jobs, newest first. The cursor is the creation time of the last job seen.
+        With a status, the jobs' statuses are read first and only the matching records loaded."""
+        if status is None:
+            return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+                                    keep=lambda job: True, filtered=False)
+        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor,
+                                load=lambda ids: self._with_status(ids, status), keep=lambda job: job is not _OTHER)
+
+    def _with_status(self, job_ids: list[str], status: str) -> list[dict[str, Any] | None]:
+        """Each job of ``job_ids`` whose status is ``status``; ``_OTHER`` for the others, None for
+        the expired (two round trips, the second only for the matches)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hget(self.key(job_id), "status")
+        statuses = pipe.execute()
+        matching = [job_id for job_id, found in zip(job_ids, statuses, strict=True) if found == status.encode()]
+        loaded = dict(zip(matching, self.get_many(matching), strict=True))
+        return [None if found is None else loaded.get(job_id, _OTHER)
+                for job_id, found in zip(job_ids, statuses, strict=True)]
+
+    def stalled(self, *, before: float, limit: int) -> list[str]:
+        """Unfinished jobs that last moved (were created or changed status) before ``before``, oldest first."""
+        return [job_id.decode() for job_id in self.redis.zrangebyscore(UNFINISHED_KEY, "-inf", before, 0, limit)]
+
+    def reset_stall(self, job_ids: list[str]) -> None:
+        """Restart these unfinished jobs' stall clock: a message was found carrying them, or was
+        just sent again (so the next sweep looks at the jobs behind them)."""
+        if job_ids:
+            self.redis.zadd(UNFINISHED_KEY, dict.fromkeys(job_ids, time.time()), xx=True)
+
+    def forget_unfinished(self, job_ids: list[str]) -> None:
+        """Drop ids from the unfinished index (their records are gone, or ended before the index existed)."""
+        if job_ids:
+            self.redis.zrem(UNFINISHED_KEY, *job_ids)
+
+    def uncounted_lines(self, *, before: float, limit: int) -> list[str]:
+        """Ended jobs of batches, ended before ``before``, whose line is not counted yet; oldest first."""
+        return [job_id.decode() for job_id in self.redis.zrangebyscore(UNCOUNTED_LINES_KEY, "-inf", before, 0, limit)]
+
+    def lines_counted(self, job_ids: list[str]) -> None:
+        """Drop these jobs' line debts unchecked: their records expired, or they name no line. A
+        counted line's debt goes through ``BatchStore.settle_line_debts``, which checks the count."""
+        if job_ids:
+            self.redis.zrem(UNCOUNTED_LINES_KEY, *job_ids)
+
+    def active_counts(self) -> int:
+        return int(self.redis.get(TOTAL_ACTIVE_KEY) or 0)
+
+    def active_count(self, owner: str) -> int:
+        """How many of ``owner``'s jobs are unfinished (the counter the create script caps)."""
+        return int(self.redis.get(self._active_key(owner)) or 0)
+
+    @staticmethod
+    def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
+        return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS)
+
+
+def _decode_stored_result(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS, stored_fields=("result",))
+
+
+def _encode(name: str, value: Any) -> str:
+    return encode_field(name, value, _JSON_FIELDS)

@@ -1,0 +1,447 @@
+"""Settings: the only module that reads the environment.
+
+Entry points call :func:`load_settings` once and pass the frozen :class:`Settings` down. Every
+variable has the prefix ``ROLLOUT_``; all bad values are reported together, each naming its variable.
+Tests build ``Settings(...)`` directly instead of touching the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from environs import Env, EnvError
+
+from domain.names import node_generate_queue
+from domain.redis_target import SENTINEL_SCHEME, parse_sentinel_url, sentinel_url
+from engine.errors import InvalidRequestError
+
+
+class SettingsError(InvalidRequestError):
+    code = "invalid_settings"
+
+
+def _default_state_dir() -> Path:
+    return Path.home() / ".rollout-queue"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which containers and taskset narrow),
+    not the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str | None = None
+    # Redis behind Sentinel (domain/redis_target.py): the sentinels' host:port and the name
+    # they monitor the primary by. Every process then follows a failover; ROLLOUT_REDIS_URL unset.
+    redis_sentinels: tuple[str, ...] = ()
+    redis_sentinel_master: str = "rollout"
+    # With replicas: the API answers 202 only once this many replicas hold the job (Redis WAIT),
+    # else 503 not_durable; 0 answers at once (replication is asynchronous: a failover may then
+    # lose the last jobs answered).
+    redis_replica_acks: int = 0
+    redis_replica_timeout_ms: int = 1000
+    # `rollout-queue up` without ROLLOUT_REDIS_URL: one embedded redis-server ("single"), or a
+    # primary, replicas and three sentinels on loopback ("sentinel") to try a failover.
+    embedded_redis: str = "single"
+    # The "sentinel" topology's replicas: two, so one is left to confirm writes after a failover
+    # (ROLLOUT_REDIS_REPLICA_ACKS=1 refused every submit until the old primary came back with one).
+    embedded_redis_replicas: int = 2
+    # The embedded Redis' append-only file (no ROLLOUT_REDIS_URL): "everysec" may lose the last
+    # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
+    # write first (domain/infra/redis_server.py; the cost is in bench/durability.py).
+    redis_fsync: str = "everysec"
+    # The embedded Redis' maxmemory, in bytes (noeviction: at the bound it refuses writes, and the
+    # API refuses new work at 90 % of it, domain/infra/redis_memory.py). None: a quarter of the
+    # machine's memory, computed at start; 0: no bound. Your own Redis (ROLLOUT_REDIS_URL) has its own.
+    redis_maxmemory_bytes: int | None = None
+    state_dir: Path = field(default_factory=_default_state_dir)
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    weight_version: str | None = None
+    api_keys: tuple[str, ...] = ()
+    # Keys that may update weights and pause generation (they are API keys too). None configured
+    # and no API keys either: the open demo, where anyone may (a warning says so at start).
+    admin_keys: tuple[str, ...] = ()
+    # Weight updates read model directories under this root only; None: weight updates are off.
+    weights_root: Path | None = None
+    # How long POST /v1/weights waits for every live GPU worker to serve the new weights.
+    weights_update_timeout: float = 300.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_workers: int = 2
+    node_id: str = field(default_factory=socket.gethostname)
+    result_ttl: int = 7 * 24 * 3600
+    default_max_tokens: int = 64
+    max_model_len: int | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_content_parts: int = 16
+    max_metadata_bytes: int = 4096
+    max_queued_per_key: int = 10_000
+    max_queued_total: int = 100_000
+    sync_timeout_max: float = 300.0
+    # Streaming (domain/jobs/events.py, web/streams.py): each gunicorn worker serves up to
+    # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
+    # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
+    # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
+    api_threads: int = 16
+    # A whole request must arrive within this (plus a second per 256 KiB of body), or it is
+    # dropped with a 408 (web/request_buffering.py).
+    request_read_timeout: float = 10.0
+    api_stream_slots: int = 256
+    # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
+    # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.
+    # How long an idle keep-alive connection stays open (web/server.py says why 120).
+    api_keepalive_seconds: int = 120
+    api_stream_slots_per_key: int | None = None
+    stream_write_timeout: float = 30.0
+    stream_keepalive_seconds: float = 5.0
+    stream_events_maxlen: int = 20_000
+    # A stream rides out Redis away for less than this (keep-alives meanwhile, then on from where
+    # it was); past it a native stream ends with ``event: interrupted`` and the client resumes.
+    stream_outage_seconds: float = 30.0
+    # The GPU session writes a job's new tokens at most this often (a first token and a job's end
+    # at once): faster decode steps share one entry. 0: every step.
+    stream_flush_ms: float = 10.0
+    # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
+    served_model_name: str | None = None
+    # A request's own chat template (chat_template_kwargs.chat_template) runs in the API process:
+    # refused unless this is set, as vLLM's --trust-request-chat-template (web/dialects/chat_template.py).
+    trust_request_chat_template: bool = False
+    # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
+    # redelivers a message whose task is still running and the job runs twice.
+    task_soft_time_limit: int = 540
+    task_time_limit: int = 600
+    visibility_timeout: int = 3600
+    # A job or webhook that has not moved for this long is looked for in every queue
+    # (domain/jobs/reaper.py, domain/webhooks/reaper.py); one no message carries is sent again.
+    stalled_job_after: int = 120
+    # A worker beats this often; its heartbeat lapses after five beats missed, and then what it held
+    # goes back to the queues (domain/infra/heartbeats.py, workers/held_messages.py).
+    heartbeat_seconds: float = 2.0
+    task_events: bool = False
+    # Rows decoding together in a GPU worker. Unset: as many rows of typical_row_tokens as the KV
+    # pool holds (kv_cache_tokens // typical_row_tokens), so the batch is sized by memory.
+    gpu_batch_size: int | None = None
+    typical_row_tokens: int = 1024
+    gpu_batch_wait_ms: int = 20
+    # The GPU worker's continuous batch (engine.scheduler): the KV pool (in tokens, in blocks of
+    # kv_block_tokens), prefill chunk, caches.
+    kv_cache_tokens: int = 131_072
+    kv_block_tokens: int = 16
+    # On CUDA: the pool takes this share of the device memory free once the model is loaded (at
+    # most kv_cache_tokens); unset: kv_cache_tokens alone.
+    kv_cache_memory_fraction: float | None = None
+    prefill_chunk_tokens: int = 512
+    # While rows decode, new prompts are prefilled once they are join_ratio of the running rows, or
+    # after join_wait_steps decode steps (engine.prefill_plan.hold_joins); join_ratio 0: at once.
+    join_ratio: float = 0.5
+    join_wait_steps: int = 4
+    prompt_cache_tokens: int = 4096
+    # KV blocks found again by name across requests, turns and prompt groups (engine/prefix_hash.py).
+    prefix_caching: bool = True
+    # Generate messages go to the GPU worker their prompt's prefix went to (domain/infra/gpu_affinity.py);
+    # false: to the node's or the shared queue, whichever worker takes them.
+    gpu_affinity: bool = True
+    encoder_cache_bytes: int = 256 * 1024 * 1024
+    torch_threads: int = 1
+    # The GPU worker's load-time fidelity check (engine/fidelity.py): before it takes work, its
+    # generated and scored logprobs must equal the model's own forward. The tolerance in nats;
+    # None: by dtype (1e-3 in fp32, 0.15 in 16-bit types).
+    fidelity_check: bool = True
+    fidelity_tolerance: float | None = None
+    # Fairness between keys (domain/infra/fair_share.py): a CPU worker runs this many jobs at once, and
+    # one key holds at most cpu_per_key of all CPU workers' slots (None: half of cpu_concurrency, at
+    # least one), so its slow media never fill them.
+    # One per usable core: more processes than cores preprocess no faster and take the cores the
+    # GPU worker's decode loop runs on (the rollout benchmark lost a quarter of its speed to it).
+    cpu_concurrency: int = field(default_factory=usable_cores)
+    cpu_per_key: int | None = None
+    render_per_key: int = 4
+    # Who may read GET /metrics (web/metrics.py): its counters move per job, so not every caller.
+    metrics_allow_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
+    # Guarded fetching (processors.fetch).
+    allowed_media_domains: tuple[str, ...] = ()
+    outbound_allow_networks: tuple[str, ...] = ()
+    outbound_allowed_ports: tuple[int, ...] = (80, 443)
+    media_root: Path | None = None
+    media_max_bytes: int = 64 * 1024 * 1024
+    fetch_connect_timeout: float = 5.0
+    fetch_timeout: float = 30.0
+    fetch_retries: int = 2
+    fetch_concurrency: int = 4
+    max_image_pixels: int = 40_000_000
+    # Video and audio decoding (processors.decode).
+    max_video_seconds: float = 600.0
+    max_video_frames: int = 32
+    video_fps: float = 2.0
+    max_video_pixels: int = 1920 * 1088
+    max_audio_seconds: float = 30.0
+    # Multimodal cache and feature transport.
+    mm_cache_bytes: int = 512 * 1024 * 1024
+    mm_cache_process_bytes: int = 256 * 1024 * 1024
+    transport: str = "auto"
+    shm_pool_bytes: int = 1024 * 1024 * 1024
+    handle_ack_timeout: float = 600.0
+    # Webhooks.
+    webhook_secrets: tuple[str, ...] = ()
+    webhook_retry_schedule: tuple[float, ...] = (5, 30, 120, 600, 1800, 3600, 7200, 14400, 28800, 28800)
+    webhook_timeout: float = 10.0
+    webhook_concurrency: int = 32
+    webhook_per_key: int = 8
+    key_webhooks: Mapping[str, str] = field(default_factory=dict)
+    # Batches.
+    batch_max_lines: int = 50_000
+    batch_max_bytes: int = 200 * 1024 * 1024
+    # Input lines of one key's unfinished batches held in Redis, as stored (JSON): bounds the
+    # memory one key's uploads can take.
+    batch_max_stored_bytes_per_key: int = 1024 * 1024 * 1024
+    batch_chunk_size: int = 64
+    batch_completion_window: int = 24 * 3600
+    log_level: str = "INFO"
+
+    def replace(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def redis_target(self) -> str | None:
+        """The Redis every process connects to: ROLLOUT_REDIS_URL, or the sentinels' primary."""
+        if self.redis_sentinels:
+            return sentinel_url(self.redis_sentinels, self.redis_sentinel_master)
+        return self.redis_url
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows decoding together: ROLLOUT_GPU_BATCH_SIZE, or as many typical rows as the KV pool holds."""
+        if self.gpu_batch_size is not None:
+            return self.gpu_batch_size
+        return max(1, min(4096, self.kv_cache_tokens // self.typical_row_tokens))
+
+    @property
+    def cpu_key_slots(self) -> int:
+        """The CPU slots one key holds at most: ROLLOUT_CPU_PER_KEY, or half of a worker's."""
+        return self.cpu_per_key or max(1, self.cpu_concurrency // 2)
+
+    @property
+    def generate_queue(self) -> str:
+        return node_generate_queue(self.node_id)
+
+
+# Checks beyond the type, by field. Every field of Settings is read from ROLLOUT_<FIELD NAME>.
+_CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "transport": ("auto", "inline", "shm", "cuda_ipc"),
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "embedded_redis": ("single", "sentinel"),
+    "redis_fsync": ("everysec", "always"),
+}
+_RANGES = {
+    "port": (1, 65535),
+    "api_workers": (1, 64),
+    "result_ttl": (60, 10**9),
+    "default_max_tokens": (1, 10**6),
+    "max_model_len": (1, 10**8),
+    "max_body_bytes": (1024, 2**34),
+    "max_content_parts": (0, 1024),
+    "max_metadata_bytes": (0, 2**20),
+    "max_queued_per_key": (1, 10**9),
+    "max_queued_total": (1, 10**9),
+    "sync_timeout_max": (0, 3600),
+    "api_threads": (1, 1024),
+    "request_read_timeout": (0.1, 3600),
+    "api_stream_slots": (0, 10_000),
+    "api_stream_slots_per_key": (1, 10_000),
+    "stream_write_timeout": (0.1, 3600),
+    # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
+    "stream_keepalive_seconds": (0.05, 8),
+    "stream_events_maxlen": (100, 10**8),
+    "api_keepalive_seconds": (1, 3600),
+    "stream_outage_seconds": (0, 3600),
+    "stream_flush_ms": (0, 10_000),
+    "weights_update_timeout": (0, 3600),
+    "task_soft_time_limit": (1, 10**6),
+    "task_time_limit": (1, 10**6),
+    "visibility_timeout": (1, 10**7),
+    "stalled_job_after": (1, 10**7),
+    "heartbeat_seconds": (0.05, 60),
+    "gpu_batch_size": (1, 4096),
+    "redis_replica_acks": (0, 16),
+    "embedded_redis_replicas": (1, 8),
+    "redis_maxmemory_bytes": (0, 2**50),
+    "redis_replica_timeout_ms": (1, 600_000),
+    "typical_row_tokens": (1, 2**30),
+    "kv_block_tokens": (1, 4096),
+    "kv_cache_memory_fraction": (0.01, 0.99),
+    "gpu_batch_wait_ms": (0, 10_000),
+    "kv_cache_tokens": (1, 2**40),
+    "prefill_chunk_tokens": (1, 10**7),
+    "join_ratio": (0, 16),
+    "join_wait_steps": (0, 10_000),
+    "prompt_cache_tokens": (0, 2**40),
+    "encoder_cache_bytes": (0, 2**44),
+    "torch_threads": (1, 1024),
+    "fidelity_tolerance": (0, 100),
+    "cpu_concurrency": (1, 1024),
+    "cpu_per_key": (1, 1024),
+    "render_per_key": (1, 1024),
+    "fetch_concurrency": (1, 64),
+    "webhook_concurrency": (1, 1024),
+    "webhook_per_key": (1, 1024),
+    "media_max_bytes": (1, 2**34),
+    "fetch_connect_timeout": (0.01, 600),
+    "fetch_timeout": (0.01, 3600),
+    "fetch_retries": (0, 10),
+    "max_image_pixels": (1, 2**34),
+    "max_video_seconds": (0.01, 86_400),
+    "max_video_frames": (1, 100_000),
+    "video_fps": (0.01, 240),
+    "max_video_pixels": (1, 2**34),
+    "max_audio_seconds": (0.01, 86_400),
+    "mm_cache_bytes": (0, 2**40),
+    "mm_cache_process_bytes": (0, 2**40),
+    "shm_pool_bytes": (1024, 2**40),
+    "handle_ack_timeout": (1, 86_400),
+    "webhook_timeout": (0.1, 600),
+    "batch_max_lines": (1, 10**7),
+    "batch_max_bytes": (1, 2**40),
+    "batch_max_stored_bytes_per_key": (1, 2**42),
+    "batch_chunk_size": (1, 10_000),
+    "batch_completion_window": (60, 10**7),
+}
+_VALIDATORS = {"node_id": lambda: _node_id}
+
+
+def env_name(field_name: str) -> str:
+    return "ROLLOUT_" + field_name.upper()
+
+
+def load_settings() -> Settings:
+    """Parse every ``ROLLOUT_*`` variable; raise one :class:`SettingsError` naming each bad one."""
+    env = Env(eager=False, expand_vars=False, prefix="ROLLOUT_")
+    defaults = Settings()
+    values = {}
+    for spec in fields(Settings):
+        values[spec.name] = _read(env, spec.name, spec.type, getattr(defaults, spec.name))
+    try:
+        env.seal()
+    except EnvError as exc:
+        raise SettingsError(f"invalid settings: {exc}") from None
+    settings = Settings(**values)
+    _check_consistency(settings)
+    return settings
+
+
+def _read(env: Env, name: str, type_name: str, default: Any) -> Any:
+    key = name.upper()
+    validate = None
+    if name in _CHOICES:
+        validate = _one_of(*_CHOICES[name])
+    elif name in _RANGES:
+        validate = _between(*_RANGES[name])
+    elif name in _VALIDATORS:
+        validate = _VALIDATORS[name]()
+    base = type_name.replace(" | None", "")
+    optional = type_name.endswith("| None")
+    if base == "int":
+        return (
+            env.int(key, default, validate=validate)
+            if not optional
+            else env.int(key, None, validate=validate)
+        )
+    if base == "bool":
+        return env.bool(key, default)
+    if base == "float":
+        return env.float(key, default, validate=validate)
+    if base == "Path":
+        return env.path(key, default)
+    if base.startswith("tuple["):
+        item = {"tuple[int, ...]": int, "tuple[float, ...]": float}.get(base, str)
+        raw = env.list(key, list(default), subcast=item)
+        if raw is None:  # unparsable: env.seal() reports it
+            return default
+        return tuple(_clean(raw) if item is str else raw)
+    if base.startswith("Mapping"):
+        return env.dict(key, dict(default))
+    value = env.str(key, default, validate=validate)
+    return (value or None) if optional else value
+
+
+def _check_consistency(s: Settings) -> None:
+    problems = []
+    if s.visibility_timeout <= s.task_time_limit:
+        problems.append(
+            "ROLLOUT_VISIBILITY_TIMEOUT must exceed ROLLOUT_TASK_TIME_LIMIT (or a running job is redelivered)"
+        )
+    if s.task_soft_time_limit >= s.task_time_limit:
+        problems.append("ROLLOUT_TASK_SOFT_TIME_LIMIT must be below ROLLOUT_TASK_TIME_LIMIT")
+    for name in ("outbound_allow_networks", "metrics_allow_networks"):
+        for net in getattr(s, name):
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                problems.append(f"{env_name(name)}: {net!r} is not a CIDR network")
+    if s.redis_url and not s.redis_url.startswith(("redis://", "rediss://", "redis+socket://", "unix://",
+                                                   f"{SENTINEL_SCHEME}://")):
+        problems.append(f"ROLLOUT_REDIS_URL must start with redis://, rediss://, redis+socket://, unix:// "
+                        f"or {SENTINEL_SCHEME}://")
+    if s.redis_sentinels and s.redis_url:
+        problems.append("set ROLLOUT_REDIS_URL or ROLLOUT_REDIS_SENTINELS, not both")
+    try:
+        parse_sentinel_url(s.redis_target or "")
+    except ValueError as exc:
+        problems.append(f"ROLLOUT_REDIS_SENTINELS / ROLLOUT_REDIS_URL: {exc}")
+    if s.embedded_redis == "sentinel" and not s.redis_target and s.redis_replica_acks >= s.embedded_redis_replicas:
+        problems.append("ROLLOUT_REDIS_REPLICA_ACKS must be below ROLLOUT_EMBEDDED_REDIS_REPLICAS: after a failover"
+                        " one replica fewer is left to confirm writes, and every submit would be refused")
+    for secret in s.webhook_secrets:
+        if not secret.startswith("whsec_"):
+            problems.append("ROLLOUT_WEBHOOK_SECRETS: each secret must start with whsec_")
+    if problems:
+        raise SettingsError("invalid settings: " + "; ".join(problems))
+
+
+def _clean(items: list[str]) -> list[str]:
+    # environs does not strip blanks around list items.
+    return [item.strip() for item in items if item.strip()]
+
+
+def _one_of(*choices: str):
+    def check(value: str) -> None:
+        if value not in choices:
+            from marshmallow import ValidationError
+
+            raise ValidationError(f"must be one of {', '.join(choices)}")
+
+    return check
+
+
+def _between(low: int, high: int):
+    def check(value: int) -> None:
+        if not low <= value <= high:
+            from marshmallow import ValidationError
+
+            raise ValidationError(f"must be between {low} and {high}")
+
+    return check
+
+
+def _node_id(value: str) -> None:
+    from marshmallow import ValidationError
+
+    if value is None:
+        raise ValidationError("must not be empty")
+    if not value or not all(c.isalnum() or c in "-_." for c in value):
+        raise ValidationError("must be letters, digits, '-', '_' or '.'")
