@@ -92,10 +92,11 @@ def test_200_slow_sockets_leave_ordinary_requests_fast_and_are_dropped_with_a_40
 def test_pipelined_requests_are_each_answered_in_order(api):
     _url, port = api
     jobs = f"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: {auth()['Authorization']}\r\n\r\n".encode()
+    last = jobs.replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n")  # the server closes after it
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + jobs + jobs[:20])
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + jobs + last[:20])
         time.sleep(0.3)
-        sock.sendall(jobs[20:-1].replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n") + b"\n")
+        sock.sendall(last[20:])
         received = _read_to_close(sock, time.monotonic() + 10)
     statuses = _statuses(received)
     assert statuses[1:] == [b"200", b"200"] and statuses[0] in (b"200", b"503"), received
