@@ -233,3 +233,19 @@ def test_draw_rows_hands_back_each_row_s_processed_distribution():
         expected = reference(logits[i], p).exp()
         torch.testing.assert_close(draw.probs[i] / draw.probs[i].sum(), expected, atol=1e-6, rtol=0)
         assert draw.probs[i, draw.tokens[i]] > 0
+
+
+def test_greedy_and_sampled_rows_of_one_step_each_get_their_processed_top_logprobs():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 50) * 2
+    knobs = dict(logprobs_mode="processed", top_logprobs=3)
+    rows = [decoder(None, temperature=0, **knobs), decoder(6, temperature=0.9, top_k=2, sampling_mask=True, **knobs),
+            decoder(7, temperature=1.0, top_p=0.95, **knobs)]
+    step(rows, logits)
+    for i, row in enumerate(rows):
+        expected = reference(logits[i], row.params)
+        values, ids = torch.topk(expected, min(3, len(support(expected))))
+        assert [t for t, _ in row.top_logprobs()[0]] == ids.tolist()
+        torch.testing.assert_close([v for _, v in row.top_logprobs()[0]], values.tolist(), atol=1e-5, rtol=0)
+        assert row.logprobs()[0] == pytest.approx(float(expected[row.token_ids[0]]), abs=1e-5)
+    assert steps_of(rows[1].sampling_mask()) == [support(reference(logits[1], rows[1].params))]
