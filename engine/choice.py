@@ -16,7 +16,7 @@ class Choice:
     # Per token, its logprob under the raw distribution (or the processed one, under logprobs_mode
     # "processed": engine/processed_rows.py); None unless asked.
     logprobs: list[float] | None
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "policy_lag" (SamplingParams.max_policy_lag)
     # The stop token id (eos included) or stop string that ended the choice; None otherwise.
     matched_stop: int | str | None = None
     text: str | None = None  # detokenized tokens (see RowDecoder.text); None without detokenize
@@ -26,6 +26,13 @@ class Choice:
     # With sampling_mask: {"token_ids": [...], "offsets": [...]}, CSR over the tokens (vLLM's
     # SamplingMask): token i could have been drawn from token_ids[offsets[i]:offsets[i + 1]].
     sampling_mask: dict[str, list[int]] | None = None
+    # [{version, start, end}], half-open over token_ids: which weights made which tokens (a row
+    # continued across an update, mode keep, has several; engine/row_versions.py).
+    weight_versions: list[dict] | None = None
+    # None: the row crossed no weight update; True: its earlier tokens' KV was computed again by
+    # the new weights at every update it crossed (recompute_kv); False: it attended to the KV
+    # the older weights computed.
+    kv_recomputed: bool | None = None
 
     @classmethod
     def from_record(cls, record: dict) -> Choice:

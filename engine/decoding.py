@@ -25,6 +25,7 @@ import torch
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
+from engine.row_versions import RowVersions
 from engine.sampling_mask import SamplingMasks
 from engine.sampling_params import SamplingParams
 
@@ -34,7 +35,7 @@ class RowDecoder:
 
     def __init__(self, request_index: int, choice_index: int, params: SamplingParams,
                  generator: torch.Generator | None, *, prompt_token_ids: Sequence[int] = (),
-                 eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None):
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, weight_version: str = ""):
         self.request_index = request_index
         self.choice_index = choice_index
         self.params = params
@@ -56,6 +57,7 @@ class RowDecoder:
         self._top_values: list[torch.Tensor] = []
         self._top_ids: list[torch.Tensor] = []
         self._masks = SamplingMasks() if params.sampling_mask else None
+        self.versions = RowVersions(weight_version)  # which weights made each token (engine/row_versions.py)
 
     @property
     def done(self) -> bool:
@@ -112,10 +114,11 @@ class RowDecoder:
         elif aborted:
             self._finish("abort")
 
-    def abort(self) -> None:
-        """End the row now with the tokens so far (a cancel, a deadline, or its request's error)."""
+    def abort(self, reason: str = "abort") -> None:
+        """End the row now with the tokens so far (a cancel, a deadline, or its request's error;
+        ``"policy_lag"``: a weight swap it may not cross)."""
         if not self.done:
-            self._finish("abort")
+            self._finish(reason)
 
     def _finish(self, reason: str, matched: int | str | None = None) -> None:
         self.finish_reason = reason

@@ -38,12 +38,15 @@ class GenerationResult:
     choices: list[Choice]
     usage: dict[str, int]
     timings: dict[str, float]
-    weight_version: str
+    weight_version: str  # the weights of its last token (each choice's weight_versions has them all)
     placeholder_ranges: list[dict[str, Any]] = field(default_factory=list)
     # With sampling.prompt_logprobs: per prompt token, its logprob given the tokens before it
     # (None for the first), and the top k alternatives ([[token_id, logprob], ...]) when k > 0.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list] | None] | None = None
+    # The weights whose teacher-forced forward gave prompt_logprobs (those serving when the request
+    # ended); None without them.
+    prompt_logprobs_version: str | None = None
     # Prompt tokens not computed for this request: their KV blocks came from another request's
     # prefill or decoding (same key and salt, tokens, media, weights): SGLang's meta_info.cached_tokens.
     cached_tokens: int = 0

@@ -56,9 +56,13 @@ class PrefixCache:
 
     def keep_decoded(self, row: RowDecoder, job: Job, table: list[int], length: int) -> None:
         """A finished row's full blocks past its prompt's, named by its prompt and the tokens it
-        decoded: the next turn of an agent, which repeats them, computes none of them again."""
+        decoded: the next turn of an agent, which repeats them, computes none of them again. A row
+        that lived through a weight swap holding the old weights' KV names none: its blocks are
+        neither version's computation (engine/weight_crossing.py)."""
         names, size = job.names, self.pool.block_size
         if names is None or job.error is not None or length // size <= len(names.full):
+            return
+        if row.versions.crossed and not row.versions.kv_recomputed():
             return
         tokens = [*job.request.prompt_token_ids, *row.token_ids][:length]
         parent = names.full[-1] if names.full else names.root

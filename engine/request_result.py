@@ -29,19 +29,25 @@ def build_result(facts: ModelFacts, job: Any,
     scored = {}
     if request.sampling.prompt_logprobs is not None and job.admitted_at is not None:  # it ran
         started = time.perf_counter()
-        scored = prompt_logprobs(request, job.features)
+        scored = {**prompt_logprobs(request, job.features), "prompt_logprobs_version": facts.weight_version}
         timings["prompt_logprobs_s"] = time.perf_counter() - started
     choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
-                      top_logprobs=row.top_logprobs(), sampling_mask=row.sampling_mask())
+                      top_logprobs=row.top_logprobs(), sampling_mask=row.sampling_mask(),
+                      weight_versions=row.versions.spans(len(row.token_ids)),
+                      kv_recomputed=row.versions.kv_recomputed())
                for row in job.rows]
+    # The version at the end: the last span of the choice with the most (the rows of a request
+    # start on one version); a request with no token, the weights serving now.
+    spans = max((c.weight_versions for c in choices), key=len, default=None)
+    version = spans[-1]["version"] if spans else facts.weight_version
     return GenerationResult(
         prompt_token_ids=list(request.prompt_token_ids),
         choices=choices,
         usage={"prompt_tokens": len(request.prompt_token_ids),
                "completion_tokens": sum(len(c.token_ids) for c in choices)},
         timings=timings,
-        weight_version=facts.weight_version,
+        weight_version=version,
         placeholder_ranges=placeholder_ranges(facts, request.prompt_token_ids, request.items),
         cached_tokens=job.cached_tokens,
         **scored,

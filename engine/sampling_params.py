@@ -67,6 +67,9 @@ class SamplingParams:
     detokenize: bool = True  # return the choice's text
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # The most weight updates a row may live through (update mode keep); one more ends it with
+    # finish_reason "policy_lag" before any token of the newer weights. None: no bound.
+    max_policy_lag: int | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON become a tuple so the params stay hashable and immutable.
@@ -114,6 +117,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             problems["prompt_logprobs"] = f"must be null or an integer in [0, {MAX_TOP_LOGPROBS}]"
+        if self.max_policy_lag is not None and (not _is_int(self.max_policy_lag) or self.max_policy_lag < 0):
+            problems["max_policy_lag"] = "must be null or an integer >= 0"
         if problems:
             raise InvalidRequestError("invalid sampling parameters", errors=problems)
 

@@ -105,17 +105,33 @@ def new_job(facts: ModelFacts, handle: int, tag: Any, request, features: dict[st
     """A submitted request as the scheduler runs it: its media units, the key of its prompt
     (scope, weights, tokens, media), its blocks' names (None: prefix caching is off) and a
     decoder per choice."""
+    units, key, names = _weights_keyed(facts, request, features, block_size=block_size, prefix_caching=prefix_caching)
+    eos = frozenset(facts.eos_token_ids)
+    rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
+                       prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer,
+                       weight_version=facts.weight_version)
+            for c in range(request.sampling.n)]
+    return Job(handle, tag, request, features, units, key, names, rows, time_limit)
+
+
+def rekey(facts: ModelFacts, job: Job, *, block_size: int, prefix_caching: bool) -> None:
+    """``job`` under the weights serving now (after a swap it lives through): its media units,
+    prompt key and block names carry the new version, so it never finds what the old weights
+    computed, nor is what it computes found under the old version."""
+    job.units, job.key, job.names = _weights_keyed(facts, job.request, job.features, block_size=block_size,
+                                                   prefix_caching=prefix_caching)
+
+
+def _weights_keyed(facts: ModelFacts, request, features, *, block_size: int, prefix_caching: bool):
+    """Everything of a request named by the weights: its media units, its prompt's key (scope,
+    weights, tokens, media) and its blocks' names (None: prefix caching is off)."""
     units = _media_units(facts, request, features)
     key = (request.cache_scope, facts.weight_version, tuple(request.prompt_token_ids), tuple(unit.key for unit in units))
     names = None
     if prefix_caching:
         names = prompt_hashes(request.cache_scope, facts.weight_version, request.prompt_token_ids, block_size,
                               [MediaSpan(*unit.span, unit.key) for unit in units])
-    eos = frozenset(facts.eos_token_ids)
-    rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
-                       prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer)
-            for c in range(request.sampling.n)]
-    return Job(handle, tag, request, features, units, key, names, rows, time_limit)
+    return units, key, names
 
 
 def _media_units(facts: ModelFacts, request, features) -> list[MediaUnit]:

@@ -81,9 +81,10 @@ from engine.prefix_cache import PrefixCache
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
 from engine.running_batch import RunningBatch
-from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job
+from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job, rekey
 from engine.step_prefill import StepPrefill
 from engine.step_runner import StepRunner
+from engine.weight_crossing import cross_swap
 
 StepHook = Callable[[list[RowTokens]], None]
 
@@ -153,6 +154,15 @@ class Scheduler:
         job = self._jobs.get(handle)
         if job is not None:
             job.abort_requested = True
+
+    def weights_changed(self, *, recompute_kv: bool = False) -> None:
+        """The model's weights were just swapped between two steps (update mode keep): every request
+        goes on under them (:func:`engine.weight_crossing.cross_swap`)."""
+        size, caching = self.pool.block_size, self.limits.prefix_caching
+        self._admitted = cross_swap(
+            self.facts.weight_version, list(self._jobs.values()), self._batch, self._prefill, self._admitted,
+            self.prefixes, self.runner, recompute_kv=recompute_kv, fail=self._fail,
+            rename=lambda job: rekey(self.facts, job, block_size=size, prefix_caching=caching))
 
     @property
     def has_work(self) -> bool:
