@@ -27,6 +27,7 @@ COPY processors ./processors
 COPY domain ./domain
 COPY workers ./workers
 COPY web ./web
+COPY launcher ./launcher
 COPY clients/python ./clients/python
 RUN pip install ./clients/python .
 

@@ -30,9 +30,9 @@ def run(calls: int = CALLS, rounds: int = 3) -> list[dict]:
     from domain.infra.redis_server import EmbeddedRedis
     from domain.settings import Settings
     from engine.demo_model import build_demo_model
+    from web.api.schemas import SubmitJobSchema
     from web.app import create_app
     from web.blueprint import Blueprint
-    from web.schemas import SubmitJobSchema
 
     parser = Blueprint.ARGUMENTS_PARSER
     shared = SubmitJobSchema()

@@ -28,8 +28,8 @@ from bench.rows import print_rows
 from bench.service import BATCH, HEADERS, NEW_TOKENS, Service, job_body, prompt
 from domain.batches.creation import ParsedBatch
 from engine.demo_model import build_demo_model
-from web import batches as batches_route
-from web.batch_upload import check_lines
+from web.api import batches as batches_route
+from web.api.batch_upload import check_lines
 
 ROWS = 2000
 

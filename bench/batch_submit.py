@@ -14,7 +14,7 @@ chat template and tokenizer like the synchronous route) or ``jobs`` lines (``/v1
 above as our own requests, a quarter scoring lines).
 
 ``--overlap`` compares, in this process, checking a chat file with its tokenizer calls in a thread
-beside the Python steps (what ``web.batch_upload`` does) against the same steps with each chunk's
+beside the Python steps (what ``web.api.batch_upload`` does) against the same steps with each chunk's
 call in line, alternated three times each; the ratio of the best times is the row.
 
 Run: ``python -m bench.batch_submit [--lines 10000] [--tokens 50 200] [--format native openai]
@@ -42,7 +42,7 @@ from werkzeug.serving import make_server  # noqa: E402
 from domain.infra.redis_server import EmbeddedRedis  # noqa: E402
 from domain.settings import Settings  # noqa: E402
 from engine.demo_model import build_demo_model  # noqa: E402
-from web import batch_upload, batches  # noqa: E402
+from web.api import batch_upload, batches  # noqa: E402
 from web.app import create_app  # noqa: E402
 from workers.tasks.batches import submit_chunk  # noqa: E402
 
@@ -148,9 +148,9 @@ def overlap(lines: int, tokens: int, rounds: int = 3) -> tuple[float, float]:
     from concurrent.futures import Future
 
     from web.dialects.common import served_model_name, tokenizer
-    from web.openai_batch_lines import CHAT_URL, chat_token_ids
+    from web.dialects.openai.batch_lines import CHAT_URL, chat_token_ids
 
-    def in_line(numbered, endpoint):  # web.batch_upload._read_lines without the thread
+    def in_line(numbered, endpoint):  # web.api.batch_upload._read_lines without the thread
         for start in range(0, len(numbered), batch_upload.LINES_PER_CHUNK):
             chunk = [batch_upload._begin(number, raw, endpoint)
                      for number, raw in numbered[start:start + batch_upload.LINES_PER_CHUNK]]

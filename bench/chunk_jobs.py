@@ -28,7 +28,7 @@ from domain.jobs.submission import submit_job, submit_jobs
 from domain.names import SHARED_GENERATE_QUEUE
 from domain.settings import Settings
 from engine.demo_model import build_demo_model
-from web.schemas import JobRequestSchema
+from web.api.schemas import JobRequestSchema
 from workers.runtime import Runtime
 
 JOBS = 2048

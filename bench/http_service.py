@@ -49,7 +49,7 @@ def start_api(service: Service) -> str:
     """``rollout-queue api`` on a free port with the service's settings; its URL once it answers."""
     port = free_port()
     with open(service.state / "api.log", "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, stdout=log,
+        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "api"], cwd=ROOT, stdout=log,
                                    stderr=subprocess.STDOUT,
                                    env={**os.environ, **service.env, "ROLLOUT_PORT": str(port)})
     service.workers["api"] = process  # stopped with the workers

@@ -5,9 +5,9 @@ Redis, 64 jobs ended with a result shaped as the GPU worker writes one (32 promp
 their logprobs, the timings). Reported, each side by side in one run:
 
 - the CPU per request of ``POST /v1/jobs/lookup`` (64 ended jobs) and ``GET /v1/jobs/{id}``, the
-  responses written by the app's JSON provider (orjson, ``web/json_body.py``) against Flask's own
+  responses written by the app's JSON provider (orjson, ``web/serving/json_body.py``) against Flask's own
   provider (rounds alternated, medians), and the dump of the lookup's jobs with ``NumberList``
-  against marshmallow's own ``fields.List`` (``web/schemas.py``), and the parse of a bulk submit's
+  against marshmallow's own ``fields.List`` (``web/api/schemas.py``), and the parse of a bulk submit's
   body with its depth read from the text against the walk over the value it ran before, and the
   decoding of a job's record with its result read by orjson against ``json``, the same way;
 - following a step's 64 jobs while they end in four groups of 16 (a GPU worker's batches), as the
@@ -39,9 +39,9 @@ from domain.jobs.store import _JSON_FIELDS, _OWN_JSON_FIELDS, TERMINAL
 from domain.jobs.view import public_job
 from domain.lifecycle import end_jobs
 from domain.settings import Settings
+from web.api.schemas import JobLookupResultSchema, NumberList
 from web.app import create_app
-from web.json_body import JsonProvider, _finite_float, _refuse_constant, _walk, parse_json
-from web.schemas import JobLookupResultSchema, NumberList
+from web.serving.json_body import JsonProvider, _finite_float, _refuse_constant, _walk, parse_json
 
 KEY = "bench-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

@@ -1,7 +1,7 @@
 """Service-level figures of bench/README.md, side by side in one run on the tiny demo model.
 
 One real stack: an embedded Redis, the CPU, GPU and batches workers as subprocesses (started with
-``python -m web.cli worker KIND``, as a deployment runs them) and the API in this process (Flask
+``python -m launcher.cli worker KIND``, as a deployment runs them) and the API in this process (Flask
 test client). The in-process baseline is ``engine.generation.Engine`` on the same model, in this
 process, with one torch thread like the workers. Everything shares the machine's cores (on a
 2-core box: the benchmark, the API, three workers and Redis), so the ratios include that contention.
@@ -118,7 +118,7 @@ class Service:
             name = kind if kind not in self.kinds[:i] else f"{kind}{i}"
             with open(self.state / f"worker-{name}.log", "ab") as log:
                 self.workers[name] = subprocess.Popen(
-                    [sys.executable, "-m", "web.cli", "worker", kind], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                    [sys.executable, "-m", "launcher.cli", "worker", kind], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                     env={**os.environ, "OMP_NUM_THREADS": "1", **self.env}, preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> None:

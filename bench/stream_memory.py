@@ -74,7 +74,7 @@ class Api:
                     "ROLLOUT_LOG_LEVEL": "WARNING", "ROLLOUT_STREAM_WRITE_TIMEOUT": "600"})
         self.log = state / "api.log"
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, env=env,
+            self.process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "api"], cwd=ROOT, env=env,
                                             stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:

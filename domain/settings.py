@@ -92,18 +92,18 @@ class Settings:
     max_queued_per_key: int = 10_000
     max_queued_total: int = 100_000
     sync_timeout_max: float = 300.0
-    # Streaming (domain/jobs/events.py, web/streams.py): each gunicorn worker serves up to
+    # Streaming (domain/jobs/events.py, web/api/streams.py): each gunicorn worker serves up to
     # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
-    # (web/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
+    # (web/serving/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
     # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
     api_threads: int = 16
     # A whole request must arrive within this (plus a second per 256 KiB of body), or it is
-    # dropped with a 408 (web/request_buffering.py).
+    # dropped with a 408 (web/serving/request_buffering.py).
     request_read_timeout: float = 10.0
     api_stream_slots: int = 256
     # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
     # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.
-    # How long an idle keep-alive connection stays open (web/server.py says why 120).
+    # How long an idle keep-alive connection stays open (web/serving/server.py says why 120).
     api_keepalive_seconds: int = 120
     api_stream_slots_per_key: int | None = None
     stream_write_timeout: float = 30.0

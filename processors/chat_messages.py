@@ -71,7 +71,7 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict]
 
 
 def _check_uuid(value: Any, path: str) -> None:
-    # As a job's content part takes it (web.schemas.ContentPartSchema): a string of 1..256.
+    # As a job's content part takes it (web.api.schemas.ContentPartSchema): a string of 1..256.
     if value is not None and not (isinstance(value, str) and 1 <= len(value) <= MAX_UUID_LENGTH):
         raise InvalidRequestError(f"{path} must be a string of 1 to {MAX_UUID_LENGTH} characters",
                                   errors={path: ["Not a valid string."]})

@@ -15,7 +15,7 @@ import yaml
 
 from domain.infra.heartbeats import WORKER_KINDS
 from domain.settings import load_settings
-from web.cli import build_parser
+from launcher.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -95,7 +95,7 @@ def test_the_image_runs_the_cli_and_installs_every_package():
     [entrypoint] = re.findall(r"^ENTRYPOINT (.+)$", text, re.M)
     assert json.loads(entrypoint) == ["rollout-queue"]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["rollout-queue"] == "web.cli:main"
+    assert project["project"]["scripts"]["rollout-queue"] == "launcher.cli:main"
     copied = {Path(source).name for line in re.findall(r"^COPY .+$", text, re.M) for source in line.split()[1:-1]}
     packages = {pattern.rstrip("*") for pattern in project["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, f"packages the image would leave out: {packages - copied}"

@@ -8,13 +8,16 @@ from flask import Flask, g, request
 
 from domain.settings import Settings, load_settings
 from engine.errors import PayloadTooLargeError
-from web import batches, deliveries, files, generate, health, jobs, metrics, render, weights
-from web.batch_upload import MULTIPART_OVERHEAD
-from web.body_limit import BoundedRequest
-from web.dialects import openai_views, sglang_views, vllm_views
+from web import health, metrics
+from web.api import batches, deliveries, files, generate, jobs, render, weights
+from web.api.batch_upload import MULTIPART_OVERHEAD
+from web.dialects.openai import views as openai_views
+from web.dialects.sglang import views as sglang_views
+from web.dialects.vllm import views as vllm_views
 from web.errors import ServiceApi, register_error_handlers
-from web.json_body import JsonProvider
 from web.services import Services
+from web.serving.body_limit import BoundedRequest
+from web.serving.json_body import JsonProvider
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The blueprint every API module uses: flask-smorest's, with request bodies parsed by
-``web.json_body`` (the parser is bound when a view is decorated, so it is set on the class), and
+``web.serving.json_body`` (the parser is bound when a view is decorated, so it is set on the class), and
 each route's argument schema built once."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import flask_smorest
 from flask_smorest.utils import resolve_schema_instance
 
-from web.json_body import BodyParser
+from web.serving.json_body import BodyParser
 
 
 class Blueprint(flask_smorest.Blueprint):

@@ -2,7 +2,7 @@
 uses) plus what only the API serves. Built once per app and kept in ``app.extensions``.
 
 The API needs the model's config and its tokenizer, never the model or the processor: media are
-fetched and rendered by CPU workers (web/render.py), tokens made by GPU workers. Both are read
+fetched and rendered by CPU workers (web/api/render.py), tokens made by GPU workers. Both are read
 without importing torch (``domain/model_probe.py``), so an API process starts light.
 """
 
@@ -21,7 +21,7 @@ from domain.jobs.events import JobEvents
 from domain.jobs.idempotency import IdempotencyStore
 from domain.settings import Settings
 from web.auth import KeyRing
-from web.wait_slots import WaitSlots
+from web.serving.wait_slots import WaitSlots
 from workers.runtime import Runtime
 
 
@@ -33,7 +33,7 @@ class Services(Runtime):
 
     @cached_property
     def stream_slots(self):
-        from web.streams import StreamSlots
+        from web.api.streams import StreamSlots
 
         s = self.settings
         per_key = s.api_stream_slots_per_key or max(1, s.api_stream_slots * 3 // 4)
@@ -48,7 +48,7 @@ class Services(Runtime):
 
     @cached_property
     def idempotency(self) -> IdempotencyStore:
-        """Submits' Idempotency-Keys (web/idempotency.py), kept as long as the jobs' results."""
+        """Submits' Idempotency-Keys (web/api/idempotency.py), kept as long as the jobs' results."""
         return IdempotencyStore(self.redis, ttl=self.settings.result_ttl)
 
     @cached_property
@@ -59,7 +59,7 @@ class Services(Runtime):
 
     @cached_property
     def wait_slots(self) -> WaitSlots:
-        """Long polls per key in this process: at most half its request threads (web/long_poll.py)."""
+        """Long polls per key in this process: at most half its request threads (web/api/long_poll.py)."""
         return WaitSlots(max(1, self.settings.api_threads // 2))
 
     @cached_property

@@ -12,7 +12,7 @@ write its lines' job marks; nothing reads them, and they expire with the batch's
 ``in_progress`` and the chunks not fully submitted are queued. A batch cannot end while its intake
 is open (``BatchStore.close_intake``).
 
-The API parses and checks the upload (``web.batches``) and feeds a :class:`BatchIntake`;
+The API parses and checks the upload (``web.api.batches``) and feeds a :class:`BatchIntake`;
 :func:`create_batch` does the same for lines checked beforehand.
 """
 

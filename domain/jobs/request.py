@@ -1,7 +1,7 @@
 """One job's request, typed: what every layer below the web takes.
 
-The web layer validates a body once (``web/schemas.py``, then the service's limits in
-``web/submit.py``) into a plain dict in our field names; every dialect maps into that dict.
+The web layer validates a body once (``web/api/schemas.py``, then the service's limits in
+``web/api/submit.py``) into a plain dict in our field names; every dialect maps into that dict.
 :meth:`JobRequest.from_dict` turns it into this object at the edge, mapping API meaning to
 engine meaning there and only there (``top_k: -1`` means off: the engine's 0). The job record
 stores the validated dict as JSON (``to_record``); a worker reads it back with the

@@ -152,7 +152,7 @@ class Stack:
         worker_env = {**self.env, **self.worker_env.get(name, {})}
         log = open(self.log_dir / f"worker-{name}.log", "ab")
         process = subprocess.Popen(
-            [sys.executable, "-m", "web.cli", "worker", kind],
+            [sys.executable, "-m", "launcher.cli", "worker", kind],
             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **worker_env}, stdout=log,
             stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
         )

@@ -9,7 +9,7 @@ import sys
 import torch
 
 import engine.loading
-from web.cli import main
+from launcher.cli import main
 
 _load_model = engine.loading.load_model
 

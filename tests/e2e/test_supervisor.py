@@ -53,7 +53,7 @@ def up(tmp_path, demo_model_dir, loopback_host):
                ROLLOUT_WEBHOOK_SECRETS=WEBHOOK_SECRET, ROLLOUT_WEBHOOK_RETRY_SCHEDULE="0.5,1,1,2,2,2,2,2")
     log_path = tmp_path / "up.log"
     log = open(log_path, "wb")
-    process = subprocess.Popen([sys.executable, "-m", "web.cli", "up"], cwd=ROOT, env=env, stdout=log,
+    process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], cwd=ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -94,7 +94,7 @@ def children(process) -> dict[str, int]:
             continue
         if cmdline and "redis-server" in os.path.basename(cmdline[0]):
             found["redis"] = child.pid
-        elif "web.cli" in cmdline:
+        elif "launcher.cli" in cmdline:
             found[cmdline[-1]] = child.pid
     return found
 

@@ -97,7 +97,7 @@ def service(tmp_path, demo_model_dir):
                     ROLLOUT_MODEL=str(demo_model_dir), ROLLOUT_API_KEYS=KEY, ROLLOUT_LOG_LEVEL="WARNING",
                     ROLLOUT_SHM_POOL_BYTES=str(64 * 1024 * 1024), ROLLOUT_API_WORKERS="2")
     log = open(tmp_path / "up.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "web.cli", "up"], cwd=ROOT, env=env, stdout=log,
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], cwd=ROOT, env=env, stdout=log,
                           stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -141,8 +141,8 @@ def worker_processes(up: subprocess.Popen) -> dict[int, str]:
             command = process.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if "web.cli" in command and "resource_tracker" not in " ".join(command):
-            found[process.pid] = " ".join(command[command.index("web.cli") + 1:])
+        if "launcher.cli" in command and "resource_tracker" not in " ".join(command):
+            found[process.pid] = " ".join(command[command.index("launcher.cli") + 1:])
     return found
 
 

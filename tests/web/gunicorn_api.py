@@ -31,7 +31,7 @@ def gunicorn_api(redis_url: str, model_dir, state_dir: Path, **settings: str) ->
     env.update({f"ROLLOUT_{name.upper()}": value for name, value in settings.items()})
     log = state_dir / "api.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "web.cli", "api"], cwd=ROOT, env=env,
+        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "api"], cwd=ROOT, env=env,
                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,4 +1,4 @@
-"""The API's JSON responses (web/json_body.py ``JsonProvider``): written by orjson, the way Flask's
+"""The API's JSON responses (web/serving/json_body.py ``JsonProvider``): written by orjson, the way Flask's
 own provider writes them, and by Flask's path for what orjson would write differently."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import flask
 import pytest
 from flask.json.provider import DefaultJSONProvider
 
-from web.json_body import JsonProvider
+from web.serving.json_body import JsonProvider
 
 
 @pytest.fixture

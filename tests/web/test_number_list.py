@@ -1,4 +1,4 @@
-"""``NumberList`` (web/schemas.py) writes a response's numbers as marshmallow's own ``fields.List``
+"""``NumberList`` (web/api/schemas.py) writes a response's numbers as marshmallow's own ``fields.List``
 writes them, for every such field our schemas declare (found by walking them, so a field added later
 is covered)."""
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.web.test_schema_base import OUR_SCHEMAS
-from web.schemas import NumberList
+from web.api.schemas import NumberList
 
 NUMBER_LISTS = [(f"{cls.__qualname__}.{name}", field) for cls in OUR_SCHEMAS
                 for name, field in cls().dump_fields.items() if isinstance(field, NumberList)]

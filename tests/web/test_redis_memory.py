@@ -14,11 +14,11 @@ from domain.infra.redis_memory import default_maxmemory_bytes
 from domain.infra.redis_server import EmbeddedRedis
 from domain.lifecycle import end_job
 from domain.settings import Settings
+from launcher.stack import embedded_maxmemory
 from tests.domain.infra.test_redis_memory import MIB, fill_until
+from tests.web.api.test_stream_memory import large_result
 from tests.web.conftest import KEY_A, KEY_B, auth
-from tests.web.test_stream_memory import large_result
 from web.app import create_app
-from web.stack import embedded_maxmemory
 
 BOUND = 8 * MIB
 JOB = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}

@@ -94,14 +94,14 @@ def test_a_load_is_marshmallows_own(schema_class, draw):
 
 
 REQUESTS = [
-    ("web.schemas", "JobRequestSchema", {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "seed": 1}}),
-    ("web.schemas", "JobRequestSchema", {"kind": "score", "token_ids": [1], "completion_token_ids": [2, 3]}),
-    ("web.schemas", "JobRequestSchema", {"token_ids": [], "sampling_params": {"top_p": 0}, "extra": 1}),
+    ("web.api.schemas", "JobRequestSchema", {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "seed": 1}}),
+    ("web.api.schemas", "JobRequestSchema", {"kind": "score", "token_ids": [1], "completion_token_ids": [2, 3]}),
+    ("web.api.schemas", "JobRequestSchema", {"token_ids": [], "sampling_params": {"top_p": 0}, "extra": 1}),
     ("web.dialects.openai", "ChatCompletionRequestSchema",
      {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True}),
     ("web.dialects.openai", "ChatCompletionRequestSchema", {"messages": "not a list", "n": 0}),
     ("web.dialects.openai", "CompletionRequestSchema", {"model": "demo", "prompt": [1, 2], "echo": True}),
-    ("web.batch_schemas", "RequestCountsSchema", {"failed": 1, "completed": 2, "total": 3}),  # every field sent
+    ("web.api.batch_schemas", "RequestCountsSchema", {"failed": 1, "completed": 2, "total": 3}),  # every field sent
 ]
 
 
@@ -112,7 +112,7 @@ def test_the_requests_of_each_route_load_as_marshmallow_loads_them(module, name,
 
 
 def test_a_narrowed_copy_is_kept_per_set_of_fields_sent_and_their_number_is_bounded():
-    from web.schemas import SamplingParamsSchema
+    from web.api.schemas import SamplingParamsSchema
 
     schema = SamplingParamsSchema()
     schema.load({"max_tokens": 3})
@@ -127,7 +127,7 @@ def test_a_narrowed_copy_is_kept_per_set_of_fields_sent_and_their_number_is_boun
 
 
 def test_a_schema_built_per_request_shares_the_narrowed_copies_of_its_class():
-    from web.schemas import JobRequestSchema
+    from web.api.schemas import JobRequestSchema
 
     first, second = JobRequestSchema(), JobRequestSchema()
     first.load({"token_ids": [1]})

@@ -9,7 +9,7 @@ import json
 from domain.jobs.request import JobRequest
 from domain.jobs.submission import submit_job
 from domain.names import GENERATE_TASK, SHARED_GENERATE_QUEUE
-from web.schemas import SamplingParamsSchema
+from web.api.schemas import SamplingParamsSchema
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 DEFAULT_SAMPLING = SamplingParamsSchema().load({})  # as the API stores a request's sampling_params

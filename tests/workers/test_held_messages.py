@@ -127,7 +127,7 @@ def test_a_killed_workers_countdown_retry_goes_back_at_once_to_a_live_worker(kin
     workers = []
 
     def start() -> subprocess.Popen:
-        worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", kind], cwd=ROOT, env=env,
+        worker = subprocess.Popen([sys.executable, "-m", "launcher.cli", "worker", kind], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         workers.append(worker)
         return worker

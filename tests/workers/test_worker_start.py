@@ -31,7 +31,7 @@ def test_a_batches_worker_whose_model_config_is_unreadable_exits_and_says_why(re
     model.mkdir()
     (model / "config.json").write_text("{not json")  # a directory, so the CLI takes it; its config is broken
     env = worker_env(redis_url, model, tmp_path)
-    done = subprocess.run([sys.executable, "-m", "web.cli", "worker", "batches"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "worker", "batches"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr[-2000:]
     assert "the batches worker could not start" in done.stderr
@@ -43,7 +43,7 @@ def test_a_cpu_pool_process_reserves_its_transport_pool_before_any_job(redis_url
     # here); each pool process does it at start, so no job waits for it.
     env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_CPU_CONCURRENCY="1", ROLLOUT_TRANSPORT="shm",
                      ROLLOUT_SHM_POOL_BYTES=str(8 * 1024 * 1024))
-    worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", "cpu"], cwd=ROOT, env=env,
+    worker = subprocess.Popen([sys.executable, "-m", "launcher.cli", "worker", "cpu"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -67,7 +67,7 @@ def test_a_cpu_pool_process_that_cannot_make_its_transport_serves_on_and_says_wh
     env = worker_env(redis_url, demo_model_dir, tmp_path, ROLLOUT_CPU_CONCURRENCY="1", ROLLOUT_TRANSPORT="cuda_ipc")
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "web.cli", "worker", "cpu"], cwd=ROOT, env=env,
+        worker = subprocess.Popen([sys.executable, "-m", "launcher.cli", "worker", "cpu"], cwd=ROOT, env=env,
                                   stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90

@@ -1,7 +1,7 @@
 """What every dialect shares: validate a native request, run jobs synchronously, read tokens.
 
 A dialect maps its body to the native request dict (the one ``JobRequestSchema`` produces), runs
-it here through the one submit path (``web.submit``), and maps the finished jobs to its reply.
+it here through the one submit path (``web.api.submit``), and maps the finished jobs to its reply.
 Dialect clients do not understand a 202 with a job object, so a job still running after
 ``ROLLOUT_SYNC_TIMEOUT_MAX`` seconds is cancelled and the call answers 504 (:class:`SyncTimeoutError`).
 """
@@ -17,12 +17,12 @@ from marshmallow import ValidationError
 from domain.jobs.store import TERMINAL
 from domain.lifecycle import cancel_job
 from engine.errors import Fault, InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
+from web.api.schemas import TOKENIZER_MADE, JobRequestSchema
+from web.api.submit import check_vocabulary, checked_request, submit_checked
 from web.auth import current_owner
-from web.client_gone import hung_up_check
 from web.dialects.errors import flatten
-from web.schemas import TOKENIZER_MADE, JobRequestSchema
 from web.services import services
-from web.submit import check_vocabulary, checked_request, submit_checked
+from web.serving.client_gone import hung_up_check
 
 _NATIVE = JobRequestSchema()
 _HANG_UP_CHECK_S = 1.0  # how often a synchronous call looks whether its client is still there
@@ -73,7 +73,7 @@ def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
     """``body`` (native field names) validated and defaulted by the native schema, its token ids
     checked against ``vocab_size`` when given. ``names`` maps native field paths back to the
     dialect's, so errors name what the client sent. ``tokenized``: the body's ``token_ids`` are
-    the ids our tokenizer made (web.schemas.TOKENIZER_MADE)."""
+    the ids our tokenizer made (web.api.schemas.TOKENIZER_MADE)."""
     made = TOKENIZER_MADE.set(body["token_ids"] if tokenized else None)
     try:
         request = _NATIVE.load(body)
@@ -94,7 +94,7 @@ def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
 def run_jobs(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Submit every request (one job each, owned by the caller), wait for all, return the ended
     jobs in order. All are checked before any is made (a refused one raises its own error) and a
-    batch's jobs are made together (``web.submit.submit_checked``); one the queue caps refuse
+    batch's jobs are made together (``web.api.submit.submit_checked``); one the queue caps refuse
     raises, the others cancelled. A failed job raises its own error; the rest are cancelled when
     one fails, time runs out or the client hangs up, since the client gets no job link to follow
     them."""

@@ -6,8 +6,8 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, pre_load, validate
 
+from web.api.schemas import StrictBoolean, TokenIds
 from web.schema_base import Schema
-from web.schemas import StrictBoolean, TokenIds
 
 
 class OneOrMany(fields.Field):

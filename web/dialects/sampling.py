@@ -11,8 +11,8 @@ from typing import Any
 
 from marshmallow import fields, validate
 
+from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.fields import OneOrMany
-from web.schemas import StrictBoolean, StrictFloat
 
 # Same name, same meaning, in vLLM and in our native sampling_params.
 SAME = ("temperature", "top_p", "min_p", "n", "seed", "min_tokens", "stop_token_ids", "ignore_eos",

@@ -28,11 +28,11 @@ from domain.jobs.results import JobResult
 from domain.jobs.store import TERMINAL
 from domain.lifecycle import cancel_job
 from engine.errors import InternalError, RolloutError, ServiceUnavailableError
+from web.api.streams import KEEPALIVE, sse, stream_response
+from web.api.submit import submit
 from web.auth import current_owner
 from web.dialects.common import job_error
 from web.services import services
-from web.streams import KEEPALIVE, sse, stream_response
-from web.submit import submit
 
 log = logging.getLogger(__name__)
 

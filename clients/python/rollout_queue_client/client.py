@@ -20,7 +20,7 @@ JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
 BATCH_DONE = frozenset({"completed", "failed", "cancelled", "expired"})
 USER_AGENT = "rollout-queue-client/0.1"
 DOWNLOAD_CHUNK = 64 * 1024
-BULK_JOBS = 1000  # jobs in one POST /v1/jobs/bulk: the service's most (web.schemas.MAX_BULK_JOBS)
+BULK_JOBS = 1000  # jobs in one POST /v1/jobs/bulk: the service's most (web.api.schemas.MAX_BULK_JOBS)
 LONG_POLL_S = 20.0  # one wait request: under the service's default ROLLOUT_SYNC_TIMEOUT_MAX (300)
 IDEMPOTENCY_KEY = "Idempotency-Key"
 # The service's answer while the first submit with a key is still being made (README, API): sent again.

@@ -1,0 +1,64 @@
+"""API threads shared between keys (web/serving/thread_share.py, issue #47 item 4): one key's calls that
+wait for their jobs hold at most its share of the threads, the rest of its calls waiting in the
+event loop; another key, /healthz and admin calls still answer at once. Under gunicorn as deployed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import requests
+
+from tests.conftest import empty_db_url
+from tests.web.conftest import KEY_A, KEY_B, auth
+from tests.web.gunicorn_api import gunicorn_api
+from web.serving.thread_share import ThreadShare, digests, is_ops, key_digest
+
+WAIT_S = 3  # each of A's synchronous calls waits this long for a job no worker runs
+
+
+def test_a_free_thread_goes_to_the_waiting_key_holding_the_fewest_within_its_share():
+    share = ThreadShare(threads=4, per_key=3)
+    for i in range(5):
+        share.add(b"a", f"a{i}")
+    share.add(b"b", "b0")
+    taken = [share.take() for _ in range(4)]
+    assert [key for key, _ in taken] == [b"a", b"b", b"a", b"a"]  # b's first request comes second
+    assert share.take() is None  # every thread taken
+    share.done(b"b")
+    assert share.take() is None  # a holds its share of 3: its other requests wait
+    share.add(b"c", "c0")
+    assert share.take() == (b"c", "c0")
+    assert share.waiting == 2
+
+
+def test_health_metrics_and_admin_keys_have_threads_of_their_own():
+    admins = digests(["admin-secret"])
+    assert is_ops(b"/healthz", b"", admins) and is_ops(b"/metrics?x=1", b"", admins)
+    assert is_ops(b"/continue_generation", key_digest(b"admin-secret"), admins)
+    assert not is_ops(b"/v1/jobs", key_digest(b"user-secret"), admins) and not is_ops(b"/v1/jobs", b"", admins)
+
+
+@pytest.fixture(scope="module")
+def api(redis_url, demo_model_dir, tmp_path_factory):
+    # 8 threads, all but half the 4 ordinary ones (6) at most for one key. No workers: a synchronous
+    # call waits out its timeout.
+    with gunicorn_api(empty_db_url(redis_url, 6), demo_model_dir, tmp_path_factory.mktemp("share-state"),
+                      api_keys=f"{KEY_A},{KEY_B}", api_threads="4", api_stream_slots="4") as (url, _port):
+        yield url
+
+
+def test_one_keys_waiting_calls_leave_threads_for_another_key_and_health(api):
+    body = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 2}, "timeout": WAIT_S}
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        calls = [pool.submit(requests.post, f"{api}/v1/generate", json=body, headers=auth(KEY_A), timeout=60)
+                 for _ in range(20)]
+        time.sleep(1.0)  # A's calls arrived: 6 hold threads, 14 wait in the event loop
+        for _ in range(3):
+            started = time.monotonic()
+            assert requests.get(f"{api}/healthz", timeout=5).status_code in (200, 503)
+            assert requests.get(f"{api}/v1/jobs", headers=auth(KEY_B), timeout=5).status_code == 200
+            assert time.monotonic() - started < 1.0
+        # A's calls are all answered, a share at a time: the job, still queued, after WAIT_S each.
+        assert [call.result().status_code for call in calls] == [202] * 20

@@ -1,0 +1,187 @@
+"""OpenAI's and vLLM's stream chunks: ``/v1/completions``, ``/v1/chat/completions`` and vLLM's
+``/inference/v1/generate`` with ``stream: true``.
+
+Completions (``object: text_completion``) and chat (``object: chat.completion.chunk``) chunks as
+OpenAI's API reference and vLLM's ``serving_completion.py`` / ``serving_chat.py`` send them: each
+chunk a delta (``text``, or ``delta.content`` after a first ``delta.role`` chunk), ``finish_reason``
+null until the choice's last chunk; with ``stream_options.include_usage`` every chunk has
+``usage: null`` and one last chunk has ``choices: []`` and the usage; then ``data: [DONE]``. vLLM's
+extensions ride along: ``token_ids`` per chunk with ``return_token_ids``, ``stop_reason``.
+vLLM's generate: each chunk's ``choices[].token_ids`` are the new token ids only (a delta).
+
+Streamed logprobs are those of the sampled tokens; the top alternatives (``top_logprobs``) are in
+the non-streamed reply and the job's result, not in stream chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from domain.error_statuses import http_status
+from domain.jobs.follow import ChoiceDelta, TokenLedger
+from domain.jobs.results import JobResult
+from engine.errors import RolloutError
+from web.api.streams import sse
+from web.dialects import openai
+from web.dialects.common import TokenTexts, served_model_name, usage
+from web.dialects.errors import openai_shape
+from web.dialects.vllm import request as vllm
+
+
+def _error(error: RolloutError) -> bytes:
+    return sse(openai_shape(http_status(error), error.code, error.message, error.errors))
+
+
+def _usage(jobs: list[dict]) -> dict:
+    return usage(*(JobResult.of(job) for job in jobs))
+
+
+class _OpenAIChunks:
+    object_name = ""
+    prefix = ""
+
+    def __init__(self, body: dict[str, Any], requests: list[dict]):
+        self.body = body
+        self.requests = requests
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.created = int(time.time())
+        self.model = served_model_name()
+        self.spell = openai.speller(TokenTexts(), body.get("return_tokens_as_token_ids", False))
+        self._base: dict[str, int] = {}
+        self.id = ""
+
+    def bind(self, jobs: list[dict]) -> None:
+        at = 0
+        for request, job in zip(self.requests, jobs, strict=True):
+            self._base[job["id"]] = at
+            at += request["sampling_params"]["n"]
+        self.id = self.prefix + jobs[0]["id"].removeprefix("job_")
+
+    def _chunk(self, choices: list[dict]) -> bytes:
+        chunk = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                 "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def end(self, jobs: list[dict]) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [sse({"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                     "choices": [], "usage": _usage(jobs)})]
+
+    def error(self, error: RolloutError) -> bytes:
+        return _error(error)
+
+    def _index(self, job_id: str, choice: int) -> int:
+        return self._base[job_id] + choice
+
+    def _finals(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
+        if finals:
+            return [self._final(job, delta, ledger) for delta in finals]
+        # Cancelled before it ran: no choices; each ends aborted and empty.
+        n = self.requests[list(self._base).index(job["id"])]["sampling_params"]["n"]
+        return [self._final(job, ChoiceDelta(job["id"], i, finish_reason="abort"), ledger) for i in range(n)]
+
+    def done(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
+        return self._finals(job, finals, ledger)
+
+    def _stop_reason(self, job: dict, index: int):
+        choice = JobResult.of(job, n=0).choice(index)
+        return openai.stop_reason(choice) if choice else None
+
+
+class CompletionChunks(_OpenAIChunks):
+    object_name = "text_completion"
+    prefix = "cmpl-"
+
+    def _choice(self, job_id: str, delta: ChoiceDelta) -> dict:
+        entry: dict[str, Any] = {"index": self._index(job_id, delta.index), "text": delta.text, "logprobs": None,
+                                 "finish_reason": None, "stop_reason": None}
+        if self.body.get("logprobs") is not None and delta.token_ids:
+            choice = replace(delta.as_choice(), logprobs=delta.logprobs or [None] * len(delta.token_ids))
+            entry["logprobs"] = openai.completion_logprobs(choice, None, [], {}, self.spell)
+        if self.body.get("return_token_ids"):
+            entry["token_ids"] = delta.token_ids
+        return entry
+
+    def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
+        return [self._chunk([self._choice(job["id"], delta)])]
+
+    def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
+        entry = self._choice(job["id"], delta)
+        entry.update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
+        return self._chunk([entry])
+
+
+class ChatChunks(_OpenAIChunks):
+    object_name = "chat.completion.chunk"
+    prefix = "chatcmpl-"
+
+    def __init__(self, body: dict[str, Any], requests: list[dict]):
+        super().__init__(body, requests)
+        self._started: set[tuple[str, int]] = set()
+
+    def _choices(self, job_id: str, delta: ChoiceDelta, content: dict) -> list[dict]:
+        out = []
+        if (job_id, delta.index) not in self._started:
+            self._started.add((job_id, delta.index))
+            out.append({"index": delta.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None})
+        entry: dict[str, Any] = {"index": delta.index, "delta": content, "logprobs": None, "finish_reason": None}
+        if self.body.get("logprobs") and delta.token_ids:
+            entry["logprobs"] = {"content": openai.chat_logprob_entries(delta.as_choice(), self.spell, 0)}
+        if self.body.get("return_token_ids"):
+            entry["token_ids"] = delta.token_ids
+        out.append(entry)
+        return out
+
+    def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
+        return [self._chunk([entry]) for entry in self._choices(job["id"], delta, {"content": delta.text})]
+
+    def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
+        entries = self._choices(job["id"], delta, {"content": delta.text} if delta.text else {})
+        entries[-1].update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
+        return b"".join(self._chunk([entry]) for entry in entries)
+
+
+class GenerateChunks:
+    """vLLM's ``/inference/v1/generate``: token-id deltas per chunk; the last one per job carries
+    the finish reasons, usage and weight version."""
+
+    def __init__(self, body: dict[str, Any], request: dict):
+        self.body = body
+        self.request = request
+        self.k = body["sampling_params"].get("logprobs")
+
+    def bind(self, jobs: list[dict]) -> None:
+        pass
+
+    def _choice(self, delta: ChoiceDelta) -> dict:
+        logprobs = None
+        if self.k is not None:
+            logprobs = {"content": vllm.token_logprobs(delta.as_choice(), self.k)}
+        return {"index": delta.index, "token_ids": delta.token_ids, "finish_reason": delta.finish_reason,
+                "logprobs": logprobs}
+
+    def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
+        delta.finish_reason = None
+        return [sse({"request_id": self.body.get("request_id") or job["id"], "choices": [self._choice(delta)],
+                     "job_id": job["id"]})]
+
+    def done(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
+        result = JobResult.of(job)
+        if not finals:
+            finals = [ChoiceDelta(job["id"], i, finish_reason="abort")
+                      for i in range(self.request["sampling_params"]["n"])]
+        return [sse({"request_id": self.body.get("request_id") or job["id"],
+                     "choices": [self._choice(delta) for delta in finals],
+                     "usage": usage(result), "job_id": job["id"], "weight_version": result.weight_version})]
+
+    def end(self, jobs: list[dict]) -> list[bytes]:
+        return []
+
+    def error(self, error: RolloutError) -> bytes:
+        return _error(error)
