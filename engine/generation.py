@@ -53,6 +53,7 @@ class Engine:
         self.kv_pool = BlockPool(self.limits.kv_blocks, self.limits.kv_block_tokens)
         self.stats = EngineStats()
         self._weights_listeners: list[Callable[[WeightSwap], None]] = []
+        self.swaps = 0  # weight swaps so far: a scheduler living through one sees it change
         # The caches hold what the old weights computed: a swap empties them. (Block names carry
         # the weight version too, so nothing stale is found even before this runs.)
         self.on_weights_changed(lambda _swap: self.forget_cached())
@@ -80,6 +81,7 @@ class Engine:
         every cache that depends on the weights; a bad directory raises and changes nothing."""
         swap = load_weights(self.loaded, directory, weight_version=weight_version, root=root,
                             digest_for=digest_for)
+        self.swaps += 1
         for listener in list(self._weights_listeners):
             listener(swap)
         return swap

@@ -17,8 +17,8 @@ from engine.choice import Choice
 def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder_ranges: list[dict],
                   weight_version: str, transport: str, timings: dict[str, float],
                   nodes: dict[str, str] | None = None) -> dict[str, Any]:
-    """The stored ``result`` of an engine ``output``: a ``ScoreResult`` for ``kind`` score, else a
-    ``GenerationResult``. ``nodes``: where the prompt was preprocessed and where it ran (the node, and the GPU worker)."""
+    """The stored ``result`` of an engine ``output``: a ``ScoreResult`` for ``kind`` score (scored
+    by ``weight_version``, the weights serving as it ran), else a ``GenerationResult``. ``nodes``: where the prompt was preprocessed and where it ran (the node, and the GPU worker)."""
     result: dict[str, Any] = {"prompt_token_ids": prompt_token_ids, "placeholder_ranges": placeholder_ranges,
                               "weight_version": weight_version, "timings": timings, "transport": transport}
     if nodes is not None:
@@ -26,10 +26,13 @@ def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder
     if kind == "score":
         result.update(completion_logprobs=output.logprobs, usage=output.usage)
         return result
+    # weight_version: the weights of its last token (a row continued across an update, mode keep,
+    # has several: each choice's weight_versions spans name them).
     result.update(choices=[asdict(choice) for choice in output.choices], usage=output.usage,
-                  cached_tokens=output.cached_tokens)
+                  cached_tokens=output.cached_tokens, weight_version=output.weight_version or weight_version)
     if output.prompt_logprobs is not None:
-        result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs)
+        result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs,
+                      prompt_logprobs_version=output.prompt_logprobs_version or weight_version)
     return result
 
 

@@ -13,7 +13,8 @@ dead worker drops out of the report by itself.
 
 Keys:
 - ``rq:weights:target``: hash ``id`` (random, new per update), ``version``, ``model_path``,
-  ``mode`` (finish | abort | retract), ``set_at``. A worker compares ``id``, not ``version``: the
+  ``mode`` (finish | abort | retract | keep), ``recompute_kv`` ("1": mode keep's rows get their
+  KV computed again by the new weights), ``set_at``. A worker compares ``id``, not ``version``: the
   same version name set twice (a retry after a failure) is loaded again. ``digest``: empty until
   the first worker loads it, then the content digest of what it loaded (``engine.weights.
   weights_digest``, bound once: :meth:`WeightStore.bind_digest`); every later load of the target
@@ -44,8 +45,11 @@ REFUSAL_TTL = 24 * 3600
 PAUSE_KEY = "rq:weights:pause"
 WORKER_PREFIX = "rq:weights:worker:"
 WORKER_TTL = 6
-MODES = ("finish", "abort", "retract")
-PAUSE_MODES = ("finish", "abort", "retract", "in_place")
+# keep: rows in flight hold still at the swap and go on under the new weights (engine/weight_crossing.py).
+MODES = ("finish", "abort", "retract", "keep")
+# A pause in mode keep holds its rows still until it ends (SGLang's in_place, vLLM's keep); a target
+# set meanwhile is taken in mode keep whatever its own.
+PAUSE_MODES = ("finish", "abort", "retract", "in_place", "keep")
 
 # Worker states. serving: the worker takes work on ``version``. loading: it is swapping weights in.
 # failed: the target did not load; it keeps its old weights and takes no work until a new target.
@@ -73,6 +77,7 @@ class WeightTarget:
     mode: str
     set_at: float
     digest: str = ""
+    recompute_kv: bool = False
 
     @classmethod
     def from_hash(cls, raw: dict) -> WeightTarget | None:
@@ -82,14 +87,14 @@ class WeightTarget:
                   for k, v in raw.items()}
         try:
             return cls(values["id"], values["version"], values["model_path"], values["mode"], float(values["set_at"]),
-                       values.get("digest", ""))
+                       values.get("digest", ""), values.get("recompute_kv") == "1")
         except (KeyError, ValueError):
             return None
 
     def to_hash(self) -> dict[str, str]:
         return {"id": self.id, "version": self.version, "model_path": self.model_path, "mode": self.mode,
                 "set_at": repr(self.set_at),
-                "digest": self.digest}
+                "digest": self.digest, "recompute_kv": "1" if self.recompute_kv else "0"}
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class WorkerWeights:
     paused: bool = False
     pause_id: str | None = None  # the pause it has seen (Pause.id)
     error: dict | None = None  # {code, message} of the last failed load
-    interrupted: int = 0  # rows stopped by the last update (abort / retract) or pause
+    interrupted: int = 0  # rows stopped (or held still, keep) by the last update or pause
     at: float = field(default_factory=time.time)
 
 
@@ -113,9 +118,9 @@ class WeightStore:
     def target(self) -> WeightTarget | None:
         return WeightTarget.from_hash(self.redis.hgetall(TARGET_KEY))
 
-    def set_target(self, *, version: str, model_path: str, mode: str) -> WeightTarget:
+    def set_target(self, *, version: str, model_path: str, mode: str, recompute_kv: bool = False) -> WeightTarget:
         """Make this the fleet's target."""
-        new = WeightTarget(secrets.token_hex(8), version, model_path, mode, time.time())
+        new = WeightTarget(secrets.token_hex(8), version, model_path, mode, time.time(), recompute_kv=recompute_kv)
         pipe = self.redis.pipeline()  # MULTI: no reader sees half a target
         pipe.delete(TARGET_KEY)
         pipe.hset(TARGET_KEY, mapping=new.to_hash())

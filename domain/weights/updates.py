@@ -56,12 +56,13 @@ class UpdateReport:
                 "workers": [asdict(w) for w in self.workers]}
 
 
-def update_weights(store: WeightStore, *, version: str, model_path: str, mode: str, timeout: float) -> UpdateReport:
+def update_weights(store: WeightStore, *, version: str, model_path: str, mode: str, timeout: float,
+                   recompute_kv: bool = False) -> UpdateReport:
     """Set the target and wait up to ``timeout`` seconds for every live GPU worker to serve it.
 
     Raises :class:`WeightsRefusedError` (target put back) when every live worker failed to load it,
     :class:`WeightsNotLoadedError` with the per-worker report when some did not serve it in time."""
-    target = store.set_target(version=version, model_path=model_path, mode=mode)
+    target = store.set_target(version=version, model_path=model_path, mode=mode, recompute_kv=recompute_kv)
     workers = wait_for_fleet(store, target, timeout)
     failed = [w for w in workers if w.target_id == target.id and w.state == "failed"]
     if workers and len(failed) == len(workers):

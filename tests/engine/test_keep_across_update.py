@@ -7,12 +7,12 @@ the tokens after it); with recompute_kv, the new weights' forward over the whole
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.sampling_params import SamplingParams
+from tests.version_refs import old_kv_then_new, teacher_forced
 
 TOKENS, AT = 10, 4  # a row of TOKENS tokens; the swap lands when it has AT
 ATOL = 2e-5
@@ -29,32 +29,6 @@ def models(demo_model_dir, new_weights_dir):
     old = load_model(str(demo_model_dir), device="cpu").model.eval()
     new = load_model(str(new_weights_dir), device="cpu").model.eval()
     return old, new
-
-
-def _logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
-    rows = torch.log_softmax(logits.float(), dim=-1)
-    return [rows[i, t].item() for i, t in enumerate(tokens)]
-
-
-@torch.no_grad()
-def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    """Each token's logprob under ``model``'s forward over the whole sequence before it."""
-    ids = torch.tensor([prompt + tokens])
-    logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0]
-    return _logprobs(logits[len(prompt) - 1:-1], tokens)
-
-
-@torch.no_grad()
-def _old_kv_then_new(old, new, prompt: list[int], tokens: list[int], at: int) -> list[float]:
-    """Tokens ``at``.. under the new model's forward of the tokens after the cache, attending to
-    the cache the old model computed over the prompt and the first ``at - 1`` tokens."""
-    held = prompt + tokens[:at - 1]
-    out = old(input_ids=torch.tensor([held]), position_ids=torch.arange(len(held))[None], use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    rest = tokens[at - 1:-1]
-    positions = torch.arange(len(held), len(held) + len(rest))[None]
-    logits = new(input_ids=torch.tensor([rest]), position_ids=positions, cache=cache).logits[0]
-    return _logprobs(logits, tokens[at:])
 
 
 def _run_across(engine: Engine, new_dir, request: GenerationRequest, *, recompute_kv: bool):
@@ -92,13 +66,13 @@ def test_a_kept_row_continues_on_the_new_weights_and_its_spans_name_them(demo_mo
     assert choice.weight_versions == [{"version": first, "start": 0, "end": AT},
                                       {"version": "step-1", "start": AT, "end": TOKENS}]
     assert result.weight_version == "step-1" and choice.kv_recomputed is recompute_kv
-    before = _teacher_forced(old, prompt, tokens)[:AT]
-    after = (_teacher_forced(new, prompt, tokens)[AT:] if recompute_kv
-             else _old_kv_then_new(old, new, prompt, tokens, AT))
+    before = teacher_forced(old, prompt, tokens)[:AT]
+    after = (teacher_forced(new, prompt, tokens)[AT:] if recompute_kv
+             else old_kv_then_new(old, new, prompt, tokens, AT))
     assert choice.logprobs == pytest.approx(before + after, abs=ATOL)
     # Greedy: each token is the argmax of the forward that made it (not the other version's).
-    mixed = _old_kv_then_new(old, new, prompt, tokens, AT)
-    fresh = _teacher_forced(new, prompt, tokens)[AT:]
+    mixed = old_kv_then_new(old, new, prompt, tokens, AT)
+    fresh = teacher_forced(new, prompt, tokens)[AT:]
     assert (mixed != pytest.approx(fresh, abs=1e-3)) or recompute_kv
 
 
@@ -113,7 +87,7 @@ def test_a_row_past_its_policy_lag_ends_at_the_swap_with_no_token_of_the_new_wei
     [choice] = result.choices
     assert choice.finish_reason == "policy_lag" and len(choice.token_ids) == AT
     assert choice.weight_versions == [{"version": first, "start": 0, "end": AT}] and result.weight_version == first
-    assert choice.logprobs == pytest.approx(_teacher_forced(old, prompt, choice.token_ids), abs=ATOL)
+    assert choice.logprobs == pytest.approx(teacher_forced(old, prompt, choice.token_ids), abs=ATOL)
 
 
 def test_a_lag_of_one_crosses_one_update(demo_model_dir, new_weights_dir, prompts):
@@ -136,7 +110,7 @@ def test_no_block_the_old_weights_computed_is_found_under_the_new_ones(demo_mode
     assert again.cached_tokens == 0 and turn.cached_tokens == 0
     assert again.choices[0].weight_versions == [{"version": "step-1", "start": 0, "end": TOKENS}]
     assert again.choices[0].logprobs == pytest.approx(
-        _teacher_forced(new, prompt, again.choices[0].token_ids), abs=ATOL)
+        teacher_forced(new, prompt, again.choices[0].token_ids), abs=ATOL)
 
 
 def test_a_request_waiting_at_the_swap_runs_wholly_on_the_new_weights(demo_model_dir, new_weights_dir, models,
@@ -155,4 +129,4 @@ def test_a_request_waiting_at_the_swap_runs_wholly_on_the_new_weights(demo_model
     [choice] = finished[0].result.choices
     assert choice.weight_versions == [{"version": "step-1", "start": 0, "end": TOKENS}]
     assert choice.kv_recomputed is None
-    assert choice.logprobs == pytest.approx(_teacher_forced(new, prompt, choice.token_ids), abs=ATOL)
+    assert choice.logprobs == pytest.approx(teacher_forced(new, prompt, choice.token_ids), abs=ATOL)

@@ -40,7 +40,6 @@ from typing import Any
 import redis
 
 from domain.infra.heartbeats import heartbeat_key
-from domain.infra.metrics import MetricsBatch
 from domain.jobs.attempts import FENCED, Fence
 from domain.jobs.prompt_codec import release_prompts
 from domain.jobs.request import JobRequest
@@ -50,12 +49,12 @@ from domain.names import worker_name
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
 from workers.gpu.jobs import ending, open_jobs, poll_session, requeue_generate, run_score_jobs
+from workers.gpu.session_metrics import SessionMetrics
 
 log = logging.getLogger(__name__)
 
 ABORT_POLL_SECONDS = 0.05
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
-STATS_REPORT_SECONDS = 1.0
 # How long a session waits for a paused or failed worker to serve again before its messages go back.
 WEIGHTS_HOLD_SECONDS = 2.0
 
@@ -96,6 +95,7 @@ class GenerateSession:
         self.batches = batches
         self.scheduler = engine.scheduler(on_step=self._on_step)
         self.live: dict[int, _Live] = {}
+        self._swaps = engine.swaps  # the engine's weight swaps this session has followed
         # What this worker's attempts are held by (its heartbeat key, domain/jobs/attempts.py).
         self.holder = heartbeat_key("gpu", worker_name(rt.settings.node_id))
         self._by_job: dict[str, _Live] = {}
@@ -104,9 +104,7 @@ class GenerateSession:
         self._flush_every = rt.settings.stream_flush_ms / 1000
         self._next_flush = 0.0
         self._next_poll = 0.0
-        self._next_report = time.monotonic() + STATS_REPORT_SECONDS
-        self._reported = self._counters()
-        self._metrics = MetricsBatch()  # this session's job ends, generation times and engine counters
+        self._stats = SessionMetrics(engine)
 
     def run(self, requests) -> str | None:
         """Run until nothing runs and nothing is buffered; returns ``REQUEUE`` when this worker may
@@ -117,14 +115,18 @@ class GenerateSession:
         try:
             while True:
                 # One stretch on one set of weights: a pending target is loaded here, between
-                # stretches, never while a row decodes.
+                # stretches, never while a row decodes; rows held for it (mode keep) go on under it.
                 with sync.batch(WEIGHTS_HOLD_SECONDS) as may_serve:
-                    if not may_serve:
+                    self._follow_swap(sync)
+                    if not may_serve and not self.scheduler.has_work:
                         return REQUEUE
-                    self._admit(pending)
-                    pending = []
-                    self._decode_until_idle_or_update(sync)
-                    if not sync.update_pending:
+                    if may_serve:
+                        self._admit(pending)
+                        pending = []
+                    if sync.holds_rows:  # paused in mode keep: the rows hold still until it ends
+                        continue
+                    self._decode_until_idle_or_update(sync, intake=may_serve)
+                    if not self.scheduler.has_work and not sync.update_pending:
                         pending = self.batches.take(self.batches.flush_every)
                         if not pending:
                             return None
@@ -136,12 +138,16 @@ class GenerateSession:
                 self._flush_tokens()
             except redis.RedisError:
                 log.warning("Redis unavailable: the last tokens of this session were not streamed")
-            self._report(every=0)
+            self._stats.report(self.rt.redis, every=0)
 
-    def _decode_until_idle_or_update(self, sync) -> None:
-        """Step while rows run. Rows join between steps unless a weight update (or pause) is
-        pending; one in mode abort or retract stops the rows in flight (see ``_interrupt``)."""
+    def _decode_until_idle_or_update(self, sync, *, intake: bool) -> None:
+        """Step while rows run. Rows join between steps (``intake``) unless a weight update (or
+        pause) is pending; one in mode abort or retract stops the rows in flight (see
+        ``_interrupt``), one in mode keep leaves them in the scheduler for the next stretch."""
         while self.scheduler.has_work:
+            if sync.holds_rows:
+                sync.note_held(len(self.live))
+                return
             mode = sync.interruption()  # no Redis call: the weight watcher keeps it fresh
             if mode is not None:
                 self._interrupt(mode)
@@ -150,11 +156,18 @@ class GenerateSession:
             self._publish(finished)
             if finished:
                 self._end(finished)
-            if self.scheduler.intake_room and not sync.update_pending:
+            if intake and self.scheduler.intake_room and not sync.update_pending:
                 more = self.batches.take(self.scheduler.intake_room)
                 if more:
                     self._admit(more)
-            self._report(every=STATS_REPORT_SECONDS)
+            self._stats.report(self.rt.redis)
+
+    def _follow_swap(self, sync) -> None:
+        """The weights changed since the last stretch: the rows held for it go on under them."""
+        if self.engine.swaps != self._swaps:
+            self._swaps = self.engine.swaps
+            if self.scheduler.has_work:
+                self.scheduler.weights_changed(recompute_kv=sync.recompute_kv)
 
     def _interrupt(self, mode: str) -> None:
         """Stop every row in flight for a weight update: ``abort`` ends them with their tokens so
@@ -349,7 +362,7 @@ class GenerateSession:
             ended.append(live)
         done = []
         if endings:
-            outcomes = end_fenced(rt, endings, [live.fence for live in ended], metrics=self._metrics)
+            outcomes = end_fenced(rt, endings, [live.fence for live in ended], metrics=self._stats.batch)
             for live, (_, status, fields), outcome in zip(ended, endings, outcomes, strict=True):
                 if outcome == FENCED:
                     live.superseded = True
@@ -358,7 +371,7 @@ class GenerateSession:
                 done.append(live)
                 if status == "failed" and outcome == 1:
                     log.info("job %s failed: %s", live.job["id"], fields["error"]["code"])
-        self._metrics.observe_stage("generate", *durations)
+        self._stats.batch.observe_stage("generate", *durations)
         release_prompts(rt.redis, [live.prompt for live in done])
         released = rt.events.release_attempts([(live.job["id"], live.attempt) for live in retracted])
         for live, still_newest in zip(retracted, released, strict=True):
@@ -372,25 +385,6 @@ class GenerateSession:
         interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
         if interrupted:
             rt.weight_sync.note_interrupted(interrupted)
-
-    # --- metrics -------------------------------------------------------------------------------
-
-    def _counters(self) -> dict[str, int]:
-        stats = self.engine.stats.snapshot()
-        encoder = self.engine.encoder_cache.stats
-        return {**{f"engine_{name}": value for name, value in stats.items()},
-                "engine_encoder_calls": encoder.calls, "engine_encoder_hits": encoder.hits}
-
-    def _report(self, *, every: float) -> None:
-        now = time.monotonic()
-        if now < self._next_report and every:
-            return
-        self._next_report = now + every
-        current = self._counters()
-        for name, value in current.items():
-            self._metrics.count(name, value - self._reported.get(name, 0))
-        self._reported = current
-        self._metrics.flush(self.rt.redis)
 
 
 def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:

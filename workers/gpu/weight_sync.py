@@ -9,7 +9,10 @@ The batch loop uses :class:`WeightSync` in two places, and nothing else changes:
   to the queue. A swap never lands inside a batch: the watcher loads only while no batch holds the
   lock, and results read ``weight_version`` inside it.
 - between decode steps, :meth:`WeightSync.interruption` says whether rows in flight must stop now
-  (``"abort"`` or ``"retract"``) for a pending update or a pause; ``None`` lets them finish.
+  (``"abort"`` or ``"retract"``) for a pending update or a pause; ``None`` lets them finish, unless
+  :attr:`WeightSync.holds_rows` (mode ``keep``, or a pause in mode ``keep`` / ``in_place``): the
+  session then leaves the stretch with its rows still in the scheduler, the next ``batch`` loads the
+  target, and the rows go on under it (``Scheduler.weights_changed``), or hold still while paused.
 
 A watcher thread reads the target every ``poll_seconds`` (so ``interruption`` costs no Redis call
 per step), loads it when the worker is idle (an idle worker must converge too), and refreshes this
@@ -49,6 +52,7 @@ from engine.errors import RolloutError
 log = logging.getLogger(__name__)
 
 INTERRUPTING_MODES = ("abort", "retract")
+HOLDING_MODES = ("keep", "in_place")  # rows hold still and go on after the swap or the pause
 KEPT_COPIES = 2  # the weights served now and the ones before (an update may still be put back)
 
 
@@ -74,6 +78,8 @@ class WeightSync:
         self._error: dict | None = None  # why the target last tried did not load
         self._interrupted = 0
         self._interrupted_for: str | None = None  # the target (or pause) the count belongs to
+        self._held_for: str | None = None  # the scope whose held rows were counted
+        self.recompute_kv = False  # the last target loaded asked its kept rows' KV computed again
         self._stop = threading.Event()
         self.keeping: threading.Thread | None = None  # the copy of the last weights loaded, being written
 
@@ -143,6 +149,22 @@ class WeightSync:
                 and target.id not in (self._served_id, self._tried_id)):
             return target.mode
         return None
+
+    @property
+    def holds_rows(self) -> bool:
+        """Rows in flight must hold still where they are (a pending target in mode keep, or a
+        pause in mode keep / in_place), to go on after the swap or the pause."""
+        pause, target = self._pause, self._target
+        if pause is not None and pause.mode in HOLDING_MODES:
+            return True
+        return (target is not None and target.mode in HOLDING_MODES
+                and target.id not in (self._served_id, self._tried_id))
+
+    def note_held(self, rows: int) -> None:
+        """Count once the rows held still for the current update or pause."""
+        if self._interrupted_for is not None and self._held_for != self._interrupted_for:
+            self._held_for = self._interrupted_for
+            self.note_interrupted(rows)
 
     @property
     def update_pending(self) -> bool:
@@ -234,6 +256,7 @@ class WeightSync:
             self._fail(target, {"code": "internal_error", "message": "internal error while loading the weights"})
         else:
             self._served_id = self._tried_id = target.id
+            self.recompute_kv = target.recompute_kv
             self._error = None
             self._quietly(self.store.mark_served, target)
             log.info("serving weights %s (loaded in %.2f s)", target.version, time.perf_counter() - started)
