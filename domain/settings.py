@@ -27,6 +27,16 @@ class SettingsError(InvalidRequestError):
     code = "invalid_settings"
 
 
+def between(default: Any, low: float, high: float) -> Any:
+    """A setting whose value must lie in ``low..high`` (checked when read from the environment)."""
+    return field(default=default, metadata={"between": (low, high)})
+
+
+def one_of(default: str, choices: tuple[str, ...]) -> Any:
+    """A setting that takes one of ``choices``."""
+    return field(default=default, metadata={"one_of": choices})
+
+
 def _default_state_dir() -> Path:
     return Path.home() / ".rollout-queue"
 
@@ -50,26 +60,26 @@ class Settings:
     # With replicas: the API answers 202 only once this many replicas hold the job (Redis WAIT),
     # else 503 not_durable; 0 answers at once (replication is asynchronous: a failover may then
     # lose the last jobs answered).
-    redis_replica_acks: int = 0
-    redis_replica_timeout_ms: int = 1000
+    redis_replica_acks: int = between(0, 0, 16)
+    redis_replica_timeout_ms: int = between(1000, 1, 600_000)
     # `rollout-queue up` without ROLLOUT_REDIS_URL: one embedded redis-server ("single"), or a
     # primary, replicas and three sentinels on loopback ("sentinel") to try a failover.
-    embedded_redis: str = "single"
+    embedded_redis: str = one_of("single", ("single", "sentinel"))
     # The "sentinel" topology's replicas: two, so one is left to confirm writes after a failover
     # (ROLLOUT_REDIS_REPLICA_ACKS=1 refused every submit until the old primary came back with one).
-    embedded_redis_replicas: int = 2
+    embedded_redis_replicas: int = between(2, 1, 8)
     # The embedded Redis' append-only file (no ROLLOUT_REDIS_URL): "everysec" may lose the last
     # second of writes (jobs answered 202 among them) when the machine dies; "always" fsyncs every
     # write first (domain/infra/redis_server.py; the cost is in bench/durability.py).
-    redis_fsync: str = "everysec"
+    redis_fsync: str = one_of("everysec", ("everysec", "always"))
     # The embedded Redis' maxmemory, in bytes (noeviction: at the bound it refuses writes, and the
     # API refuses new work at 90 % of it, domain/infra/redis_memory.py). None: a quarter of the
     # machine's memory, computed at start; 0: no bound. Your own Redis (ROLLOUT_REDIS_URL) has its own.
-    redis_maxmemory_bytes: int | None = None
+    redis_maxmemory_bytes: int | None = between(None, 0, 2**50)
     state_dir: Path = field(default_factory=_default_state_dir)
     model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
+    device: str = one_of("auto", ("auto", "cpu", "cuda"))
+    dtype: str = one_of("auto", ("auto", "float32", "bfloat16", "float16"))
     weight_version: str | None = None
     api_keys: tuple[str, ...] = ()
     # Keys that may update weights and pause generation (they are API keys too). None configured
@@ -78,43 +88,44 @@ class Settings:
     # Weight updates read model directories under this root only; None: weight updates are off.
     weights_root: Path | None = None
     # How long POST /v1/weights waits for every live GPU worker to serve the new weights.
-    weights_update_timeout: float = 300.0
+    weights_update_timeout: float = between(300.0, 0, 3600)
     host: str = "127.0.0.1"
-    port: int = 8000
-    api_workers: int = 2
+    port: int = between(8000, 1, 65535)
+    api_workers: int = between(2, 1, 64)
     node_id: str = field(default_factory=socket.gethostname)
-    result_ttl: int = 7 * 24 * 3600
-    default_max_tokens: int = 64
-    max_model_len: int | None = None
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_content_parts: int = 16
-    max_metadata_bytes: int = 4096
-    max_queued_per_key: int = 10_000
-    max_queued_total: int = 100_000
-    sync_timeout_max: float = 300.0
+    result_ttl: int = between(7 * 24 * 3600, 60, 10**9)
+    default_max_tokens: int = between(64, 1, 10**6)
+    max_model_len: int | None = between(None, 1, 10**8)
+    max_body_bytes: int = between(32 * 1024 * 1024, 1024, 2**34)
+    max_content_parts: int = between(16, 0, 1024)
+    max_metadata_bytes: int = between(4096, 0, 2**20)
+    max_queued_per_key: int = between(10_000, 1, 10**9)
+    max_queued_total: int = between(100_000, 1, 10**9)
+    sync_timeout_max: float = between(300.0, 0, 3600)
     # Streaming (domain/jobs/events.py, web/api/streams.py): each gunicorn worker serves up to
     # api_stream_slots SSE streams at once, on threads beside api_threads for everything else
     # (web/serving/server.py says why threads); an idle stream gets a keep-alive comment this often; a job's
     # event stream keeps about stream_events_maxlen entries (one per flush of its tokens).
-    api_threads: int = 16
+    api_threads: int = between(16, 1, 1024)
     # A whole request must arrive within this (plus a second per 256 KiB of body), or it is
     # dropped with a 408 (web/serving/request_buffering.py).
-    request_read_timeout: float = 10.0
-    api_stream_slots: int = 256
+    request_read_timeout: float = between(10.0, 0.1, 3600)
+    api_stream_slots: int = between(256, 0, 10_000)
     # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
     # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.
     # How long an idle keep-alive connection stays open (web/serving/server.py says why 120).
-    api_keepalive_seconds: int = 120
-    api_stream_slots_per_key: int | None = None
-    stream_write_timeout: float = 30.0
-    stream_keepalive_seconds: float = 5.0
-    stream_events_maxlen: int = 20_000
+    api_keepalive_seconds: int = between(120, 1, 3600)
+    api_stream_slots_per_key: int | None = between(None, 1, 10_000)
+    stream_write_timeout: float = between(30.0, 0.1, 3600)
+    # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
+    stream_keepalive_seconds: float = between(5.0, 0.05, 8)
+    stream_events_maxlen: int = between(20_000, 100, 10**8)
     # A stream rides out Redis away for less than this (keep-alives meanwhile, then on from where
     # it was); past it a native stream ends with ``event: interrupted`` and the client resumes.
-    stream_outage_seconds: float = 30.0
+    stream_outage_seconds: float = between(30.0, 0, 3600)
     # The GPU session writes a job's new tokens at most this often (a first token and a job's end
     # at once): faster decode steps share one entry. 0: every step.
-    stream_flush_ms: float = 10.0
+    stream_flush_ms: float = between(10.0, 0, 10_000)
     # The model name the OpenAI and vLLM dialects serve (`model` in bodies); None: the model's id.
     served_model_name: str | None = None
     # A request's own chat template (chat_template_kwargs.chat_template) runs in the API process:
@@ -122,54 +133,54 @@ class Settings:
     trust_request_chat_template: bool = False
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
     # redelivers a message whose task is still running and the job runs twice.
-    task_soft_time_limit: int = 540
-    task_time_limit: int = 600
-    visibility_timeout: int = 3600
+    task_soft_time_limit: int = between(540, 1, 10**6)
+    task_time_limit: int = between(600, 1, 10**6)
+    visibility_timeout: int = between(3600, 1, 10**7)
     # A job or webhook that has not moved for this long is looked for in every queue
     # (domain/jobs/reaper.py, domain/webhooks/reaper.py); one no message carries is sent again.
-    stalled_job_after: int = 120
+    stalled_job_after: int = between(120, 1, 10**7)
     # A worker beats this often; its heartbeat lapses after five beats missed, and then what it held
     # goes back to the queues (domain/infra/heartbeats.py, workers/held_messages.py).
-    heartbeat_seconds: float = 2.0
+    heartbeat_seconds: float = between(2.0, 0.05, 60)
     task_events: bool = False
     # Rows decoding together in a GPU worker. Unset: as many rows of typical_row_tokens as the KV
     # pool holds (kv_cache_tokens // typical_row_tokens), so the batch is sized by memory.
-    gpu_batch_size: int | None = None
-    typical_row_tokens: int = 1024
-    gpu_batch_wait_ms: int = 20
+    gpu_batch_size: int | None = between(None, 1, 4096)
+    typical_row_tokens: int = between(1024, 1, 2**30)
+    gpu_batch_wait_ms: int = between(20, 0, 10_000)
     # The GPU worker's continuous batch (engine.scheduler): the KV pool (in tokens, in blocks of
     # kv_block_tokens), prefill chunk, caches.
-    kv_cache_tokens: int = 131_072
-    kv_block_tokens: int = 16
+    kv_cache_tokens: int = between(131_072, 1, 2**40)
+    kv_block_tokens: int = between(16, 1, 4096)
     # On CUDA: the pool takes this share of the device memory free once the model is loaded (at
     # most kv_cache_tokens); unset: kv_cache_tokens alone.
-    kv_cache_memory_fraction: float | None = None
-    prefill_chunk_tokens: int = 512
+    kv_cache_memory_fraction: float | None = between(None, 0.01, 0.99)
+    prefill_chunk_tokens: int = between(512, 1, 10**7)
     # While rows decode, new prompts are prefilled once they are join_ratio of the running rows, or
     # after join_wait_steps decode steps (engine.prefill_plan.hold_joins); join_ratio 0: at once.
-    join_ratio: float = 0.5
-    join_wait_steps: int = 4
-    prompt_cache_tokens: int = 4096
+    join_ratio: float = between(0.5, 0, 16)
+    join_wait_steps: int = between(4, 0, 10_000)
+    prompt_cache_tokens: int = between(4096, 0, 2**40)
     # KV blocks found again by name across requests, turns and prompt groups (engine/prefix_hash.py).
     prefix_caching: bool = True
     # Generate messages go to the GPU worker their prompt's prefix went to (domain/infra/gpu_affinity.py);
     # false: to the node's or the shared queue, whichever worker takes them.
     gpu_affinity: bool = True
-    encoder_cache_bytes: int = 256 * 1024 * 1024
-    torch_threads: int = 1
+    encoder_cache_bytes: int = between(256 * 1024 * 1024, 0, 2**44)
+    torch_threads: int = between(1, 1, 1024)
     # The GPU worker's load-time fidelity check (engine/fidelity.py): before it takes work, its
     # generated and scored logprobs must equal the model's own forward. The tolerance in nats;
     # None: by dtype (1e-3 in fp32, 0.15 in 16-bit types).
     fidelity_check: bool = True
-    fidelity_tolerance: float | None = None
+    fidelity_tolerance: float | None = between(None, 0, 100)
     # Fairness between keys (domain/infra/fair_share.py): a CPU worker runs this many jobs at once, and
     # one key holds at most cpu_per_key of all CPU workers' slots (None: half of cpu_concurrency, at
     # least one), so its slow media never fill them.
     # One per usable core: more processes than cores preprocess no faster and take the cores the
     # GPU worker's decode loop runs on (the rollout benchmark lost a quarter of its speed to it).
-    cpu_concurrency: int = field(default_factory=usable_cores)
-    cpu_per_key: int | None = None
-    render_per_key: int = 4
+    cpu_concurrency: int = field(default_factory=usable_cores, metadata={"between": (1, 1024)})
+    cpu_per_key: int | None = between(None, 1, 1024)
+    render_per_key: int = between(4, 1, 1024)
     # Who may read GET /metrics (web/metrics.py): its counters move per job, so not every caller.
     metrics_allow_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     # Guarded fetching (processors.fetch).
@@ -177,40 +188,40 @@ class Settings:
     outbound_allow_networks: tuple[str, ...] = ()
     outbound_allowed_ports: tuple[int, ...] = (80, 443)
     media_root: Path | None = None
-    media_max_bytes: int = 64 * 1024 * 1024
-    fetch_connect_timeout: float = 5.0
-    fetch_timeout: float = 30.0
-    fetch_retries: int = 2
-    fetch_concurrency: int = 4
-    max_image_pixels: int = 40_000_000
+    media_max_bytes: int = between(64 * 1024 * 1024, 1, 2**34)
+    fetch_connect_timeout: float = between(5.0, 0.01, 600)
+    fetch_timeout: float = between(30.0, 0.01, 3600)
+    fetch_retries: int = between(2, 0, 10)
+    fetch_concurrency: int = between(4, 1, 64)
+    max_image_pixels: int = between(40_000_000, 1, 2**34)
     # Video and audio decoding (processors.decode).
-    max_video_seconds: float = 600.0
-    max_video_frames: int = 32
-    video_fps: float = 2.0
-    max_video_pixels: int = 1920 * 1088
-    max_audio_seconds: float = 30.0
+    max_video_seconds: float = between(600.0, 0.01, 86_400)
+    max_video_frames: int = between(32, 1, 100_000)
+    video_fps: float = between(2.0, 0.01, 240)
+    max_video_pixels: int = between(1920 * 1088, 1, 2**34)
+    max_audio_seconds: float = between(30.0, 0.01, 86_400)
     # Multimodal cache and feature transport.
-    mm_cache_bytes: int = 512 * 1024 * 1024
-    mm_cache_process_bytes: int = 256 * 1024 * 1024
-    transport: str = "auto"
-    shm_pool_bytes: int = 1024 * 1024 * 1024
-    handle_ack_timeout: float = 600.0
+    mm_cache_bytes: int = between(512 * 1024 * 1024, 0, 2**40)
+    mm_cache_process_bytes: int = between(256 * 1024 * 1024, 0, 2**40)
+    transport: str = one_of("auto", ("auto", "inline", "shm", "cuda_ipc"))
+    shm_pool_bytes: int = between(1024 * 1024 * 1024, 1024, 2**40)
+    handle_ack_timeout: float = between(600.0, 1, 86_400)
     # Webhooks.
     webhook_secrets: tuple[str, ...] = ()
     webhook_retry_schedule: tuple[float, ...] = (5, 30, 120, 600, 1800, 3600, 7200, 14400, 28800, 28800)
-    webhook_timeout: float = 10.0
-    webhook_concurrency: int = 32
-    webhook_per_key: int = 8
+    webhook_timeout: float = between(10.0, 0.1, 600)
+    webhook_concurrency: int = between(32, 1, 1024)
+    webhook_per_key: int = between(8, 1, 1024)
     key_webhooks: Mapping[str, str] = field(default_factory=dict)
     # Batches.
-    batch_max_lines: int = 50_000
-    batch_max_bytes: int = 200 * 1024 * 1024
+    batch_max_lines: int = between(50_000, 1, 10**7)
+    batch_max_bytes: int = between(200 * 1024 * 1024, 1, 2**40)
     # Input lines of one key's unfinished batches held in Redis, as stored (JSON): bounds the
     # memory one key's uploads can take.
-    batch_max_stored_bytes_per_key: int = 1024 * 1024 * 1024
-    batch_chunk_size: int = 64
-    batch_completion_window: int = 24 * 3600
-    log_level: str = "INFO"
+    batch_max_stored_bytes_per_key: int = between(1024 * 1024 * 1024, 1, 2**42)
+    batch_chunk_size: int = between(64, 1, 10_000)
+    batch_completion_window: int = between(24 * 3600, 60, 10**7)
+    log_level: str = one_of("INFO", ("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def replace(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -240,87 +251,7 @@ class Settings:
 
 
 # Checks beyond the type, by field. Every field of Settings is read from ROLLOUT_<FIELD NAME>.
-_CHOICES = {
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("auto", "float32", "bfloat16", "float16"),
-    "transport": ("auto", "inline", "shm", "cuda_ipc"),
-    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR"),
-    "embedded_redis": ("single", "sentinel"),
-    "redis_fsync": ("everysec", "always"),
-}
-_RANGES = {
-    "port": (1, 65535),
-    "api_workers": (1, 64),
-    "result_ttl": (60, 10**9),
-    "default_max_tokens": (1, 10**6),
-    "max_model_len": (1, 10**8),
-    "max_body_bytes": (1024, 2**34),
-    "max_content_parts": (0, 1024),
-    "max_metadata_bytes": (0, 2**20),
-    "max_queued_per_key": (1, 10**9),
-    "max_queued_total": (1, 10**9),
-    "sync_timeout_max": (0, 3600),
-    "api_threads": (1, 1024),
-    "request_read_timeout": (0.1, 3600),
-    "api_stream_slots": (0, 10_000),
-    "api_stream_slots_per_key": (1, 10_000),
-    "stream_write_timeout": (0.1, 3600),
-    # Below the Redis client's socket timeout (10 s): a blocking read waits at most this long.
-    "stream_keepalive_seconds": (0.05, 8),
-    "stream_events_maxlen": (100, 10**8),
-    "api_keepalive_seconds": (1, 3600),
-    "stream_outage_seconds": (0, 3600),
-    "stream_flush_ms": (0, 10_000),
-    "weights_update_timeout": (0, 3600),
-    "task_soft_time_limit": (1, 10**6),
-    "task_time_limit": (1, 10**6),
-    "visibility_timeout": (1, 10**7),
-    "stalled_job_after": (1, 10**7),
-    "heartbeat_seconds": (0.05, 60),
-    "gpu_batch_size": (1, 4096),
-    "redis_replica_acks": (0, 16),
-    "embedded_redis_replicas": (1, 8),
-    "redis_maxmemory_bytes": (0, 2**50),
-    "redis_replica_timeout_ms": (1, 600_000),
-    "typical_row_tokens": (1, 2**30),
-    "kv_block_tokens": (1, 4096),
-    "kv_cache_memory_fraction": (0.01, 0.99),
-    "gpu_batch_wait_ms": (0, 10_000),
-    "kv_cache_tokens": (1, 2**40),
-    "prefill_chunk_tokens": (1, 10**7),
-    "join_ratio": (0, 16),
-    "join_wait_steps": (0, 10_000),
-    "prompt_cache_tokens": (0, 2**40),
-    "encoder_cache_bytes": (0, 2**44),
-    "torch_threads": (1, 1024),
-    "fidelity_tolerance": (0, 100),
-    "cpu_concurrency": (1, 1024),
-    "cpu_per_key": (1, 1024),
-    "render_per_key": (1, 1024),
-    "fetch_concurrency": (1, 64),
-    "webhook_concurrency": (1, 1024),
-    "webhook_per_key": (1, 1024),
-    "media_max_bytes": (1, 2**34),
-    "fetch_connect_timeout": (0.01, 600),
-    "fetch_timeout": (0.01, 3600),
-    "fetch_retries": (0, 10),
-    "max_image_pixels": (1, 2**34),
-    "max_video_seconds": (0.01, 86_400),
-    "max_video_frames": (1, 100_000),
-    "video_fps": (0.01, 240),
-    "max_video_pixels": (1, 2**34),
-    "max_audio_seconds": (0.01, 86_400),
-    "mm_cache_bytes": (0, 2**40),
-    "mm_cache_process_bytes": (0, 2**40),
-    "shm_pool_bytes": (1024, 2**40),
-    "handle_ack_timeout": (1, 86_400),
-    "webhook_timeout": (0.1, 600),
-    "batch_max_lines": (1, 10**7),
-    "batch_max_bytes": (1, 2**40),
-    "batch_max_stored_bytes_per_key": (1, 2**42),
-    "batch_chunk_size": (1, 10_000),
-    "batch_completion_window": (60, 10**7),
-}
+# Checks beyond the type that are not a range or a choice (those are declared with each field).
 _VALIDATORS = {"node_id": lambda: _node_id}
 
 
@@ -334,7 +265,7 @@ def load_settings() -> Settings:
     defaults = Settings()
     values = {}
     for spec in fields(Settings):
-        values[spec.name] = _read(env, spec.name, spec.type, getattr(defaults, spec.name))
+        values[spec.name] = _read(env, spec, getattr(defaults, spec.name))
     try:
         env.seal()
     except EnvError as exc:
@@ -344,16 +275,17 @@ def load_settings() -> Settings:
     return settings
 
 
-def _read(env: Env, name: str, type_name: str, default: Any) -> Any:
+def _read(env: Env, spec: dataclasses.Field, default: Any) -> Any:
+    name, type_name = spec.name, spec.type
     key = name.upper()
     validate = None
-    if name in _CHOICES:
-        validate = _one_of(*_CHOICES[name])
-    elif name in _RANGES:
-        validate = _between(*_RANGES[name])
+    if "one_of" in spec.metadata:
+        validate = _one_of(*spec.metadata["one_of"])
+    elif "between" in spec.metadata:
+        validate = _between(*spec.metadata["between"])
     elif name in _VALIDATORS:
         validate = _VALIDATORS[name]()
-    base = type_name.replace(" | None", "")
+    base = type_name.replace(" | None", (""))
     optional = type_name.endswith("| None")
     if base == "int":
         return (

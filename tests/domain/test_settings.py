@@ -114,3 +114,10 @@ def test_replica_acks_must_leave_a_replica_to_confirm_after_a_failover(monkeypat
         load_settings()
     monkeypatch.setenv("ROLLOUT_EMBEDDED_REDIS_REPLICAS", "2")
     assert load_settings().embedded_redis_replicas == 2
+
+
+def test_every_number_declares_its_range_beside_its_field():
+    """A numeric setting says its bounds where it is declared (``between``), so a new one cannot be
+    added unchecked: ROLLOUT_* values out of range are refused at start, each named."""
+    numbers = [spec for spec in fields(Settings) if spec.type.replace(" | None", "") in ("int", "float")]
+    assert numbers and [spec.name for spec in numbers if "between" not in spec.metadata] == []
