@@ -67,4 +67,6 @@ class Generate(MethodView):
             "prompt_top_logprobs": result.get("prompt_top_logprobs"),
             "usage": result.get("usage"),
             "cached_tokens": result.get("cached_tokens"),
+            "weight_version": result.get("weight_version"),  # its last token's (choices' weight_versions: all)
+            "prompt_logprobs_version": result.get("prompt_logprobs_version"),
         }, 200, replay_headers(made)

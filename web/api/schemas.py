@@ -149,6 +149,10 @@ class SamplingParamsSchema(Schema):
     detokenize = StrictBoolean(load_default=True, metadata={"description": "Return each choice's text"})
     skip_special_tokens = StrictBoolean(load_default=True)
     spaces_between_special_tokens = StrictBoolean(load_default=True)
+    max_policy_lag = fields.Integer(strict=True, validate=validate.Range(0, 1_000_000), allow_none=True,
+                                    load_default=None, metadata={
+                                        "description": "Weight updates (mode keep) a row may live through; one "
+                                                       "more ends it with finish_reason policy_lag. null: no bound"})
 
     @pre_load
     def accept_aliases(self, data: Any, **_) -> Any:
@@ -233,11 +237,16 @@ class ChoiceSchema(Schema):
     index = fields.Integer()
     token_ids = NumberList(fields.Integer())
     logprobs = NumberList(fields.Float(), allow_none=True)
-    finish_reason = fields.String(metadata={"description": "stop | length | abort"})
+    finish_reason = fields.String(metadata={"description": "stop | length | abort | policy_lag"})
     matched_stop = fields.Raw(allow_none=True, metadata={
         "description": "The stop token id (eos included) or stop string that ended the choice"})
     text = fields.String(allow_none=True, metadata={"description": "The choice's text (null: detokenize false)"})
     top_logprobs = fields.List(TopLogprobs, allow_none=True, metadata={"description": "Per token (top_logprobs)"})
+    weight_versions = fields.List(fields.Dict(), allow_none=True, metadata={
+        "description": "[{version, start, end}]: the weights of token_ids[start:end]"})
+
+    kv_recomputed = fields.Boolean(allow_none=True, metadata={
+        "description": "null: crossed no update; else whether the new weights computed its earlier KV again"})
 
 
 class ResultSchema(Schema):
@@ -248,6 +257,8 @@ class ResultSchema(Schema):
     prompt_logprobs = NumberList(fields.Float(allow_none=True), allow_none=True, metadata={
         "description": "sampling_params.prompt_logprobs: per prompt token (null for the first)"})
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
+    prompt_logprobs_version = fields.String(allow_none=True, metadata={
+        "description": "The weights that computed prompt_logprobs"})
     usage = fields.Dict()
     cached_tokens = fields.Integer(metadata={
         "description": "Prompt tokens this job did not compute: its prompt's KV was shared with its prompt group "
@@ -340,3 +351,5 @@ class SyncResultSchema(Schema):
     usage = fields.Dict()
     cached_tokens = fields.Integer()
     job_id = fields.String()
+    weight_version = fields.String(allow_none=True, metadata={"description": "The weights of its last token"})
+    prompt_logprobs_version = fields.String(allow_none=True)

@@ -20,6 +20,7 @@ from domain.weights.store import MODES, PAUSE_MODES
 from domain.weights.updates import fleet_paused, update_weights
 from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import check_checkpoint, weight_version_of
+from web.api.schemas import StrictBoolean
 from web.auth import require_admin
 from web.blueprint import Blueprint
 from web.schema_base import Schema
@@ -36,7 +37,10 @@ class WeightsUpdateSchema(Schema):
     weight_version = fields.String(required=True, validate=_VERSION)
     mode = fields.String(load_default="finish", validate=validate.OneOf(MODES),
                          metadata={"description": "What rows in flight do: finish on the old weights, abort now, "
-                                                  "or retract (run again from the prompt on the new weights)"})
+                                                  "retract (run again from the prompt on the new weights), or keep "
+                                                  "(go on under the new weights from where they were)"})
+    recompute_kv = StrictBoolean(load_default=False, metadata={
+        "description": "mode keep: the new weights compute the kept rows' KV again (else they attend to the old)"})
     timeout_s = fields.Float(validate=validate.Range(min=0, max=3600))
 
 
@@ -76,6 +80,7 @@ class TargetSchema(Schema):
     model_path = fields.String()
     mode = fields.String()
     set_at = fields.Float()
+    recompute_kv = fields.Boolean()
     digest = fields.String(metadata={"description": "content digest of the weights, bound by the first worker "
                                                     "to load them; empty until then"})
 
@@ -101,7 +106,8 @@ class SglangReplySchema(Schema):
     num_paused_requests = fields.Integer()
 
 
-def _update(model_path: str, version: str | None, mode: str, timeout: float | None) -> dict:
+def _update(model_path: str, version: str | None, mode: str, timeout: float | None, *,
+            recompute_kv: bool = False) -> dict:
     require_admin()
     svc = services()
     directory = resolve_weights_dir(model_path, svc.settings.weights_root)
@@ -110,7 +116,7 @@ def _update(model_path: str, version: str | None, mode: str, timeout: float | No
         version = version or weight_version_of(checkpoint)
     timeout = svc.settings.weights_update_timeout if timeout is None else timeout
     report = update_weights(svc.weight_store, version=version, model_path=str(directory), mode=mode,
-                            timeout=timeout)
+                            timeout=timeout, recompute_kv=recompute_kv)
     return report.to_dict()
 
 
@@ -144,7 +150,8 @@ class Weights(MethodView):
     @_document_errors
     def post(self, body):
         """Update every GPU worker to the weights at ``model_path``; answers when all live ones serve them."""
-        return _update(body["model_path"], body["weight_version"], body["mode"], body.get("timeout_s"))
+        return _update(body["model_path"], body["weight_version"], body["mode"], body.get("timeout_s"),
+                       recompute_kv=body["recompute_kv"])
 
 
 @blp.route("/update_weights_from_disk")
@@ -167,7 +174,8 @@ class PauseGeneration(MethodView):
     @blp.alt_response(403, schema=None, description="Not an admin key")
     def post(self, body):
         """Workers take no new work until /continue_generation; rows in flight abort, are retracted
-        (requeued) or finish (``in_place``: a static batch cannot pause mid-way, so it finishes)."""
+        (requeued), finish (``finish``) or hold still (``in_place``): an update meanwhile swaps the
+        weights under them and they go on under the new ones after continue (update mode keep)."""
         require_admin()
         store = services().weight_store
         workers = fleet_paused(store, store.pause(body["mode"]), PAUSE_REPORT_SECONDS)

@@ -17,7 +17,7 @@ from web.dialects.fields import OneOrMany
 # Same name, same meaning, in vLLM and in our native sampling_params.
 SAME = ("temperature", "top_p", "min_p", "n", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
         "include_stop_str_in_output", "repetition_penalty", "frequency_penalty", "presence_penalty",
-        "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "detokenize")
+        "skip_special_tokens", "spaces_between_special_tokens", "prompt_logprobs", "detokenize", "max_policy_lag")
 
 
 def sampling_fields() -> dict[str, fields.Field]:
@@ -33,6 +33,8 @@ def sampling_fields() -> dict[str, fields.Field]:
         "presence_penalty": StrictFloat(allow_nan=False), "skip_special_tokens": StrictBoolean(),
         "spaces_between_special_tokens": StrictBoolean(),
         "prompt_logprobs": fields.Integer(strict=True, validate=validate.Range(0, 20)),
+        "max_policy_lag": fields.Integer(strict=True, allow_none=True,
+                                         metadata={"description": "ours: weight updates a row may cross"}),
     }
 
 

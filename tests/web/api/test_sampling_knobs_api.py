@@ -11,7 +11,8 @@ from web.api.schemas import JobSchema
 
 KNOBS = {"max_tokens": 8, "stop": "\n\n", "include_stop_str_in_output": True, "min_tokens": 2,
          "repetition_penalty": 1.1, "frequency_penalty": -0.5, "presence_penalty": 0.25, "top_logprobs": 5,
-         "prompt_logprobs": 0, "detokenize": True, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+         "prompt_logprobs": 0, "detokenize": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+         "max_policy_lag": 1}
 
 
 def submit(client, params):
@@ -35,7 +36,7 @@ def test_defaults_are_the_engines_defaults(client):
     params, default = sampling_params(stored["sampling_params"]), SamplingParams()
     for name in ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "top_logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
-                 "spaces_between_special_tokens"):
+                 "spaces_between_special_tokens", "max_policy_lag"):
         assert getattr(params, name) == getattr(default, name), name
 
 
@@ -60,6 +61,8 @@ def test_a_job_stored_before_the_knobs_existed_still_runs_with_defaults():
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 1.5}, "top_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"max_policy_lag": -1}, "max_policy_lag"),
+    ({"max_policy_lag": 0.5}, "max_policy_lag"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),  # a knob we do not implement: named, never dropped
     ({"no_stop_trim": True}, "no_stop_trim"),  # dialect names belong to their adapters
 ])
@@ -71,11 +74,15 @@ def test_bad_or_unknown_knobs_are_a_422_naming_them(client, params, field):
 
 def test_the_result_schema_returns_the_new_outputs():
     choice = {"index": 0, "token_ids": [5, 6], "logprobs": [-0.5, -1.0], "finish_reason": "stop",
-              "matched_stop": "\n\n", "text": "hi", "top_logprobs": [[[5, -0.5], [7, -1.5]], [[6, -1.0], [5, -2.0]]]}
+              "matched_stop": "\n\n", "text": "hi", "top_logprobs": [[[5, -0.5], [7, -1.5]], [[6, -1.0], [5, -2.0]]],
+              "weight_versions": [{"version": "v1", "start": 0, "end": 1}, {"version": "v2", "start": 1, "end": 2}],
+              "kv_recomputed": False}
     job = {"id": "job_x", "kind": "generate", "status": "succeeded",
            "result": {"choices": [choice, {**choice, "matched_stop": 6, "text": None, "top_logprobs": None}],
-                      "prompt_logprobs": [None, -2.5], "prompt_top_logprobs": [None, [[9, -0.1]]]}}
+                      "prompt_logprobs": [None, -2.5], "prompt_top_logprobs": [None, [[9, -0.1]]],
+                      "prompt_logprobs_version": "v2"}}
     dumped = JobSchema().dump(job)["result"]
     assert dumped["choices"][0] == choice
     assert dumped["choices"][1]["matched_stop"] == 6 and dumped["choices"][1]["text"] is None
     assert dumped["prompt_logprobs"] == [None, -2.5] and dumped["prompt_top_logprobs"] == [None, [[9, -0.1]]]
+    assert dumped["prompt_logprobs_version"] == "v2"

@@ -104,6 +104,15 @@ def test_an_update_with_no_live_gpu_worker_sets_the_target_for_later_workers(adm
     state = admin_client.get("/v1/weights", headers=auth(ADMIN)).get_json()
     assert state["target"]["version"] == "step-1" and state["target"]["mode"] == "retract"
     assert state["target"]["model_path"] == str((weights_root / "step-1").resolve())
+    assert state["target"]["recompute_kv"] is False
+
+
+def test_mode_keep_takes_recompute_kv(admin_client, weights_root):
+    body = {"model_path": "step-1", "weight_version": "step-k", "mode": "keep", "recompute_kv": True}
+    assert _post(admin_client, body).status_code == 200
+    target = admin_client.get("/v1/weights", headers=auth(ADMIN)).get_json()["target"]
+    assert target["mode"] == "keep" and target["recompute_kv"] is True
+    assert _post(admin_client, {**body, "recompute_kv": "yes"}).status_code == 422
 
 
 def test_sglang_routes_take_sglang_bodies(admin_client, weights_root):
@@ -124,7 +133,7 @@ def test_sglang_routes_take_sglang_bodies(admin_client, weights_root):
 def test_vllm_pause_and_resume_take_vllms_query_and_answer_its_shape(admin_client):
     forbidden = admin_client.post("/pause", headers=auth(KEY_A))
     assert forbidden.status_code == 403 and forbidden.get_json()["error"]["code"] == "forbidden"  # OpenAI's shape
-    for query, ours in (("?mode=keep", "retract"), ("?mode=wait", "finish"), ("", "abort"),
+    for query, ours in (("?mode=keep", "keep"), ("?mode=wait", "finish"), ("", "abort"),
                         ("?mode=abort&wait_for_inflight_requests=true", "finish")):
         response = admin_client.post(f"/pause{query}", headers=auth(ADMIN))
         assert response.status_code == 200 and response.get_json() == {"status": "paused"}, query

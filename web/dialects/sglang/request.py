@@ -31,7 +31,8 @@ from web.dialects.sampling import top_k_of
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
             "no_stop_trim": "include_stop_str_in_output", "sampling_seed": "seed"}
 _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-         "spaces_between_special_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "n")
+         "spaces_between_special_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "n",
+         "max_policy_lag")
 # SGLang knobs we cannot honour: accepted only at their defaults.
 _UNSUPPORTED_SAMPLING = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
                          "stop_regex": (None,), "logit_bias": (None, {}), "custom_params": (None, {})}
@@ -60,6 +61,7 @@ class SglangSamplingParamsSchema(NullMeansDefault):
     presence_penalty = StrictFloat(allow_nan=False)
     n = fields.Integer(strict=True)
     sampling_seed = fields.Integer(strict=True)
+    max_policy_lag = fields.Integer(strict=True, metadata={"description": "ours: weight updates a row may cross"})
     json_schema = fields.Raw()
     regex = fields.Raw()
     ebnf = fields.Raw()
@@ -237,6 +239,8 @@ def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
             # Prompt tokens whose KV came from a group sibling or the recent-prompt cache.
             "cached_tokens": result.cached_tokens,
             "weight_version": result.weight_version,
+            # [{version, start, end}], half-open over output_ids: a row kept across an update has several.
+            "weight_versions": choice.weight_versions or [],
             "e2e_latency": round(max(latency, 0.0), 6),
             "job_id": job["id"],
         }
@@ -252,6 +256,8 @@ def _finish_reason(choice: Choice, job: dict) -> dict:
         return {"type": "length", "length": len(choice.token_ids)}
     if reason == "stop":
         return {"type": "stop", "matched": choice.matched_stop}
+    if reason == "policy_lag":  # SGLang's types are stop, length and abort: trainers branch on them
+        return {"type": "abort", "message": "policy_lag: it would cross more weight updates than max_policy_lag"}
     return {"type": "abort", "message": "aborted" if job["status"] == "cancelled" else "ended early"}
 
 

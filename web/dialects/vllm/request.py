@@ -141,7 +141,8 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
     k = body["sampling_params"].get("logprobs")
     texts = TokenTexts() if result.prompt_logprobs is not None else None
     choices = [{"index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
-                "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None}
+                "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None,
+                "weight_versions": choice.weight_versions or []}  # [{version, start, end}] over token_ids
                for choice in result.choices]
     # prompt_token_ids: the ids the model consumed (media pads expanded), as vLLM's newer
     # token-in-token-out reply carries them: a trainer that sent one collapsed pad per item learns the real ids.

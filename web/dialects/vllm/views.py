@@ -108,9 +108,9 @@ def _with_media_urls(message: dict, index: int) -> dict:
 
 # --- vLLM's RL control routes (``vllm/entrypoints/serve/dev/rlhf/api_router.py``) ---------------
 
-# vLLM's pause modes in ours: ``keep`` freezes rows to continue after /resume; ours retracts them
-# (requeued, run again from the prompt on resume), the nearest a static batch between steps allows.
-_PAUSE_MODES = {"abort": "abort", "wait": "finish", "keep": "retract"}
+# vLLM's pause modes in ours: ``keep`` freezes rows between steps to continue after /resume, under
+# the weights an update meanwhile swapped in (workers/gpu/weight_sync.py: HOLDING_MODES).
+_PAUSE_MODES = {"abort": "abort", "wait": "finish", "keep": "keep"}
 
 
 class PauseQuerySchema(Schema):
