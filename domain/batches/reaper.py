@@ -34,7 +34,8 @@ import time
 
 from domain.batches.messages import send_chunk, send_score_lines
 from domain.batches.progress import finish, record_job_lines
-from domain.batches.store import TERMINAL, public_batch
+from domain.batches.statuses import TERMINAL
+from domain.batches.store import public_batch
 from domain.infra.lost_messages import Suspects, start_sweeping, sweep_every, task_calls_in_messages
 from domain.names import (
     BATCHES_QUEUE,

@@ -45,6 +45,7 @@ from typing import Any
 
 import redis
 
+from domain.batches import scripts
 from domain.batches.keys import (
     OPEN_KEY,
     batch_key,
@@ -58,6 +59,7 @@ from domain.batches.keys import (
     scoring_key,
     submitted_key,
 )
+from domain.batches.statuses import STATUS_TIMESTAMPS, TERMINAL
 from domain.batches.stored_input import StoredInput
 from domain.infra import finite_json, wakeups
 from domain.infra.redis_records import (
@@ -68,135 +70,15 @@ from domain.infra.redis_records import (
     page_by_creation,
     plausible_id,
 )
-from domain.jobs.store import OWN_WEBHOOK_LUA, UNCOUNTED_LINES_KEY, JobStore
+from domain.jobs.keys import UNCOUNTED_LINES_KEY
+from domain.jobs.store import JobStore
 from domain.webhooks.store import BATCH_OWED_KEY  # ended batches whose webhook event is not made yet
 from engine.errors import NotFoundError
 
-STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "cancelling",
-            "cancelled", "expired")
-TERMINAL = frozenset({"completed", "failed", "cancelled", "expired"})
-# The timestamp field each status sets when a batch moves there.
-STATUS_TIMESTAMPS = {status: f"{status}_at" for status in STATUSES if status != "validating"}
 _JSON_FIELDS = ("metadata", "webhook", "validation_errors")
 _INT_FIELDS = ("total", "completed", "failed", "chunk_size", "chunks", "completion_window", "invalid_lines",
                "keys_expire_at", "intake")
 PAGE = 1000
-
-# KEYS: batch hash, webhook debts, the batch's wake-up list. ARGV: new status, allowed current
-# statuses (comma separated), now, the timestamp field ('' for none), then the owners with a
-# key-wide webhook. An end that owes a webhook event (the batch's own, or its owner's) records the
-# debt in the same write, so a failover cannot keep the end and lose the debt; an end also wakes
-# the batch's waiters (GET /v1/batches/{id}?wait=).
-_TRANSITION = """
-local current = redis.call('HGET', KEYS[1], 'status')
-if not current then return -1 end
-local allowed = false
-for status in string.gmatch(ARGV[2], '[^,]+') do
-  if status == current then allowed = true end
-end
-if not allowed then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1])
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], ARGV[4], ARGV[3]) end
-local ends = {""" + ", ".join(f"{status}=true" for status in sorted(TERMINAL)) + """}
-if ends[ARGV[1]] then
-  local owed = """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """
-  local owner = redis.call('HGET', KEYS[1], 'owner')
-  for i = 5, #ARGV do owed = owed or ARGV[i] == owner end
-  if owed then redis.call('ZADD', KEYS[2], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
-  """ + wakeups.PUSH_LUA.format(key="KEYS[3]", value="ARGV[1]") + """
-end
-return 1
-"""
-
-# KEYS: batch hash, ended set, output list, errors list.
-# ARGV: triples of (line number, 'completed' | 'failed', JSON entry).
-# Counts each line once. Returns 1 to the one call that counts the batch's last line ("settles" it);
-# a batch whose file is still being read (``intake`` set) settles when the intake closes (_CLOSE).
-_RECORD = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local expire_at = tonumber(redis.call('HGET', KEYS[1], 'keys_expire_at'))
-local new = {completed = {}, failed = {}}
-for i = 1, #ARGV, 3 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    table.insert(new[ARGV[i + 1]], ARGV[i + 2])
-  end
-end
--- One push, expiry and count per list, not per line (a call holds at most PAGE lines).
-for status, target in pairs({completed = KEYS[3], failed = KEYS[4]}) do
-  if #new[status] > 0 then
-    redis.call('RPUSH', target, unpack(new[status]))
-    redis.call('EXPIREAT', target, expire_at)
-    redis.call('HINCRBY', KEYS[1], status, #new[status])
-  end
-end
-redis.call('EXPIREAT', KEYS[2], expire_at)
-local done = tonumber(redis.call('HGET', KEYS[1], 'completed')) + tonumber(redis.call('HGET', KEYS[1], 'failed'))
-if done >= tonumber(redis.call('HGET', KEYS[1], 'total')) and redis.call('HEXISTS', KEYS[1], 'intake') == 0
-    and redis.call('HSETNX', KEYS[1], 'settled', 1) == 1 then
-  return 1
-end
-return 0
-"""
-
-# A debt (a line to count, a chunk to score) is dropped only where the work it stands for is
-# recorded, or where its batch is gone: in a split brain, the work's write can go to an old primary
-# (through a connection made before the switch) and be lost, while the debt's drop reaches the new
-# one; the debt must then stay for the batch reaper.
-# KEYS: the debts (a sorted set or a set), then per item its batch's hash and ended-lines set.
-# ARGV: the command that drops a debt (ZREM or SREM), then per item the debt's member and the line
-# numbers it stands for, joined by ','. Returns how many items' work is recorded (their debts dropped).
-_SETTLE_COUNTED = """
-local settled = 0
-for i = 2, #ARGV, 2 do
-  local batch, ended = KEYS[i], KEYS[i + 1]
-  local counted = true
-  if redis.call('EXISTS', batch) == 1 then
-    for line in string.gmatch(ARGV[i + 1], '[^,]+') do
-      if redis.call('SISMEMBER', ended, line) == 0 then counted = false break end
-    end
-  end
-  if counted then
-    redis.call(ARGV[1], KEYS[1], ARGV[i])
-    settled = settled + 1
-  end
-end
-return settled
-"""
-
-# A chunk is marked submitted only where each of its lines is counted, or mapped to what it was
-# given (a job whose record is here, or ``DIRECT_LINE``): in a split brain, the jobs or their mapping
-# can go to an old primary and be lost while the mark reaches the new one, and a marked chunk is not
-# looked at again. Unmarked, the batch reaper sends it again, and ``enqueue_chunk`` makes what is missing.
-# KEYS: the submitted set, the batch's hash, ended set and jobs hash, then per line its job's record
-# (the batch's hash where the line has no job: it must be counted).
-# ARGV: the chunk's index, the keys' expiry, ``DIRECT_LINE``, then per line its number and job id
-# ('' where none).
-# Returns 1 when marked, 0 when something is missing, -1 when the batch is gone.
-_MARK_SUBMITTED = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-for i = 4, #ARGV, 2 do
-  local line, job = ARGV[i], ARGV[i + 1]
-  if redis.call('SISMEMBER', KEYS[3], line) == 0 then
-    if job == '' or redis.call('HGET', KEYS[4], line) ~= job then return 0 end
-    if job ~= ARGV[3] and redis.call('EXISTS', KEYS[(i - 4) / 2 + 5]) == 0 then return 0 end
-  end
-end
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('EXPIREAT', KEYS[1], ARGV[2])
-return 1
-"""
-
-# KEYS: batch hash. Ends the intake; returns 1 when every line was counted already (the caller
-# settles the batch), 0 if not, -1 if the batch is gone.
-_CLOSE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-redis.call('HDEL', KEYS[1], 'intake')
-local done = tonumber(redis.call('HGET', KEYS[1], 'completed')) + tonumber(redis.call('HGET', KEYS[1], 'failed'))
-if done >= tonumber(redis.call('HGET', KEYS[1], 'total')) and redis.call('HSETNX', KEYS[1], 'settled', 1) == 1 then
-  return 1
-end
-return 0
-"""
 
 # The job id recorded for a line scored directly by ``rollout.batches.score_lines``: it has no job.
 DIRECT_LINE = "direct"
@@ -214,11 +96,11 @@ class BatchStore:
         self.result_ttl = result_ttl
         self.hooked_owners = hooked_owners
         self.wait_any_wakeup = wait_any or wakeups.waiting_on(client)
-        self._transition = client.register_script(_TRANSITION)
-        self._record = client.register_script(_RECORD)
-        self._close = client.register_script(_CLOSE)
-        self._settle_counted = client.register_script(_SETTLE_COUNTED)
-        self._mark_submitted = client.register_script(_MARK_SUBMITTED)
+        self._transition = client.register_script(scripts.TRANSITION)
+        self._record = client.register_script(scripts.RECORD)
+        self._close = client.register_script(scripts.CLOSE)
+        self._settle_counted = client.register_script(scripts.SETTLE_COUNTED)
+        self._mark_submitted = client.register_script(scripts.MARK_SUBMITTED)
         self._input = StoredInput(client)
 
     # --- Creating -------------------------------------------------------------------------------
@@ -360,7 +242,7 @@ class BatchStore:
     def chunks_submitted(self, batch_id: str, index: int, lines: dict[int, str | None], *, expire_at: int) -> bool:
         """Chunk ``index`` has made a job (or a direct line) for each of its lines: ``lines`` maps
         each line to its job id (``DIRECT_LINE``; None for a line counted without one). It is marked
-        only where the primary holds all of it (see ``_MARK_SUBMITTED``): False when it does not (a
+        only where the primary holds all of it (see ``scripts.MARK_SUBMITTED``): False when it does not (a
         batch gone owes nothing: True)."""
         keys = [submitted_key(batch_id), batch_key(batch_id), ended_key(batch_id), jobs_key(batch_id)]
         args: list[Any] = [index, expire_at, DIRECT_LINE]
@@ -375,7 +257,7 @@ class BatchStore:
 
     def scoring_done(self, batch_id: str, index: int, lines: list[int]) -> bool:
         """Chunk ``index``'s scoring run is done: its debt is dropped once the primary holds every
-        one of its direct ``lines`` counted (see ``_SETTLE_COUNTED``); False when it does not."""
+        one of its direct ``lines`` counted (see ``scripts.SETTLE_COUNTED``); False when it does not."""
         keys = [scoring_key(batch_id), batch_key(batch_id), ended_key(batch_id)]
         return self._settle_counted(keys=keys, args=["SREM", index, ",".join(map(str, lines))]) == 1
 

@@ -21,8 +21,8 @@ from domain.batches.progress import (
     publish_results,
     record_lines,
 )
+from domain.batches.statuses import TERMINAL as BATCH_TERMINAL
 from domain.batches.store import DIRECT_LINE
-from domain.batches.store import TERMINAL as BATCH_TERMINAL
 from domain.jobs.store import TERMINAL as JOB_TERMINAL
 from domain.lifecycle import cancel_job
 from engine.errors import NotFoundError

@@ -28,8 +28,10 @@ import redis
 from domain.infra import wakeups
 from domain.infra.pipelined_scripts import run_scripts
 from domain.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
-from domain.jobs.attempts import Fence, fence_lua, preprocess_key
-from domain.jobs.events import DEFAULT_MAXLEN, STATUS_EVENT_LUA, events_key, watch_key
+from domain.jobs import keys, scripts
+from domain.jobs.attempts import Fence, preprocess_key
+from domain.jobs.events import DEFAULT_MAXLEN, events_key, watch_key
+from domain.jobs.keys import TOTAL_ACTIVE_KEY, UNCOUNTED_LINES_KEY, UNFINISHED_KEY, WEBHOOK_OWED_KEY
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -37,103 +39,7 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _RANK = {status: rank for rank, status in enumerate(STATUSES[:3])} | {s: 3 for s in TERMINAL}
 _JSON_FIELDS = ("request", "result", "error", "webhook", "metadata", "timings")
 _OWN_JSON_FIELDS = ("result", "timings")  # the service's own numbers only (decode_record)
-TOTAL_ACTIVE_KEY = "rq:active:_total"
-UNFINISHED_KEY = "rq:unfinished"
 _OTHER: dict[str, Any] = {}  # a listed job of another status than the one asked (JobStore._with_status)
-WEBHOOK_OWED_KEY = "rq:webhook:owed"  # ended jobs whose webhook event is not made yet (the webhook store's)
-UNCOUNTED_LINES_KEY = "rq:batch:uncounted"  # ended jobs of batches whose line is not counted yet
-
-# KEYS: job records. Returns the places (from 1) of those ended or gone: one command where a
-# pipeline of one HGET each would be as many.
-_ENDED = """
-local terminal = {succeeded=true, failed=true, cancelled=true}
-local ended = {}
-for place, key in ipairs(KEYS) do
-  local status = redis.call('HGET', key, 'status')
-  if not status or terminal[status] then table.insert(ended, place) end
-end
-return ended
-"""
-
-# Lua, an expression: whether the record hash at {key} names a webhook of its own (a JSON field,
-# ``null`` when it has none). The scripts that end a job or a batch record its debt on it.
-OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
-
-# KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
-# unfinished index, webhook debts, uncounted batch lines, the mover's fence counter (attempts.py).
-# ARGV: new status, its rank, now, ttl, events maxlen, '1' when the owner has a key-wide webhook,
-# the mover's run number ('' when it has none), then field/value pairs to set with the move.
-# Returns 1 when the job moved, FENCED when a newer run began (nothing written); the move's status
-# event goes to the job's stream in the same call, and an end that owes a webhook (the job's own, or
-# its owner's) or a batch line is recorded as a debt.
-_TRANSITION = """
-local current = redis.call('HGET', KEYS[1], 'status')
-if not current then return -1 end
-""" + fence_lua(key="KEYS[11]", number="ARGV[7]") + """
-local ranks = {queued=0, preprocessing=1, generating=2, succeeded=3, failed=3, cancelled=3}
-local from = ranks[current]
-local to = tonumber(ARGV[2])
-if from >= 3 or to <= from then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-""" + STATUS_EVENT_LUA.format(key="KEYS[7]", maxlen="ARGV[5]", status="ARGV[1]") + """
-if from == 0 then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
-if to < 3 then redis.call('ZADD', KEYS[8], ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
-if to == 3 then
-  redis.call('ZREM', KEYS[8], redis.call('HGET', KEYS[1], 'id'))
-  redis.call('HSET', KEYS[1], 'completed_at', ARGV[3])
-  redis.call('DECR', KEYS[2])
-  redis.call('DECR', KEYS[3])
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-  -- Wakes a waiter (POST /generate, GET /v1/jobs/{id}?wait=) without polling.
-  """ + wakeups.PUSH_LUA.format(key="KEYS[4]", value="ARGV[1]") + """
-  redis.call('DEL', KEYS[5], KEYS[6])
-  redis.call('EXPIRE', KEYS[7], tonumber(ARGV[4]))
-  if ARGV[6] == '1' or """ + OWN_WEBHOOK_LUA.format(key="KEYS[1]") + """ then
-    redis.call('ZADD', KEYS[9], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id'))
-  end
-  local batch = redis.call('HGET', KEYS[1], 'batch_id')
-  if batch and batch ~= '' then redis.call('ZADD', KEYS[10], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
-end
-return 1
-"""
-
-# KEYS: job, owner index, owner active counter, total active counter, prompt, events, unfinished index.
-# ARGV: per-owner cap, total cap, created_at, the prompt ("" for none), its ttl, events maxlen, then
-# the job's field/value pairs. The job's event stream starts with its ``queued`` event.
-_CREATE = """
-if tonumber(redis.call('GET', KEYS[3]) or '0') >= tonumber(ARGV[1]) then return -1 end
-if tonumber(redis.call('GET', KEYS[4]) or '0') >= tonumber(ARGV[2]) then return -2 end
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-""" + STATUS_EVENT_LUA.format(key="KEYS[6]", maxlen="ARGV[6]", status="'queued'") + """
-redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
-redis.call('ZADD', KEYS[2], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
-redis.call('ZADD', KEYS[7], ARGV[3], redis.call('HGET', KEYS[1], 'id'))
-redis.call('INCR', KEYS[3])
-redis.call('INCR', KEYS[4])
-if ARGV[4] ~= '' then redis.call('SET', KEYS[5], ARGV[4], 'EX', tonumber(ARGV[5])) end
-if ARGV[7] == '1' then redis.call('SET', KEYS[8], 1, 'EX', tonumber(ARGV[5])) end
-return 1
-"""
-
-# KEYS: preprocess run counter. ARGV: ttl. Returns the new run's number.
-_CLAIM_PREPROCESSING = """
-local run = redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-return run
-"""
-
-# KEYS: job, prompt, preprocess run counter. ARGV: the run's number, the prompt, ttl, '1' when the job
-# may be generating (its handles are made again). Returns 1 when saved; 0 when the job moved on
-# (ended, or generating from another run's prompt); FENCED when a newer run began.
-_SAVE_PROMPT = fence_lua(key="KEYS[3]", number="ARGV[1]") + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'failed' or status == 'cancelled' then return 0 end
-if status == 'generating' and ARGV[4] ~= '1' then return 0 end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', tonumber(ARGV[3]))
-return 1
-"""
-
 
 class QueueFullError(RateLimitedError):
     code = "queue_full"
@@ -172,32 +78,17 @@ class JobStore:
         self.limits = limits
         self.hooked_owners = hooked_owners
         self.wait_any_wakeup = wait_any or wakeups.waiting_on(client)
-        self._create = client.register_script(_CREATE)
-        self._transition = client.register_script(_TRANSITION)
-        self._ended_places = client.register_script(_ENDED)
-        self._claim_preprocessing = client.register_script(_CLAIM_PREPROCESSING)
-        self._save_prompt = client.register_script(_SAVE_PROMPT)
+        self._create = client.register_script(scripts.CREATE)
+        self._transition = client.register_script(scripts.TRANSITION)
+        self._ended_places = client.register_script(scripts.ENDED)
+        self._claim_preprocessing = client.register_script(scripts.CLAIM_PREPROCESSING)
+        self._save_prompt = client.register_script(scripts.SAVE_PROMPT)
 
-    @staticmethod
-    def key(job_id: str) -> str:
-        return f"rq:job:{job_id}"
-
-    @staticmethod
-    def prompt_key(job_id: str) -> str:
-        """Where the finalized prompt waits for the GPU worker (``save_prompt``, ``prompts``)."""
-        return f"rq:job:{job_id}:prompt"
-
-    @staticmethod
-    def cancel_key(job_id: str) -> str:
-        return f"rq:job:{job_id}:cancel"
-
-    @staticmethod
-    def done_key(job_id: str) -> str:
-        return f"rq:job:{job_id}:done"
-
-    @staticmethod
-    def _active_key(owner: str) -> str:
-        return f"rq:active:{owner}"
+    key = staticmethod(keys.job_key)
+    prompt_key = staticmethod(keys.prompt_key)
+    cancel_key = staticmethod(keys.cancel_key)
+    done_key = staticmethod(keys.done_key)
+    _active_key = staticmethod(keys.active_key)
 
     def create(self, *, owner: str, kind: str, request: dict[str, Any], request_id: str | None,
                webhook: dict | None = None, metadata: dict | None = None,
@@ -211,8 +102,8 @@ class JobStore:
 
     def add(self, new: NewJob) -> dict[str, Any]:
         """``create`` of a :class:`NewJob`."""
-        keys, args, encoded = self._create_call(new)
-        return self._created(self._create(keys=keys, args=args), encoded)
+        names, args, encoded = self._create_call(new)
+        return self._created(self._create(keys=names, args=args), encoded)
 
     def create_many(self, jobs: list[NewJob]) -> list[dict[str, Any] | QueueFullError]:
         """``create`` for many jobs in one round trip: each one's record, or the QueueFullError it
@@ -240,9 +131,9 @@ class JobStore:
                            self.limits.result_ttl, self.limits.events_maxlen, "1" if new.watched else "0"]
         for pair in encoded.items():
             args += pair
-        keys = [self.key(job_id), f"rq:jobs:{new.owner}", self._active_key(new.owner), TOTAL_ACTIVE_KEY,
-                self.prompt_key(job_id), events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
-        return keys, args, encoded
+        names = [self.key(job_id), keys.owner_index_key(new.owner), self._active_key(new.owner), TOTAL_ACTIVE_KEY,
+                 self.prompt_key(job_id), events_key(job_id), UNFINISHED_KEY, watch_key(job_id)]
+        return names, args, encoded
 
     def _created(self, outcome: int, encoded: dict[str, str]) -> dict[str, Any]:
         if outcome == -1:
@@ -294,8 +185,8 @@ class JobStore:
         known: it saves a round trip."""
         if owner is None:
             owner = (self.redis.hget(self.key(job_id), "owner") or b"").decode()
-        keys, args = self._transition_call(job_id, owner, status, fields, fence)
-        return self._transition(keys=keys, args=args) == 1
+        names, args = self._transition_call(job_id, owner, status, fields, fence)
+        return self._transition(keys=names, args=args) == 1
 
     def advance_many(self, jobs: list[tuple[str, str]], status: str) -> list[bool]:
         """``advance`` for many ``(job id, owner)`` pairs in one round trip."""
@@ -318,10 +209,10 @@ class JobStore:
                            "1" if owner in self.hooked_owners else "0", "" if fence is None else fence.number]
         for name, value in fields.items():
             args += [name, _encode(name, value)]
-        keys = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
+        names = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
                 self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY,
                 WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY, fence.key if fence else preprocess_key(job_id)]
-        return keys, args
+        return names, args
 
     def fail(self, job_id: str, error: RolloutError, *, fence: Fence | None = None) -> bool:
         # The code alone says the type (and its HTTP status): RolloutError.from_record.
@@ -397,9 +288,9 @@ class JobStore:
         """The owner's jobs, newest first. The cursor is the creation time of the last job seen.
         With a status, the jobs' statuses are read first and only the matching records loaded."""
         if status is None:
-            return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor, load=self.get_many,
+            return page_by_creation(self.redis, keys.owner_index_key(owner), limit=limit, cursor=cursor, load=self.get_many,
                                     keep=lambda job: True, filtered=False)
-        return page_by_creation(self.redis, f"rq:jobs:{owner}", limit=limit, cursor=cursor,
+        return page_by_creation(self.redis, keys.owner_index_key(owner), limit=limit, cursor=cursor,
                                 load=lambda ids: self._with_status(ids, status), keep=lambda job: job is not _OTHER)
 
     def _with_status(self, job_ids: list[str], status: str) -> list[dict[str, Any] | None]:

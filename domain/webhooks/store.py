@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from domain.infra.redis_records import decode_record
-from domain.jobs.store import WEBHOOK_OWED_KEY
+from domain.jobs.keys import WEBHOOK_OWED_KEY
 from domain.webhooks.attempts import Outcome
 from domain.webhooks.events import EVENT_TYPES, FAILED, PENDING, RETRYING, build_payload
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from marshmallow import ValidationError, fields, pre_load, validate
 
-from domain.batches.store import STATUSES
+from domain.batches.statuses import STATUSES
 from domain.webhooks import BATCH_EVENTS
 from web.api.long_poll import wait_field
 from web.api.schemas import JOB_KINDS, JobRequestSchema, ListQuerySchema

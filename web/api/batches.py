@@ -22,7 +22,7 @@ from flask.views import MethodView
 
 from domain.batches.creation import BatchIntake
 from domain.batches.messages import request_cancel
-from domain.batches.store import TERMINAL
+from domain.batches.statuses import TERMINAL
 from web.api.batch_schemas import (
     BatchListQuerySchema,
     BatchListSchema,

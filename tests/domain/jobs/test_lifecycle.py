@@ -11,7 +11,7 @@ import pytest
 
 from domain.batches.store import BatchStore
 from domain.jobs.attempts import FENCED, Fence
-from domain.jobs.store import WEBHOOK_OWED_KEY
+from domain.jobs.keys import WEBHOOK_OWED_KEY
 from domain.lifecycle import cancel_job, end_fenced, end_job, end_jobs, fail_job, fail_unexpected
 from domain.names import JOB_ENDED_TASK, WEBHOOKS_QUEUE
 from domain.settings import Settings

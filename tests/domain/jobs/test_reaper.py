@@ -10,10 +10,10 @@ import json
 import pytest
 
 from domain.infra.heartbeats import beat
+from domain.jobs.keys import UNFINISHED_KEY
 from domain.jobs.prompt_codec import text_prompt
 from domain.jobs.reaper import AFTER_DEATH_SWEEPS, AfterDeathReaper, JobReaper
 from domain.jobs.request import JobRequest
-from domain.jobs.store import UNFINISHED_KEY
 from domain.jobs.submission import submit_job
 from domain.names import (
     GENERATE_TASK,

@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from domain.infra.redis_records import StoredJSON
-from domain.jobs.store import TOTAL_ACTIVE_KEY, WEBHOOK_OWED_KEY, JobStore, QueueFullError, StoreLimits
+from domain.jobs.keys import TOTAL_ACTIVE_KEY, WEBHOOK_OWED_KEY
+from domain.jobs.store import JobStore, QueueFullError, StoreLimits
 from engine.errors import InternalError, NotFoundError
 from tests.conftest import empty_db_url
 from workers.gpu.jobs import poll_running

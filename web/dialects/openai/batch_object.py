@@ -15,7 +15,8 @@ from typing import Any
 
 from flask import request
 
-from domain.batches.store import STATUS_TIMESTAMPS, public_batch
+from domain.batches.statuses import STATUS_TIMESTAMPS
+from domain.batches.store import public_batch
 from web.dialects.common import served_model_name
 from web.dialects.openai.batch_lines import JOBS_URL
 
