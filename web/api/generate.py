@@ -11,7 +11,8 @@ from flask import jsonify
 from flask.views import MethodView
 
 from domain.jobs.view import public_job
-from web.api.idempotency import OPENAPI_PARAMETERS, answered_job, job_answer, once, replay_headers
+from web.api import idempotency
+from web.api.idempotency import answered_job, job_answer, once, replay_headers
 from web.api.schemas import JobSchema, SyncGenerateRequestSchema, SyncResultSchema
 from web.api.submit import confirm_created, submit
 from web.blueprint import Blueprint
@@ -26,11 +27,8 @@ class Generate(MethodView):
     @blp.arguments(SyncGenerateRequestSchema)
     @blp.response(200, SyncResultSchema)
     @blp.alt_response(202, schema=JobSchema, description="Still running after `timeout` seconds: poll the job")
-    @blp.doc(parameters=OPENAPI_PARAMETERS)
-    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
+    @idempotency.documented(blp)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
-    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
-                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="Invalid request, or the job failed on its input")
     @blp.alt_response(429, schema=None, description="Too many unfinished jobs")

@@ -12,7 +12,8 @@ from domain.jobs.store import TERMINAL, QueueFullError
 from domain.jobs.view import public_job
 from domain.lifecycle import cancel_job
 from engine.errors import NotFoundError
-from web.api.idempotency import OPENAPI_PARAMETERS, answered_job, job_answer, once, replay_headers
+from web.api import idempotency
+from web.api.idempotency import answered_job, job_answer, once, replay_headers
 from web.api.long_poll import long_wait
 from web.api.schemas import (
     BulkSubmitResultSchema,
@@ -40,11 +41,8 @@ ERRORS_SUBMIT = (401, 413, 422, 429, 503)
 class Jobs(MethodView):
     @blp.arguments(SubmitJobSchema)
     @blp.response(202, JobSchema, headers={"Location": {"description": "The job's URL", "schema": {"type": "string"}}})
-    @blp.doc(parameters=OPENAPI_PARAMETERS)
-    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
+    @idempotency.documented(blp)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
-    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
-                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="Invalid request")
     @blp.alt_response(429, schema=None, description="Too many unfinished jobs")
@@ -76,11 +74,8 @@ class BulkSubmit(MethodView):
     @blp.arguments(BulkSubmitSchema)
     @blp.response(202, BulkSubmitResultSchema, headers={"Retry-After": {
         "description": "When some requests were refused: seconds before sending them again", "schema": {"type": "string"}}})
-    @blp.doc(parameters=OPENAPI_PARAMETERS)
-    @blp.alt_response(400, schema=None, description="Malformed Idempotency-Key")
+    @idempotency.documented(blp)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")
-    @blp.alt_response(409, schema=None, description="The Idempotency-Key came with another body, or its first "
-                                                    "submit is still being made")
     @blp.alt_response(413, schema=None, description="Body too large")
     @blp.alt_response(422, schema=None, description="A request is invalid (its place named in errors): none was created")
     @blp.alt_response(429, schema=None, description="The queue caps refused every request")
