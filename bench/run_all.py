@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "latest.md"
 # In the order of bench/README.md's table: the service module carries the end-to-end, latency and bulk-scoring figures.
 MODULES = ("service", "http_service", "preprocess_cache", "media_cache", "transport", "generation_batching", "uniform_batches",
-           "sampling_mask",
+           "sampling_mask", "update_modes",
            "kv_memory", "rollout", "streaming", "message_take", "batch_submit", "weights", "durability",
            "argument_schemas", "message_publish", "chunk_jobs", "batch_intake", "arrivals", "responses", "prefix_reuse",
            "grpo_fleet", "stream_memory", "tenant_load")
