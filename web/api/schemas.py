@@ -13,7 +13,7 @@ from typing import Any
 from marshmallow import ValidationError, fields, pre_load, validate, validates_schema
 
 from engine.request_rules import prompt_input_problem, sampling_knob_problems
-from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from engine.sampling_params import LOGPROBS_MODES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 from web.api.long_poll import wait_field
 from web.schema_base import Schema
 
@@ -149,6 +149,11 @@ class SamplingParamsSchema(Schema):
     detokenize = StrictBoolean(load_default=True, metadata={"description": "Return each choice's text"})
     skip_special_tokens = StrictBoolean(load_default=True)
     spaces_between_special_tokens = StrictBoolean(load_default=True)
+    logprobs_mode = fields.String(validate=validate.OneOf(LOGPROBS_MODES), load_default="raw", metadata={
+        "description": "raw: logprobs of the model's distribution; processed: of the one each token was drawn "
+                       "from (after penalties, temperature, top-k/p, min-p)"})
+    sampling_mask = StrictBoolean(load_default=False, metadata={
+        "description": "Per token, the ids it could have been drawn from (choices[].sampling_mask, CSR)"})
     max_policy_lag = fields.Integer(strict=True, validate=validate.Range(0, 1_000_000), allow_none=True,
                                     load_default=None, metadata={
                                         "description": "Weight updates (mode keep) a row may live through; one "
@@ -244,7 +249,9 @@ class ChoiceSchema(Schema):
     top_logprobs = fields.List(TopLogprobs, allow_none=True, metadata={"description": "Per token (top_logprobs)"})
     weight_versions = fields.List(fields.Dict(), allow_none=True, metadata={
         "description": "[{version, start, end}]: the weights of token_ids[start:end]"})
-
+    sampling_mask = fields.Dict(allow_none=True, metadata={
+        "description": "sampling_params.sampling_mask: {token_ids, offsets}, token i drawn from "
+                       "token_ids[offsets[i]:offsets[i + 1]] (vLLM's SamplingMask)"})
     kv_recomputed = fields.Boolean(allow_none=True, metadata={
         "description": "null: crossed no update; else whether the new weights computed its earlier KV again"})
 

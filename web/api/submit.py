@@ -20,6 +20,7 @@ from engine.request_rules import (
     new_tokens_of,
     sampling_knob_problems,
 )
+from web.api.sampling_mask import check_sampling_mask
 from web.api.session_header import with_session
 from web.auth import current_owner
 from web.services import services
@@ -41,6 +42,7 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
     if problems := sampling_knob_problems(params):  # again, now that max_tokens has its default
         raise InvalidRequestError("invalid sampling parameters", errors={
             "sampling_params": {field: [problem] for field, problem in problems.items()}})
+    check_sampling_mask(params, svc.model_facts.vocab_size)
     check_placeholders_have_media(request, svc.model_facts.placeholder_token_ids)
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).
