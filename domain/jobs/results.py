@@ -50,6 +50,8 @@ class JobResult:
     # Per prompt token, given the tokens before it (None for the first), when asked.
     prompt_logprobs: list[float | None] | None
     prompt_top_logprobs: list[list[list] | None] | None
+    # [{modality, offset, length}]: each media item's placeholder run in prompt_token_ids.
+    placeholder_ranges: list[dict] = ()
 
     @classmethod
     def of(cls, job: dict[str, Any], *, n: int = 1) -> JobResult:
@@ -60,7 +62,8 @@ class JobResult:
                    choices=choices or [Choice.aborted(i) for i in range(n)],
                    prompt_tokens=usage.get("prompt_tokens", 0), completion_tokens=usage.get("completion_tokens", 0),
                    weight_version=stored.get("weight_version"), cached_tokens=stored.get("cached_tokens") or 0,
-                   prompt_logprobs=stored.get("prompt_logprobs"), prompt_top_logprobs=stored.get("prompt_top_logprobs"))
+                   prompt_logprobs=stored.get("prompt_logprobs"), prompt_top_logprobs=stored.get("prompt_top_logprobs"),
+                   placeholder_ranges=stored.get("placeholder_ranges") or [])
 
     def choice(self, index: int) -> Choice | None:
         return next((c for c in self.choices if c.index == index), None)

@@ -35,7 +35,19 @@ def sampling_fields() -> dict[str, fields.Field]:
         "prompt_logprobs": fields.Integer(strict=True, validate=validate.Range(0, 20)),
         "max_policy_lag": fields.Integer(strict=True, allow_none=True,
                                          metadata={"description": "ours: weight updates a row may cross"}),
+        # vLLM sets these two server-wide (--logprobs-mode, --return-sampling-mask: its PR #49577);
+        # here a request sets them, under the same names.
+        "logprobs_mode": fields.String(validate=validate.OneOf(
+            list(LOGPROBS_MODES), error="one of raw_logprobs, processed_logprobs (the *_logits modes are not served)")),
+        "return_sampling_mask": StrictBoolean(metadata={
+            "description": "Per token, the ids it could have been drawn from (choices[].sampling_mask)"}),
     }
+
+
+# vLLM's --logprobs-mode values served here -> ours.
+LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
+# Our sampling_params names for vLLM's, where they differ (error messages name what was sent).
+RENAMED = {"sampling_mask": "return_sampling_mask"}
 
 
 def top_k_of(top_k: int, vocab_size: int | None) -> int:
@@ -54,4 +66,8 @@ def native_sampling(body: dict[str, Any], vocab_size: int | None) -> dict[str, A
         out["top_k"] = top_k_of(body["top_k"], vocab_size)
     if "max_tokens" in body:
         out["max_tokens"] = body["max_tokens"]
+    if "logprobs_mode" in body:
+        out["logprobs_mode"] = LOGPROBS_MODES[body["logprobs_mode"]]
+    if "return_sampling_mask" in body:
+        out["sampling_mask"] = body["return_sampling_mask"]
     return out

@@ -23,6 +23,7 @@ from web.dialects.common import (
     vocab_size,
 )
 from web.dialects.openai.request import check_model, native_params, speller, stop_reason
+from web.dialects.sampling import RENAMED
 from web.services import services
 
 
@@ -86,7 +87,7 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
     if prompt.parts:
         native["content_parts"] = prompt.parts
     carry_request_fields(body, native)
-    names = {f"sampling_params.{n}": n for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
+    names = {f"sampling_params.{n}": RENAMED.get(n, n) for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
                                                             "content_parts": "messages", "token_ids": "messages"}
     return native_request(native, names, vocab_size=vocab_size(), tokenized=True)
 
@@ -159,6 +160,8 @@ def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> 
                  "finish_reason": choice.finish_reason, "stop_reason": stop_reason(choice)}
         if body.get("return_token_ids"):
             entry["token_ids"] = choice.token_ids
+        if request["sampling_params"].get("sampling_mask"):  # return_sampling_mask: vLLM's CSR
+            entry["sampling_mask"] = choice.sampling_mask
         choices.append(entry)
     reply = {"id": "chatcmpl-" + job["id"].removeprefix("job_"), "object": "chat.completion", "created": created,
              "model": served_model_name(), "choices": choices,

@@ -26,6 +26,7 @@ from web.dialects.openai.request import (
     speller,
     stop_reason,
 )
+from web.dialects.sampling import RENAMED
 
 
 def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,7 +47,7 @@ def completion_requests(body: dict[str, Any]) -> list[dict[str, Any]]:
         if body.get("echo") and k is not None:
             params.setdefault("prompt_logprobs", k)
         native = carry_request_fields(body, {"token_ids": ids, "sampling_params": params})
-        names = {f"sampling_params.{n}": n for n in params} | FIELD_NAMES
+        names = {f"sampling_params.{n}": RENAMED.get(n, n) for n in params} | FIELD_NAMES
         if batch:
             names["token_ids"] = f"prompt[{i}]"
         requests.append(native_request(native, names, vocab_size=vocab_size(), tokenized=ids is not prompt))
@@ -75,6 +76,8 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
                 entry.update(prompt_token_ids=prompt_ids, token_ids=choice.token_ids)
             if body.get("prompt_logprobs") is not None:  # vLLM's extra, per choice in its completion reply
                 entry["prompt_logprobs"] = prompt_logprobs_of(result, texts)
+            if request["sampling_params"].get("sampling_mask"):  # return_sampling_mask: vLLM's CSR
+                entry["sampling_mask"] = choice.sampling_mask
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
             "model": served_model_name(), "choices": choices, "usage": usage(*results),

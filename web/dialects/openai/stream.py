@@ -15,6 +15,7 @@ the non-streamed reply and the job's result, not in stream chunks.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from typing import Any
@@ -28,6 +29,7 @@ from web.dialects import openai
 from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
 from web.dialects.vllm import request as vllm
+from web.services import services
 
 
 def _error(error: RolloutError) -> bytes:
@@ -92,6 +94,14 @@ class _OpenAIChunks:
         choice = JobResult.of(job, n=0).choice(index)
         return openai.stop_reason(choice) if choice else None
 
+    def _ended(self, entry: dict, job: dict, delta: ChoiceDelta) -> dict:
+        """A choice's last chunk: its finish and, with return_sampling_mask, its whole mask."""
+        entry.update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
+        if self.requests[list(self._base).index(job["id"])]["sampling_params"].get("sampling_mask"):
+            choice = JobResult.of(job, n=0).choice(delta.index)
+            entry["sampling_mask"] = choice.sampling_mask if choice else None
+        return entry
+
 
 class CompletionChunks(_OpenAIChunks):
     object_name = "text_completion"
@@ -111,9 +121,7 @@ class CompletionChunks(_OpenAIChunks):
         return [self._chunk([self._choice(job["id"], delta)])]
 
     def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
-        entry = self._choice(job["id"], delta)
-        entry.update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
-        return self._chunk([entry])
+        return self._chunk([self._ended(self._choice(job["id"], delta), job, delta)])
 
 
 class ChatChunks(_OpenAIChunks):
@@ -143,18 +151,21 @@ class ChatChunks(_OpenAIChunks):
 
     def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
         entries = self._choices(job["id"], delta, {"content": delta.text} if delta.text else {})
-        entries[-1].update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
+        self._ended(entries[-1], job, delta)
         return b"".join(self._chunk([entry]) for entry in entries)
 
 
 class GenerateChunks:
     """vLLM's ``/inference/v1/generate``: token-id deltas per chunk; the last one per job carries
-    the finish reasons, usage and weight version."""
+    the finish reasons, usage, weight version and each choice's whole ``sampling_mask``; with
+    ``return_token_ids`` the first one carries ``prompt_token_ids`` and ``mm_placeholders`` (as vLLM's)."""
 
     def __init__(self, body: dict[str, Any], request: dict):
         self.body = body
         self.request = request
         self.k = body["sampling_params"].get("logprobs")
+        self._prompt_sent = not body.get("return_token_ids")
+        self._jobs = services().jobs  # built in the request; its chunks are made outside its context
 
     def bind(self, jobs: list[dict]) -> None:
         pass
@@ -166,19 +177,38 @@ class GenerateChunks:
         return {"index": delta.index, "token_ids": delta.token_ids, "finish_reason": delta.finish_reason,
                 "logprobs": logprobs}
 
+    def _prompt(self, chunk: dict, job: dict) -> dict:
+        """The first chunk's prompt fields: from the result once the job ended, else from the
+        finalized prompt the GPU worker is running (stored until the job ends)."""
+        if self._prompt_sent:
+            return chunk
+        self._prompt_sent = True
+        stored = job.get("result")
+        if not stored:
+            (raw,) = self._jobs.prompts([job["id"]])
+            stored = json.loads(raw) if raw else {"token_ids": self.request.get("token_ids") or []}
+        chunk["prompt_token_ids"] = stored.get("prompt_token_ids", stored.get("token_ids"))
+        chunk["mm_placeholders"] = vllm.mm_placeholders(stored.get("placeholder_ranges") or [])
+        return chunk
+
     def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
         delta.finish_reason = None
-        return [sse({"request_id": self.body.get("request_id") or job["id"], "choices": [self._choice(delta)],
-                     "job_id": job["id"]})]
+        return [sse(self._prompt({"request_id": self.body.get("request_id") or job["id"],
+                                  "choices": [self._choice(delta)], "job_id": job["id"]}, job))]
 
     def done(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
         result = JobResult.of(job)
         if not finals:
             finals = [ChoiceDelta(job["id"], i, finish_reason="abort")
                       for i in range(self.request["sampling_params"]["n"])]
-        return [sse({"request_id": self.body.get("request_id") or job["id"],
-                     "choices": [self._choice(delta) for delta in finals],
-                     "usage": usage(result), "job_id": job["id"], "weight_version": result.weight_version})]
+        choices = []
+        for delta in finals:
+            entry, ended = self._choice(delta), result.choice(delta.index)
+            entry["sampling_mask"] = ended.sampling_mask if ended else None  # the whole choice's, on its end
+            choices.append(entry)
+        return [sse(self._prompt({"request_id": self.body.get("request_id") or job["id"], "choices": choices,
+                                  "usage": usage(result), "job_id": job["id"],
+                                  "weight_version": result.weight_version}, job))]
 
     def end(self, jobs: list[dict]) -> list[bytes]:
         return []

@@ -22,6 +22,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
+from engine.sampling_params import LOGPROBS_MODES
 from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
@@ -32,7 +33,7 @@ _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
             "no_stop_trim": "include_stop_str_in_output", "sampling_seed": "seed"}
 _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
          "spaces_between_special_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "n",
-         "max_policy_lag")
+         "max_policy_lag", "logprobs_mode")
 # SGLang knobs we cannot honour: accepted only at their defaults.
 _UNSUPPORTED_SAMPLING = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
                          "stop_regex": (None,), "logit_bias": (None, {}), "custom_params": (None, {})}
@@ -62,6 +63,8 @@ class SglangSamplingParamsSchema(NullMeansDefault):
     n = fields.Integer(strict=True)
     sampling_seed = fields.Integer(strict=True)
     max_policy_lag = fields.Integer(strict=True, metadata={"description": "ours: weight updates a row may cross"})
+    logprobs_mode = fields.String(validate=validate.OneOf(LOGPROBS_MODES), metadata={
+        "description": "ours: raw (default) or processed (the distribution each token was drawn from)"})
     json_schema = fields.Raw()
     regex = fields.Raw()
     ebnf = fields.Raw()
@@ -90,6 +93,8 @@ class SglangGenerateSchema(NullMeansDefault):
     return_logprob = OneOrMany(StrictBoolean())
     logprob_start_len = OneOrMany(fields.Integer(strict=True, validate=validate.Range(-1, 10**7)))
     top_logprobs_num = OneOrMany(fields.Integer(strict=True, validate=validate.Range(0, 20)))
+    return_sampling_mask = OneOrMany(StrictBoolean(), metadata={
+        "description": "meta_info.output_token_sampling_mask: per output token, the ids it could have been drawn from"})
     return_text_in_logprobs = StrictBoolean()
     stream = StrictBoolean(metadata={"description": "true: Server-Sent Events, cumulative chunks as SGLang sends "
                                                     "them, then data: [DONE]"})
@@ -129,7 +134,8 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
     if size == 0:
         raise InvalidRequestError("an empty batch", errors={"text" if key == "prompt" else "input_ids": ["empty"]})
     per = {name: _per_item(body, name, size, batch) for name in
-           ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")}
+           ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
+            "return_sampling_mask")}
     media = {name: _media_per_item(body.get(name), name, size, batch) for name, _ in _MEDIA}
     requests, options = [], []
     for i, prompt in enumerate(prompts):
@@ -137,6 +143,8 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
         params = _sampling(per["sampling_params"][i] or {}, vocab_size)
         logprobs = bool(per["return_logprob"][i])
         params["logprobs"] = logprobs
+        if per["return_sampling_mask"][i]:
+            params["sampling_mask"] = True
         top = per["top_logprobs_num"][i] or 0
         start = per["logprob_start_len"][i]
         if logprobs:
@@ -154,6 +162,7 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
                  "sampling_params.min_tokens": "sampling_params.min_new_tokens",
                  "sampling_params.include_stop_str_in_output": "sampling_params.no_stop_trim",
                  "sampling_params.seed": "sampling_params.sampling_seed", "token_ids": "input_ids",
+                 "sampling_params.sampling_mask": "return_sampling_mask",
                  "prompt": "text", "request_id": "rid", "content_parts": "image_data"}
         requests.append(native_request(native, {k: _indexed(v, where) for k, v in names.items()}, vocab_size=vocab_size))
         options.append({"logprob_start_len": start, "top_logprobs_num": top})
@@ -246,8 +255,19 @@ def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
         }
         if params["logprobs"]:
             meta.update(_logprobs(choice, result, prompt_ids, options, texts))
+        if params.get("sampling_mask"):
+            meta["output_token_sampling_mask"] = sampling_mask_rows(choice.sampling_mask)
         out.append({"text": choice.text or "", "output_ids": choice.token_ids, "meta_info": meta})
     return out
+
+
+def sampling_mask_rows(mask: dict | None) -> list[list[int]]:
+    """SGLang's ``output_token_sampling_mask`` (a list of ids per output token) from the engine's
+    CSR ``{token_ids, offsets}`` (``engine.choice.Choice.sampling_mask``)."""
+    if not mask:
+        return []
+    ids, offsets = mask["token_ids"], mask["offsets"]
+    return [ids[start:end] for start, end in zip(offsets, offsets[1:], strict=False)]
 
 
 def _finish_reason(choice: Choice, job: dict) -> dict:

@@ -35,7 +35,7 @@ from web.dialects.common import (
 )
 from web.dialects.fields import NullMeansDefault, StreamOptionsSchema, refuse_non_default
 from web.dialects.openai.request import check_model
-from web.dialects.sampling import SAME, native_sampling, sampling_fields
+from web.dialects.sampling import RENAMED, SAME, native_sampling, sampling_fields
 
 _UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
                 "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),
@@ -107,6 +107,8 @@ class GenerateRequestSchema(NullMeansDefault):
     stream_options = fields.Nested(StreamOptionsSchema)
     cache_salt = fields.String(validate=validate.Length(1, 256), metadata={
         "description": "KV blocks are reused only between requests of the same key and the same salt"})
+    return_token_ids = StrictBoolean(metadata={
+        "description": "The reply's prompt_token_ids and mm_placeholders, also on the first streamed chunk"})
     priority = fields.Integer(strict=True)
     kv_transfer_params = fields.Raw()
 
@@ -131,7 +133,7 @@ def generate_request(body: dict[str, Any]) -> dict[str, Any]:
     if parts:
         native["content_parts"] = parts
     carry_request_fields(body, native)
-    names = {f"sampling_params.{n}": f"sampling_params.{n}" for n in params}
+    names = {f"sampling_params.{n}": f"sampling_params.{RENAMED.get(n, n)}" for n in params}
     names["sampling_params.top_logprobs"] = "sampling_params.logprobs"
     return native_request(native, names, vocab_size=vocab_size())
 
@@ -142,14 +144,24 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
     texts = TokenTexts() if result.prompt_logprobs is not None else None
     choices = [{"index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
                 "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None,
-                "weight_versions": choice.weight_versions or []}  # [{version, start, end}] over token_ids
+                "weight_versions": choice.weight_versions or [],  # [{version, start, end}] over token_ids
+                "sampling_mask": choice.sampling_mask}  # vLLM's {token_ids, offsets}; null unless asked
                for choice in result.choices]
     # prompt_token_ids: the ids the model consumed (media pads expanded), as vLLM's newer
     # token-in-token-out reply carries them: a trainer that sent one collapsed pad per item learns the real ids.
     return {"request_id": body.get("request_id") or job["id"], "choices": choices,
-            "prompt_token_ids": result.prompt_token_ids,
+            "prompt_token_ids": result.prompt_token_ids, "mm_placeholders": mm_placeholders(result.placeholder_ranges),
             "prompt_logprobs": prompt_logprobs_of(result, texts), "usage": usage(result),
             "job_id": job["id"], "weight_version": result.weight_version}
+
+
+def mm_placeholders(ranges: list[dict]) -> dict[str, list[dict]]:
+    """vLLM's ``mm_placeholders`` (per modality, each item's run of placeholder tokens in
+    ``prompt_token_ids``) from a result's or stored prompt's ``placeholder_ranges``."""
+    out: dict[str, list[dict]] = {}
+    for r in ranges or ():
+        out.setdefault(r["modality"], []).append({"offset": r["offset"], "length": r["length"]})
+    return out
 
 
 def token_logprobs(choice: Choice, k: int) -> list[dict]:
