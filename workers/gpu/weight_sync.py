@@ -6,8 +6,9 @@ The batch loop uses :class:`WeightSync` in two places, and nothing else changes:
   the weights this worker serves, it loads them first (in the batch thread, between batches, so no
   batch ever sees half-copied weights); ``may_serve`` is False while the worker must not generate
   (the target failed to load here, or generation is paused): the batch then hands its messages back
-  to the queue. A swap never lands inside a batch: the watcher loads only while no batch holds the
-  lock, and results read ``weight_version`` inside it.
+  to the queue (unless it holds rows for mode ``keep``: they wait for the pause's end). A swap never
+  lands inside a stretch of decode steps: the watcher loads only while no stretch holds the lock,
+  and each row records the version of every token it makes (engine/row_versions.py).
 - between decode steps, :meth:`WeightSync.interruption` says whether rows in flight must stop now
   (``"abort"`` or ``"retract"``) for a pending update or a pause; ``None`` lets them finish, unless
   :attr:`WeightSync.holds_rows` (mode ``keep``, or a pause in mode ``keep`` / ``in_place``): the

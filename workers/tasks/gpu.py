@@ -15,8 +15,9 @@ the threads pool cannot interrupt a thread anyway), so every job keeps its own d
 Weight updates (workers/gpu/weight_sync.py, driven by the session): a pending target stops new rows
 from joining; in mode ``finish`` the running rows end on the old weights, in ``abort`` they end
 now with ``finish_reason: "abort"`` and their tokens so far, in ``retract`` their jobs go back to
-the queue to run again from the prompt on the new weights. The batch then loads the target and
-goes on; a worker that may not serve (paused, or the target failed to load here) hands its
+the queue to run again from the prompt on the new weights, in ``keep`` they hold still between two
+steps and go on under the new weights (``Scheduler.weights_changed``). The batch then loads the
+target and goes on; a worker that may not serve (paused, or the target failed to load here) hands its
 messages back to the queue.
 """
 
