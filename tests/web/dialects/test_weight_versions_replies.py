@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from domain.jobs.follow import ChoiceDelta, TokenLedger
 from tests.web.conftest import auth
+from web.dialects.openai.stream import GenerateChunks
 from web.dialects.sglang.request import job_replies
 from web.dialects.vllm.request import generate_reply
 
@@ -61,3 +63,13 @@ def test_vllm_generate_choices_carry_the_spans():
     [choice] = reply["choices"]
     assert choice["weight_versions"] == SPANS and choice["finish_reason"] == "policy_lag"
     assert reply["weight_version"] == "v2"
+
+
+def test_vllm_generate_streams_the_spans_on_the_final_chunk(make_app):
+    import json
+
+    with make_app().test_request_context():
+        chunks = GenerateChunks({"sampling_params": {}}, {"sampling_params": {"n": 1}})
+        [final] = chunks.done(_job(), [ChoiceDelta("job_x", 0, finish_reason="length")], TokenLedger())
+    [choice] = json.loads(final.decode().removeprefix("data: "))["choices"]
+    assert choice["weight_versions"] == SPANS

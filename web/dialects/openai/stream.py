@@ -157,7 +157,8 @@ class ChatChunks(_OpenAIChunks):
 
 class GenerateChunks:
     """vLLM's ``/inference/v1/generate``: token-id deltas per chunk; the last one per job carries
-    the finish reasons, usage, weight version and each choice's whole ``sampling_mask``; with
+    the finish reasons, usage, weight version and each choice's whole ``sampling_mask`` and
+    ``weight_versions``; with
     ``return_token_ids`` the first one carries ``prompt_token_ids`` and ``mm_placeholders`` (as vLLM's)."""
 
     def __init__(self, body: dict[str, Any], request: dict):
@@ -205,6 +206,7 @@ class GenerateChunks:
         for delta in finals:
             entry, ended = self._choice(delta), result.choice(delta.index)
             entry["sampling_mask"] = ended.sampling_mask if ended else None  # the whole choice's, on its end
+            entry["weight_versions"] = (ended.weight_versions or []) if ended else []  # as vLLM: on the final chunk
             choices.append(entry)
         return [sse(self._prompt({"request_id": self.body.get("request_id") or job["id"], "choices": choices,
                                   "usage": usage(result), "job_id": job["id"],
