@@ -5,8 +5,9 @@ and every request goes on from where it was under the new weights.
 - A running row keeps its KV blocks: its prompt and earlier tokens stay as the old weights computed
   them, and its next tokens are the new weights' forward attending to that cache, unless the caller
   asked ``recompute_kv``: then its whole sequence so far is prefilled again by the new weights
-  (SGLang's retract, without the wait in a queue), and its continuation is the new weights' forward
-  over the whole sequence. Its decoder records the version from its next token on
+  (SGLang's retract, without the wait in a queue; a request's rows share its prompt's new blocks
+  as they shared the old, so it takes no more of the pool than admission counted), and its
+  continuation is the new weights' forward over the whole sequence. Its decoder records the version from its next token on
   (:mod:`engine.row_versions`).
 - A row whose request bounds its staleness (``max_policy_lag``) and would cross one update more
   ends here, ``finish_reason`` "policy_lag", before any token of the new weights.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from engine.prefill_plan import reusable_blocks
 from engine.prefix_cache import PrefixCache
 from engine.running_batch import RunningBatch
 from engine.scheduled_requests import Job
@@ -60,20 +62,35 @@ def cross_swap(version: str, jobs: Iterable[Job], batch: RunningBatch, prefill: 
 
 
 def _recompute(batch: RunningBatch, runner: StepRunner, fail: Callable[[Job, BaseException], None]) -> None:
-    """Every running row's KV computed again by the weights serving now: its prompt and the tokens
-    it holds in the cache (all but the one it feeds next), prefilled in one forward into new blocks."""
-    inputs = [PromptInput([*job.request.prompt_token_ids, *row.token_ids][:length], job.features, job.units)
-              for row, job, length in zip(batch.rows, batch.jobs, batch.lengths, strict=True)]
+    """Every running row's KV computed again by the weights serving now, into new blocks: each
+    request's prompt once (one forward for all), then each row's tokens in the cache after its
+    prompt's full blocks, which its rows share as they did (a second forward); the token a row
+    feeds next is not in its cache."""
+    pool, size = batch.pool, batch.pool.block_size
+    jobs = list({id(job): job for job in batch.jobs}.values())
     for i, table in enumerate(batch.tables):
-        batch.pool.release(table)
+        pool.release(table)
         batch.tables[i] = []
+    prompts = []
     try:
-        prompts = runner.prefill(inputs)
+        prompts = runner.prefill([PromptInput(job.request.prompt_token_ids, job.features, job.units) for job in jobs])
+        by_job = {id(job): prompt for job, prompt in zip(jobs, prompts, strict=True)}
+        inputs = []
+        for row, job, length in zip(batch.rows, batch.jobs, batch.lengths, strict=True):
+            shared = reusable_blocks(job.prompt_len // size, size, length, [unit.span for unit in job.units])
+            prefix = by_job[id(job)].kv.blocks[:shared]
+            pool.share(prefix)  # the row's prefill takes this reference over
+            inputs.append(PromptInput([*job.request.prompt_token_ids, *row.token_ids][:length], job.features,
+                                      job.units, prefix, shared * size))
+        rows = runner.prefill(inputs)
     except Exception as error:  # their KV is gone: the requests end with the error
-        for job in {id(job): job for job in batch.jobs}.values():
+        for job in jobs:
             fail(job, error)
         batch.drop_finished()
         return
-    for i, prompt in enumerate(prompts):
+    finally:
+        for prompt in prompts:
+            prompt.kv.release()
+    for i, prompt in enumerate(rows):
         batch.tables[i], prompt.kv.blocks = prompt.kv.blocks, []  # the row takes the prompt's reference
         batch.rows[i].versions.recomputed += 1

@@ -57,7 +57,9 @@ def test_a_kept_row_continues_on_the_new_weights_and_its_spans_name_them(demo_mo
     old, new = models
     engine = Engine(load_model(str(demo_model_dir), device="cpu"))
     first = engine.weight_version
-    prompt = prompts.text("The quick brown fox jumps")
+    # Longer than a KV block: recompute_kv prefills the prompt, then the row after its full blocks.
+    prompt = prompts.text("The quick brown fox jumps over the lazy dog, " * 4)
+    assert len(prompt) > engine.kv_pool.block_size
     result = _run_across(engine, new_weights_dir, _request(prompt), recompute_kv=recompute_kv)
 
     [choice] = result.choices

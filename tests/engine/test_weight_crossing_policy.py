@@ -32,18 +32,21 @@ def test_a_kept_row_goes_on_and_its_spans_split_where_the_swap_landed():
     assert sched.pool.in_use == 0
 
 
-def test_recompute_kv_prefills_each_kept_rows_held_sequence_once_more():
+def test_recompute_kv_prefills_each_prompt_once_then_each_kept_rows_tokens_after_its_shared_blocks():
     sched = scheduler()
-    sched.submit(request([1, 2, 3], max_tokens=8, n=2), tag="a")
+    sched.submit(request(range(9), max_tokens=8, n=2), tag="a")
     _steps(sched, 3)
+    held = sched.pool.in_use
     sched.runner.calls.clear()
     _swap(sched)
     sched.weights_changed(recompute_kv=True)
-    # prompt (3) + the two tokens in the cache (the third is fed next), each row from its start
-    assert sched.runner.calls == [("prefill", [(5, 0), (5, 0)])]
+    # The prompt (9), then each row's prompt + the two tokens in its cache (the third is fed next)
+    # after the prompt's two full blocks of 4, which both rows share again.
+    assert sched.runner.calls == [("prefill", [(9, 0)]), ("prefill", [(11, 8), (11, 8)])]
+    assert sched.pool.in_use == held
     result = run_to_end(sched)["a"].result
     assert [c.kv_recomputed for c in result.choices] == [True, True]
-    assert all(c.token_ids == list(range(4, 12)) for c in result.choices)
+    assert all(c.token_ids == list(range(9, 17)) for c in result.choices)
     assert sched.pool.in_use == 0
 
 
