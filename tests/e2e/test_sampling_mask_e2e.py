@@ -89,6 +89,17 @@ def test_streams_end_with_the_mask(stack, base):
     assert chunks[-1]["meta_info"]["output_token_sampling_mask"] == _rows(native["sampling_mask"])
 
 
+def test_openai_completions_carry_the_mask(stack, base):
+    native = _native(stack, {**TOP_K, "sampling_mask": True})
+    model = requests.get(f"{base}/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, **TOP_K, "return_sampling_mask": True}
+    plain = requests.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+    assert plain["choices"][0]["sampling_mask"] == native["sampling_mask"]
+    chunks = [c for c in _stream(base, "/v1/completions", body) if c["choices"]]
+    assert chunks[-1]["choices"][0]["sampling_mask"] == native["sampling_mask"]
+    assert all("sampling_mask" not in c["choices"][0] for c in chunks[:-1])
+
+
 def test_vllm_reply_names_the_media_runs_it_expanded(base):
     render = requests.post(f"{base}/v1/chat/completions/render", headers=AUTH, timeout=120, json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_data_url()}},
