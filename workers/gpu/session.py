@@ -28,6 +28,9 @@ TTL has its messages run elsewhere meanwhile; when it wakes, its next write or i
 attempt counters are read with the cancel flags) finds its attempt superseded, and the session
 aborts those rows in the scheduler and drops them: nothing written, its prompt left to the newer
 attempt, its message settled. A message of a job this session already runs joins that run.
+
+Weight updates in mode keep: the stretch ends with its rows still in the scheduler, the next loads
+the target, and the rows go on under it (``_follow_swap``); a keep pause holds them still meanwhile.
 """
 
 from __future__ import annotations
