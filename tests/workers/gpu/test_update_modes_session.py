@@ -211,3 +211,35 @@ def test_a_pause_in_mode_keep_holds_rows_still_until_it_ends(rt, models):
     assert choice["weight_versions"] == [{"version": before, "start": 0, "end": TOKENS}]
     assert choice["logprobs"] == pytest.approx(
         teacher_forced(models[Served.path], PROMPT, choice["token_ids"]), abs=ATOL)
+
+
+def test_an_update_during_an_in_place_pause_is_taken_in_mode_keep(rt, models):
+    """SGLang's refit: pause_generation in_place, update_weights_from_disk (mode finish), then
+    continue_generation: the held rows go on under the new weights from where they were."""
+    before, old = rt.engine.weight_version, Served.path
+    new = "seed-2" if old == "seed-1" else "seed-1"
+    version = f"in-place-{time.monotonic_ns()}"
+
+    def refit():
+        rt.weight_store.pause("in_place")
+        _wait(lambda: rt.weight_sync.holds_rows)
+        rt.weight_store.set_target(version=version, model_path=new, mode="finish")
+
+        def resume():
+            _wait(lambda: rt.engine.weight_version == version)
+            rt.weight_store.resume()
+        threading.Thread(target=resume, daemon=True).start()
+
+    job_id = _submit(rt)
+    batch = Batch([job_id], at=5, update=refit)
+    GenerateSession(rt, rt.engine, batch).run(batch.requests)
+    Served.path = new
+    result, choice = _choice(rt, job_id)
+    tokens = choice["token_ids"]
+    first, second = choice["weight_versions"]
+    at = first["end"]
+    assert first == {"version": before, "start": 0, "end": at} and 0 < at < TOKENS
+    assert second == {"version": version, "start": at, "end": TOKENS} and choice["kv_recomputed"] is False
+    expected = (teacher_forced(models[old], PROMPT, tokens)[:at]
+                + old_kv_then_new(models[old], models[new], PROMPT, tokens, at))
+    assert choice["logprobs"] == pytest.approx(expected, abs=ATOL)
