@@ -6,7 +6,9 @@ tokens equal those of a fresh stack started on those weights (greedy, so reprodu
 
 - finish: the rows in flight finish on the old weights;
 - abort: they end now with ``finish_reason: "abort"`` and a prefix of the old weights' tokens;
-- retract: they run again from the prompt and their whole result is the new weights'.
+- retract: they run again from the prompt and their whole result is the new weights';
+- keep: they go on under the new weights from where they were, their weight_versions spans split
+  where the update landed, the tokens before it the old weights' own.
 
 Plus: a bad directory changes nothing, a GPU worker killed during an update comes back on the
 target, and a Redis restart in the middle of an update loses neither the target nor a job.
@@ -161,6 +163,34 @@ def test_an_update_under_load(fleet, fresh_tokens, mode):
         assert stopped == in_batch >= 1 and report["num_paused_requests"] == stopped
     else:
         assert report["num_paused_requests"] >= 1  # rows were retracted, and ran again on new weights
+
+
+def test_an_update_in_mode_keep_under_load(fleet, fresh_tokens):
+    start = update(fleet, "step-2", "keep-old")
+    assert start["success"] and len(start["workers"]) == 2
+    in_flight = submit_all(fleet, LONG, HOOK_PATH)
+    wait_until(lambda: "generating" in statuses(fleet, in_flight), 60, "a batch decoding")
+
+    report = update(fleet, "step-1", "keep-new", "keep")
+    assert report["success"] and report["num_paused_requests"] >= 1  # the rows held for the swap
+    done = ended_once(fleet, in_flight)
+    assert all(job["status"] == "succeeded" for job in done), [(j["status"], j.get("error")) for j in done]
+    kept = 0
+    for job, old_tokens, new_tokens in zip(done, fresh_tokens["step-2"], fresh_tokens["step-1"], strict=True):
+        choice = job["result"]["choices"][0]
+        assert choice["finish_reason"] == "length" and job["result"]["weight_version"] == "keep-new"
+        spans = choice["weight_versions"]
+        if len(spans) == 1:  # still waiting for a batch at the update: wholly the new weights'
+            assert spans == [{"version": "keep-new", "start": 0, "end": MAX_TOKENS}]
+            assert choice["token_ids"] == new_tokens and choice["kv_recomputed"] is None
+            continue
+        first, second = spans
+        at = first["end"]
+        assert first == {"version": "keep-old", "start": 0, "end": at} and 0 < at < MAX_TOKENS
+        assert second == {"version": "keep-new", "start": at, "end": MAX_TOKENS}
+        assert choice["token_ids"][:at] == old_tokens[:at] and choice["kv_recomputed"] is False
+        kept += 1
+    assert kept >= 1
 
 
 def test_a_bad_directory_changes_nothing(fleet, fresh_tokens):
