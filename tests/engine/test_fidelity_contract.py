@@ -187,3 +187,52 @@ def test_a_cached_prefix_gives_the_models_own_logprobs(registered, modality, arc
     [choice] = after.choices
     assert_close(choice.logprobs, reference.token_logprobs(full, choice.token_ids, shifted),
                  f"{registered} {modality} media after a cached text prefix")
+
+
+@pytest.fixture(scope="session")
+def next_weights(tmp_path_factory, fidelity_dirs):
+    """``next_weights(registered)``: the same architecture with other random weights (an RL step's
+    checkpoint), built once per architecture."""
+    from engine.demo_model import build_demo_model
+
+    root, built = tmp_path_factory.mktemp("fidelity-next-weights"), {}
+
+    def make(registered):
+        if registered not in built:
+            arch = demo_dir_for(fidelity_dirs, registered).name  # demo_dirs builds each under its arch
+            built[registered] = build_demo_model(root / arch, arch=arch, seed=1)
+        return built[registered]
+
+    return make
+
+
+@pytest.mark.parametrize(("registered", "modality"), list(registry_cases()))
+def test_a_row_kept_across_an_update_with_recompute_gives_each_versions_own_logprobs(registered, modality, arch_setup,
+                                                                                     fidelity_dirs, next_weights):
+    """Issue #51: a row decoding when the weights change (update mode keep, ``recompute_kv``) goes on
+    under the new ones; its tokens before the update are the old model's forward, those after the new
+    model's over the whole sequence (media and M-RoPE positions included), and its spans say which."""
+    _, processor, old_reference = arch_setup(registered)
+    directory, new_directory = demo_dir_for(fidelity_dirs, registered), next_weights(registered)
+    engine = Engine(load_model(str(directory), device="cpu"))  # its own: the update changes it
+    prompt = make_prompt(processor, modality)
+    at, tokens = 3, 7
+    scheduler = engine.scheduler()
+    handle = scheduler.submit(GenerationRequest(
+        prompt.token_ids, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), items=prompt.items))
+    finished = []
+    while not finished and len(scheduler.tokens_so_far(handle)[0].token_ids) < at:
+        finished = scheduler.step()
+    assert not finished
+    old_version = engine.weight_version
+    engine.update_weights(new_directory, weight_version="step-1")
+    scheduler.weights_changed(recompute_kv=True)
+    while not finished:
+        finished = scheduler.step()
+    [choice] = finished[0].result.choices
+    assert choice.weight_versions == [{"version": old_version, "start": 0, "end": at},
+                                      {"version": "step-1", "start": at, "end": tokens}]
+    new_reference = Reference(new_directory, processor.hf)
+    want = (old_reference.token_logprobs(prompt.token_ids, choice.token_ids, prompt.items)[:at]
+            + new_reference.token_logprobs(prompt.token_ids, choice.token_ids, prompt.items)[at:])
+    assert_close(choice.logprobs, want, f"{registered} {modality} logprobs across an update")
