@@ -14,6 +14,7 @@ from marshmallow import ValidationError, fields, pre_load, validate, validates_s
 
 from engine.request_rules import prompt_input_problem, sampling_knob_problems
 from engine.sampling_params import LOGPROBS_MODES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from web.api import session_header
 from web.api.long_poll import wait_field
 from web.schema_base import Schema
 
@@ -201,7 +202,7 @@ class JobRequestSchema(Schema):
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     cache_salt = fields.String(validate=validate.Length(min=1, max=256), metadata={
         "description": "KV blocks are reused only between requests of the same key and the same salt"})
-    session_id = fields.String(validate=validate.Length(min=1, max=256), metadata={
+    session_id = fields.String(validate=validate.Length(min=1, max=session_header.MAX_LENGTH), metadata={
         "description": "An agent's turns: kept on one GPU worker (also the X-Session-ID header)"})
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})

@@ -11,7 +11,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 HEADER = "X-Session-ID"
-MAX_LENGTH = 256  # as the body's session_id (web/api/schemas.py)
+MAX_LENGTH = 256  # the header's and the body's session_id (web/api/schemas.py)
 
 
 def with_session(request: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
