@@ -131,6 +131,12 @@ class Settings:
     # A request's own chat template (chat_template_kwargs.chat_template) runs in the API process:
     # refused unless this is set, as vLLM's --trust-request-chat-template (web/dialects/chat_template.py).
     trust_request_chat_template: bool = False
+    # Which tool-call and reasoning parser reads the model's chat replies (web/parsers/), as vLLM's
+    # --tool-call-parser / --reasoning-parser; auto: from the model's chat template, none: off.
+    tool_call_parser: str = one_of("auto", ("auto", "none", "hermes", "mistral"))
+    reasoning_parser: str = one_of("auto", ("auto", "none", "qwen3", "deepseek_r1"))
+    # The built-in demo model served when ROLLOUT_MODEL is unset (domain/models.py).
+    demo_model: str = one_of("demo-qwen2.5-omni", ("demo-qwen2.5-omni", "demo-qwen3"))
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
     # redelivers a message whose task is still running and the job runs twice.
     task_soft_time_limit: int = between(540, 1, 10**6)
