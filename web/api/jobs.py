@@ -9,7 +9,7 @@ from flask.views import MethodView
 
 from domain.jobs.idempotency import Answer
 from domain.jobs.store import TERMINAL, QueueFullError
-from domain.jobs.view import public_job
+from domain.jobs.view import listed_job, public_job
 from domain.lifecycle import cancel_job
 from engine.errors import NotFoundError
 from web.api import idempotency
@@ -63,10 +63,10 @@ class Jobs(MethodView):
     @blp.alt_response(422, schema=None, description="Invalid query")
     @blp.alt_response(503, schema=None, description="Job store unavailable")
     def get(self, query):
-        """The caller's own jobs, newest first."""
+        """The caller's own jobs, newest first, each without its ``result`` (read it with ``GET /v1/jobs/{id}``)."""
         jobs, cursor = services().jobs.list(owner=current_owner(), status=query.get("status"),
                                             limit=query["limit"], cursor=query.get("cursor"))
-        return {"data": [public_job(job) for job in jobs], "next_cursor": cursor}
+        return {"data": [listed_job(job) for job in jobs], "next_cursor": cursor}
 
 
 @blp.route("/bulk")

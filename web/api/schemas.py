@@ -343,8 +343,15 @@ class BulkSubmitResultSchema(Schema):
         "description": "The requests the queue caps refused (code queue_full): send them again after Retry-After"})
 
 
+class ListedJobSchema(JobSchema):
+    """A job as ``GET /v1/jobs`` lists it: a result may be tens of MB, ``GET /v1/jobs/{id}`` serves it."""
+
+    class Meta:
+        exclude = ("result",)
+
+
 class JobListSchema(Schema):
-    data = fields.List(fields.Nested(JobSchema))
+    data = fields.List(fields.Nested(ListedJobSchema))
     next_cursor = fields.String(allow_none=True)
 
 

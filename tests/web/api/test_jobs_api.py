@@ -159,6 +159,11 @@ def test_list_own_jobs_newest_first_with_pagination(client):
     cancelled = client.get("/v1/jobs?status=cancelled", headers=auth()).get_json()
     assert [j["id"] for j in cancelled["data"]] == [ids[0]]
     assert client.get("/v1/jobs?bogus=1", headers=auth()).status_code == 422
+    # A listed job is the job without its result (up to tens of MB): GET /v1/jobs/{id} serves that.
+    client.application.extensions["rollout"].jobs.advance(ids[1], "succeeded", result={"choices": []})
+    [listed] = client.get("/v1/jobs?status=succeeded", headers=auth()).get_json()["data"]
+    whole = client.get(f"/v1/jobs/{ids[1]}", headers=auth()).get_json()
+    assert whole["result"] == {"choices": []} and listed == {k: v for k, v in whole.items() if k != "result"}
 
 
 def test_unknown_route_and_method_use_the_error_shape(client):
