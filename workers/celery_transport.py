@@ -21,6 +21,15 @@ and takes one message per wake-up from then on, as before.)
 
 The same channels also keep one Redis client for their synchronous calls (publish, ack, restore)
 where kombu builds a new one per call (``_BulkTake._create_client``).
+
+Redis at its ``maxmemory`` (noeviction) refuses every command queued in a MULTI, even the ZREM and
+HDEL of an ack, which it runs outside one. kombu's QoS writes its acks, records and restores in
+MULTIs, and a refused one leaves the message in the consumer's prefetch window for good: a worker
+whose acks were refused once (issue #56: 256 at once, its whole window) stopped taking messages,
+heartbeat up, also after Redis had room again. So :class:`BulkQoS` acknowledges outside a MULTI,
+and what Redis still refuses for memory (recording a message BRPOP popped, giving one back) is
+kept or forgotten in the window so that the message is never lost and the window never fills:
+see each method.
 """
 
 from __future__ import annotations
@@ -76,7 +85,8 @@ return taken
 
 
 class BulkQoS(kombu_redis.QoS):
-    """kombu's Redis QoS that does not write again a record the take script already made."""
+    """kombu's Redis QoS that does not write again a record the take script already made, and
+    that survives Redis refusing writes for memory (module docs)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,8 +96,36 @@ class BulkQoS(kombu_redis.QoS):
         if delivery_tag in self.recorded:
             self.recorded.discard(delivery_tag)
             virtual.QoS.append(self, message, delivery_tag)
-        else:
+            return
+        try:
             super().append(message, delivery_tag)
+        except redis.exceptions.OutOfMemoryError:
+            # BRPOP popped it and Redis refuses to record it: delivered unrecorded rather than
+            # dropped (kombu's own raise loses it). Its job is then found by the job reaper should
+            # this worker die holding it (domain/jobs/reaper.py), as in kombu's BRPOP window.
+            log.warning("Redis is at its maxmemory: message %s runs unrecorded", delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def _remove_from_indices(self, delivery_tag, pipe=None):
+        # Outside a MULTI: Redis runs ZREM and HDEL at its bound, which only free memory.
+        return super()._remove_from_indices(delivery_tag, pipe or removal_pipeline(self))
+
+    def reject(self, delivery_tag, requeue=False):
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except redis.exceptions.OutOfMemoryError:
+            # Redis refuses to put it back in its queue: it stays in ``unacked``, out of this
+            # window; no live worker lists it, so the held-message sweep restores it once Redis
+            # has room (workers/held_messages.py).
+            log.warning("Redis is at its maxmemory: message %s is left for the held-message sweep", delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)
+
+
+def removal_pipeline(qos: kombu_redis.QoS):
+    """A pipeline for a message's removal from ``unacked``: not a MULTI, which Redis refuses whole at
+    its bound (module docs). Its two commands still go in one round trip."""
+    with qos.channel.conn_or_acquire() as client:
+        return client.pipeline(transaction=False)
 
 
 class _BulkTake:

@@ -20,13 +20,17 @@ from kombu.message import Message
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from workers.celery_transport import removal_pipeline
+
 log = logging.getLogger(__name__)
 
 
 def acknowledge_messages(messages: Iterable[Message]) -> None:
-    """Acknowledge every message not acknowledged yet. When Redis is away the messages stay
-    unacknowledged (logged, as kombu's ``ack_log_error`` does): they come back after the
-    visibility timeout, and their jobs, ended, settle them then."""
+    """Acknowledge every message not acknowledged yet. Redis at its maxmemory runs the removal (not
+    a MULTI, ``workers/celery_transport.py``). When Redis is away the messages stay in ``unacked``
+    (logged, as kombu's ``ack_log_error`` does) but leave the prefetch window all the same, or a
+    window of such messages would stop the worker for good: no live worker lists them, so the
+    held-message sweep gives them back and their jobs, ended, settle them then."""
     by_channel: dict[int, list[Message]] = {}
     for message in messages:
         if message.acknowledged:
@@ -42,13 +46,13 @@ def acknowledge_messages(messages: Iterable[Message]) -> None:
 def _acknowledge_on_one_channel(messages: list[Message]) -> None:
     qos = messages[0].channel.qos
     try:
-        with qos.pipe_or_acquire() as pipe:
-            for message in messages:
-                qos._remove_from_indices(message.delivery_tag, pipe)
-            pipe.execute()
+        pipe = removal_pipeline(qos)  # not a MULTI: Redis at its maxmemory runs it (celery_transport.py)
+        for message in messages:
+            qos._remove_from_indices(message.delivery_tag, pipe)
+        pipe.execute()
     except redis.RedisError as error:
-        log.warning("could not acknowledge %d messages: %s", len(messages), error)
-        return
+        log.warning("could not acknowledge %d messages (the held-message sweep gives them back): %s",
+                    len(messages), error)
     for message in messages:
         virtual.QoS.ack(qos, message.delivery_tag)
         message._state = "ACK"

@@ -45,7 +45,8 @@ def test_one_pipeline_settles_every_message_as_kombus_ack_does(url):
         client.config_resetstat()
         acknowledge_messages(messages[:5])
         calls = {name: stats["calls"] for name, stats in client.info("commandstats").items()}
-        assert calls["cmdstat_zrem"] == 5 and calls["cmdstat_hdel"] == 5 and calls.get("cmdstat_exec") == 1
+        # One pipeline, not a MULTI: Redis at its maxmemory refuses a MULTI's removals (celery_transport.py).
+        assert calls["cmdstat_zrem"] == 5 and calls["cmdstat_hdel"] == 5 and "cmdstat_exec" not in calls
         assert all(message.acknowledged for message in messages[:5]) and not messages[5].acknowledged
         assert client.hlen("unacked") == 1 and client.zcard("unacked_index") == 1
         qos._flush()
