@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 HEADER = "Idempotency-Key"
 REPLAYED = {"Idempotent-Replayed": "true"}
 # Visible ASCII but the quote and the backslash, as Stripe's keys and the IETF draft's sf-string
-# (which may come quoted) allow; a UUID fits.
-_KEY = re.compile(r'[\x21\x23-\x5b\x5d-\x7e]{1,255}')
+# (which may come quoted) allow; a UUID fits. No comma either: HTTP lets a server join a field sent
+# twice into one value with commas (RFC 9110, section 5.3), as gunicorn and Werkzeug do, so two
+# keys would read as one key holding a comma.
+_KEY = re.compile(r'[\x21\x23-\x2b\x2d-\x5b\x5d-\x7e]{1,255}')
 # How long a submit sent again waits for its first one, still making its jobs, to answer: a submit
 # takes milliseconds, so this covers a first one that is slow, not one that died (a 409 then).
 IN_USE_WAIT = 5.0
@@ -61,7 +63,8 @@ class InvalidIdempotencyKeyError(RolloutError):
 
 
 def idempotency_key() -> str | None:
-    """The request's key, None without one; :class:`InvalidIdempotencyKeyError` for a malformed one."""
+    """The request's key, None without one; :class:`InvalidIdempotencyKeyError` for a malformed one,
+    two of them included (WSGI hands the app one value, the fields joined by commas: see _KEY)."""
     value = http_request.headers.get(HEADER)
     if value is None:
         return None
@@ -70,7 +73,8 @@ def idempotency_key() -> str | None:
         value = value[1:-1]
     if not _KEY.fullmatch(value):
         raise InvalidIdempotencyKeyError(
-            f"{HEADER} must be 1 to 255 visible ASCII characters without quotes or backslashes (a UUID, say)")
+            f"{HEADER} must be one header of 1 to 255 visible ASCII characters without quotes, backslashes or "
+            "commas (a UUID, say)")
     return value
 
 

@@ -3,6 +3,8 @@ queued): the same key and body answer the same jobs, once, whoever sends them at
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import uuid
 
@@ -11,7 +13,9 @@ import pytest
 import web.api.idempotency
 from domain.jobs.idempotency import CLAIM_TTL, IdempotencyStore
 from domain.names import SHARED_GENERATE_QUEUE
+from tests.conftest import empty_db_url
 from tests.web.conftest import KEY_A, KEY_B, auth
+from tests.web.gunicorn_api import gunicorn_api
 from web.auth import key_id
 
 GENERATE = {"token_ids": [100, 101, 102], "sampling_params": {"max_tokens": 4, "seed": 1}}
@@ -75,12 +79,31 @@ def test_two_keys_holders_with_the_same_key_get_jobs_of_their_own(client):
     assert client.post("/v1/jobs", json=OTHER, headers=keyed(str(uuid.uuid4()), KEY_B)).status_code == 202
 
 
-@pytest.mark.parametrize("value", ["", " ", "x" * 256, "has space", 'a"b', "a\\b", "caf\u00e9".encode().decode("latin-1")])
+@pytest.mark.parametrize("value", ["", " ", "x" * 256, "has space", 'a"b', "a\\b", "caf\u00e9".encode().decode("latin-1"),
+                                   "key-1,key-2", '"key-1","key-2"'])
 def test_a_malformed_key_is_a_400_and_makes_nothing(client, value):
     response = client.post("/v1/jobs", json=GENERATE, headers=keyed(value))
     assert response.status_code == 400, response.get_json()
     assert response.get_json()["code"] == "invalid_idempotency_key"
     assert job_ids(client) == []
+
+
+def test_two_key_headers_are_a_400_over_real_http(redis_url, demo_model_dir, tmp_path):
+    """The server joins a field sent twice with a comma (RFC 9110, 5.3): two keys, read as the one
+    key ``key-1,key-2``, made a job; a comma is no part of a key, so they are refused."""
+    with gunicorn_api(empty_db_url(redis_url, 26), demo_model_dir, tmp_path) as (_, port):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.putrequest("POST", "/v1/jobs")
+        for name, value in [*auth().items(), ("Content-Type", "application/json"),
+                            ("Idempotency-Key", "key-1"), ("Idempotency-Key", "key-2")]:
+            connection.putheader(name, value)
+        body = json.dumps(GENERATE).encode()
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        connection.close()
+    assert response.status == 400 and answer["code"] == "invalid_idempotency_key", answer
 
 
 def test_the_drafts_quoted_form_names_the_same_key(client):
