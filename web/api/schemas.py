@@ -202,8 +202,10 @@ class JobRequestSchema(Schema):
     request_id = fields.String(validate=validate.Length(min=1, max=256))
     cache_salt = fields.String(validate=validate.Length(min=1, max=256), metadata={
         "description": "KV blocks are reused only between requests of the same key and the same salt"})
-    session_id = fields.String(validate=validate.Length(min=1, max=session_header.MAX_LENGTH), metadata={
-        "description": "An agent's turns: kept on one GPU worker (also the X-Session-ID header)"})
+    session_id = fields.String(validate=[validate.Length(min=1, max=session_header.MAX_LENGTH),
+                                      session_header.validate_session_id], metadata={
+        "description": "An agent's turns: kept on one GPU worker (also the X-Session-ID header); "
+                       "visible ASCII, spaces only inside"})
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
 

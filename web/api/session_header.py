@@ -5,13 +5,27 @@ depends on it."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
+
+from marshmallow import ValidationError
 
 from engine.errors import InvalidRequestError
 
 HEADER = "X-Session-ID"
 MAX_LENGTH = 256  # the header's and the body's session_id (web/api/schemas.py)
+# One rule for the header and the body's session_id, so one id names one session either way:
+# visible ASCII, spaces inside. ASCII because a header's bytes reach the app as latin-1 and a
+# body's as Unicode; no space at either end because a header's value comes trimmed.
+_SESSION_ID = re.compile(rf"[\x21-\x7e](?:[\x20-\x7e]{{0,{MAX_LENGTH - 2}}}[\x21-\x7e])?")
+RULE = f"1 to {MAX_LENGTH} visible ASCII characters (spaces only inside)"
+
+
+def validate_session_id(value: str) -> None:
+    """The body's ``session_id`` (a marshmallow validator): the header's rule."""
+    if not _SESSION_ID.fullmatch(value):
+        raise ValidationError(RULE)
 
 
 def with_session(request: dict[str, Any], headers: Mapping[str, str]) -> dict[str, Any]:
@@ -19,7 +33,6 @@ def with_session(request: dict[str, Any], headers: Mapping[str, str]) -> dict[st
     value = headers.get(HEADER)
     if value is None or "session_id" in request:
         return request
-    if not 0 < len(value) <= MAX_LENGTH or not value.isprintable():
-        raise InvalidRequestError(f"{HEADER} must be 1 to {MAX_LENGTH} printable characters",
-                                  errors={HEADER: [f"1 to {MAX_LENGTH} printable characters"]})
+    if not _SESSION_ID.fullmatch(value):
+        raise InvalidRequestError(f"{HEADER} must be {RULE}", errors={HEADER: [RULE]})
     return {**request, "session_id": value}
