@@ -104,6 +104,31 @@ def test_a_group_and_an_agents_turns_reach_one_worker_and_distinct_prompts_sprea
     assert max(Counter(spread).values()) <= 11  # bounded: 1.25 x an even share of the 34 groups started
 
 
+def route_keys(client) -> int:
+    return sum(1 for _ in client.scan_iter("rq:affinity:route:*"))
+
+
+def test_a_prompt_notes_a_few_of_its_prefixes_and_long_shares_still_follow_them(client):
+    """A route per step made a 2,000-token prompt 32 keys for 15 minutes (about 170 MB at a queue
+    cap of 8,000-token jobs): now a handful, logarithmic in its length, and what the routes are for
+    still holds: an agent's next turn after a long history, and a prompt sharing 3/4 of one."""
+    for pid in (1, 2, 3, 4):
+        gpu_worker(client, f"node-a-{pid}")
+    router = GpuRouter(client)
+    router.queues([Placement("job_h", prompt(7, 2000), "key-a")])
+    assert route_keys(client) == 11  # of 32 prefixes
+    router.queues([Placement("job_long", prompt(8, 8000), "key-a")])
+    assert route_keys(client) == 11 + 16  # of 125
+    for seed in range(20, 26):  # six prompts: each follow-up lands with its prompt, not by chance
+        history = prompt(seed, 2000)
+        [first] = router.queues([Placement(f"job_{seed}", history, "key-a")])
+        assert router.queues([Placement("job_next", history + prompt(seed + 50, 100), "key-a")]) == [first]
+        assert router.queues([Placement("job_3q", history[:1500] + prompt(seed + 90, 500), "key-a")]) == [first]
+        before = route_keys(client)  # a group's samples after the first note nothing new
+        router.queues([Placement(f"job_g{i}", history, "key-a") for i in range(4)])
+        assert route_keys(client) == before
+
+
 def test_an_agents_session_keeps_its_worker_when_its_history_is_cut_and_is_its_keys_alone(client):
     for pid in (1, 2, 3, 4):
         gpu_worker(client, f"node-a-{pid}")
