@@ -28,6 +28,8 @@ class SchedulerLimits:
     # after join_wait_steps steps (engine.prefill_plan.hold_joins); join_ratio 0: at the first step.
     join_ratio: float = 0.5  # ROLLOUT_JOIN_RATIO
     join_wait_steps: int = 4  # ROLLOUT_JOIN_WAIT_STEPS
+    # Admission weighs each key's tokens of the last while (engine.tenant_usage), halved every this many seconds.
+    usage_half_life_s: float = 30.0
 
     @property
     def kv_blocks(self) -> int:
@@ -101,21 +103,24 @@ def peak_blocks(rows: Sequence[RowFuture], block_size: int) -> int:
     return int(total.max())
 
 
-def next_admission(tenants: Sequence[Hashable], held: Mapping[Hashable, int]) -> int:
+def next_admission(tenants: Sequence[Hashable], held: Mapping[Hashable, int], usage: Mapping[Hashable, float]) -> int:
     """Which pending request (by its tenant, in arrival order) is admitted next: the first of the
-    tenant holding the fewest rows now (``held``: running and admitted rows by tenant). A key alone
-    takes every row; keys waiting together take turns, so one key's backlog in the scheduler no
-    longer keeps another key's job queued behind all of it. A request that does not fit is waited
-    for, not passed (a large one would otherwise never start). Rows already running are not taken
-    back here: :func:`fair_share_victim` says which give way to a tenant below its share."""
-    best, fewest = 0, None
+    tenant with the least recent use (``usage``: :class:`engine.tenant_usage.TenantUsage`), then
+    the fewest rows held now (``held``: running and admitted rows by tenant), then arrival. A key
+    alone takes every row; a key that waited goes ahead of one that just used the batch, also
+    when both hold no rows (a bulk key's job that just ended no longer hands the tie to its next
+    one). A request that does not fit is waited for, not passed (a large one would otherwise never
+    start). Rows already running are not taken back here: :func:`fair_share_victim` says which
+    give way to a tenant below its share."""
+    best, rank = 0, None
     seen: set[Hashable] = set()
     for index, tenant in enumerate(tenants):
         if tenant in seen:
             continue
         seen.add(tenant)
-        if fewest is None or held.get(tenant, 0) < fewest:
-            best, fewest = index, held.get(tenant, 0)
+        mine = (usage.get(tenant, 0.0), held.get(tenant, 0))
+        if rank is None or mine < rank:
+            best, rank = index, mine
     return best
 
 
@@ -126,14 +131,16 @@ def dominant_share(rows: int, blocks: int, limits: SchedulerLimits) -> float:
 
 
 def fair_share_victim(waiting: Hashable, need: float, shares: Mapping[Hashable, float],
-                      running: Sequence[tuple[Hashable, float]], tenants: int) -> int | None:
+                      running: Sequence[tuple[Hashable, float]], tenants: int,
+                      usage: Mapping[Hashable, float] | None = None) -> int | None:
     """Which running request gives way so that tenant ``waiting``, whose next request (``need``,
     its dominant share) does not fit now, gets an even share of the batch; its index in ``running``
-    (each running request's tenant and share, in admission order), or None.
+    (each preemptible running request's tenant and share, in admission order), or None.
 
     ``shares``: each tenant's dominant share now (running and admitted requests); ``tenants``: how
-    many have work (running or waiting). A request gives way only when ``waiting`` would stay
-    within an even share with it and the giving tenant keeps at least an even share without it:
+    many have work (running or waiting); ``usage``: each tenant's recent use (none: not weighed). A
+    request gives way only when ``waiting`` would stay within an even share with it, the giving
+    tenant keeps at least an even share without it and used the batch more lately than ``waiting``:
     the newest request (least work lost) of the tenant holding the most. So a key alone keeps the
     whole batch, and no key is pushed below its share, which keeps two keys from taking turns
     preempting each other. A request larger than an even share waits for rows to end instead."""
@@ -144,6 +151,8 @@ def fair_share_victim(waiting: Hashable, need: float, shares: Mapping[Hashable, 
         return None
     by_share = sorted({t for t, _ in running if t != waiting}, key=lambda t: shares.get(t, 0.0), reverse=True)
     for tenant in by_share:
+        if usage is not None and usage.get(tenant, 0.0) <= usage.get(waiting, 0.0):
+            continue
         index = max(i for i, (t, _) in enumerate(running) if t == tenant)
         # Its share less the request's is at most what it keeps (a max of sums minus a max of
         # parts): it errs toward no preemption.

@@ -32,6 +32,7 @@ from engine.paged_kv import BlockPool
 from engine.prompt_cache import PromptEnds
 from engine.scheduler import EngineStats, Scheduler, SchedulerLimits, StepHook
 from engine.scoring import ScoreRequest, ScoreResult, score
+from engine.tenant_usage import TenantUsage
 from engine.weights import WeightSwap, load_weights
 
 
@@ -52,6 +53,7 @@ class Engine:
         # from one thread.
         self.kv_pool = BlockPool(self.limits.kv_blocks, self.limits.kv_block_tokens)
         self.stats = EngineStats()
+        self.usage = TenantUsage(self.limits.usage_half_life_s)  # each key's recent use, across its schedulers
         self._weights_listeners: list[Callable[[WeightSwap], None]] = []
         self.swaps = 0  # weight swaps so far: a scheduler living through one sees it change
         # The caches hold what the old weights computed: a swap empties them. (Block names carry
@@ -72,7 +74,7 @@ class Engine:
         """A continuous batch over this engine's model, sharing its caches and counters."""
         runner = ModelRunner(self.loaded, self.kv_pool, self.encoder_cache, self.stats)
         return Scheduler(self.loaded, runner, limits or self.limits, prompt_ends=self.prompt_ends, stats=self.stats,
-                         on_step=on_step)
+                         usage=self.usage, on_step=on_step)
 
     def update_weights(self, directory, *, weight_version: str, root=None,
                        digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:
@@ -126,10 +128,6 @@ class Engine:
                 for finished in scheduler.step():
                     if finished.error is not None:
                         raise finished.error
-                    if finished.preempted:  # another key's share came first: it runs again
-                        index = finished.tag
-                        handles[index] = scheduler.submit(requests[index], tag=index, features=features[index])
-                        continue
                     results[finished.tag] = finished.result
         finally:  # an error ends the call with other rows running: their blocks go back
             scheduler.close()

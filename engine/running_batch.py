@@ -99,6 +99,17 @@ class RunningBatch:
                 if self.on_row_done is not None:
                     self.on_row_done(row, self.jobs[i], self.tables[i], self.lengths[i])
                 self.pool.release(self.tables[i])
+        self._keep(keep)
+
+    def evict(self, job: Any) -> None:
+        """``job``'s rows leave unfinished (preempted: engine/preemption.py); their blocks go back."""
+        keep = [i for i, j in enumerate(self.jobs) if j is not job]
+        for i, j in enumerate(self.jobs):
+            if j is job:
+                self.pool.release(self.tables[i])
+        self._keep(keep)
+
+    def _keep(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
         self.jobs = [self.jobs[i] for i in keep]
         self.tables = [self.tables[i] for i in keep]

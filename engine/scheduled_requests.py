@@ -25,7 +25,7 @@ class EngineStats:
     prefill_forwards: int = 0  # forwards that computed prompts (a chunk of a long prompt counts one)
     cached_tokens: int = 0  # prompt tokens served by cached KV blocks or a shared prefill
     decode_steps: int = 0
-    preempted_requests: int = 0  # running requests stopped to give another tenant its share
+    preempted_requests: int = 0  # running requests stopped (and later resumed) to give another tenant its share
     decode_rows: int = 0  # sum over decode steps of the rows in them
     kv_live_tokens: int = 0  # sum over decode steps of the tokens the rows attend to
     kv_held_tokens: int = 0  # sum over decode steps of the KV pool's blocks in use, in tokens
@@ -44,7 +44,6 @@ class Finished:
     result: Any = None  # engine.generation.GenerationResult
     error: BaseException | None = None
     timed_out: bool = False  # its deadline stopped it (its rows end with "abort")
-    preempted: bool = False  # stopped to give another tenant its share: run it again (no result)
     batch_rows: int = 0  # the most rows that decoded in one step with this request's rows
 
 
@@ -74,8 +73,11 @@ class Job:
     cached_tokens: int = 0
     error: BaseException | None = None
     timed_out: bool = False
-    preempted: bool = False
     deadline: float | None = None
+    preemptions: int = 0  # times it gave way to another key (engine/preemption.py)
+    resuming: bool = False  # preempted, its rows' tokens kept: its next admission computes their KV again
+    resume_mark: int = 0  # its longest row's tokens when it last resumed: it goes past them before it gives way again
+    time_left: float | None = None  # its deadline's seconds left when preempted (its clock stops while it waits)
     abort_requested: bool = False
     peak_rows: int = 0
     prefix: list[int] = field(default_factory=list)  # cached blocks its prefill starts from (held)

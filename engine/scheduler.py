@@ -15,14 +15,14 @@ One :meth:`Scheduler.step`:
    :class:`~engine.decoding.RowDecoder` (parameters, seeded generator, penalties, stops) and
    rows that finished leave the batch, their KV blocks back in the pool at once (their full
    blocks named, so a next turn that repeats them finds them);
-3. pending requests are admitted, the tenant holding the fewest rows first (first come first served
-   within a tenant, and for a tenant alone: :func:`engine.capacity.next_admission`), while the rows
-   (``max_rows``) and the KV pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the
-   blocks of every admitted row at the worst point of their futures) allow. When they do not, and
-   the tenant is below an even share of the batch while another is above it, that tenant's newest
-   running request is preempted (:func:`engine.capacity.fair_share_victim`): its rows stop, its
-   blocks go back (named, so its prompt is found again), and it ends ``preempted`` for its caller to
-   run again;
+3. pending requests are admitted, the tenant with the least recent use first (its tokens of the
+   last while, :mod:`engine.tenant_usage`; first come first served within a tenant, and for a
+   tenant alone: :func:`engine.capacity.next_admission`), while the rows (``max_rows``) and the KV
+   pool (``kv_cache_tokens`` in blocks of ``kv_block_tokens``: the blocks of every admitted row at
+   the worst point of their futures) allow. When they do not, and the tenant is below an even
+   share of the batch while another that used more lately is above it, that one's newest
+   preemptible request gives way (:mod:`engine.preemption`): its rows leave with their tokens,
+   its blocks go back, and it waits to resume where it was (its rows' KV computed again);
 4. admitted prompts are looked up in the pool by their blocks' names (:mod:`engine.prefix_hash`):
    one found whole (every block, and its last logits) joins with no forward; the others are
    prefilled from the end of the blocks found, each distinct prompt (token ids + media keys) once,
@@ -56,6 +56,7 @@ forward ends every running request with the error.
 from __future__ import annotations
 
 import time
+from bisect import insort
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -67,8 +68,6 @@ from engine.batch_sampler import RowTokens, sample_step
 from engine.capacity import (
     SchedulerLimits,
     check_capacity,
-    dominant_share,
-    fair_share_victim,
     fits_kv_pool,
     next_admission,
     request_peak_blocks,
@@ -77,6 +76,7 @@ from engine.capacity import (
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
 from engine.model_facts import ModelFacts
+from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
@@ -84,6 +84,7 @@ from engine.running_batch import RunningBatch
 from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job, rekey
 from engine.step_prefill import StepPrefill
 from engine.step_runner import StepRunner
+from engine.tenant_usage import TenantUsage
 from engine.weight_crossing import cross_swap
 
 StepHook = Callable[[list[RowTokens]], None]
@@ -96,12 +97,13 @@ class Scheduler:
 
     def __init__(self, facts: ModelFacts, runner: StepRunner, limits: SchedulerLimits | None = None, *,
                  prompt_ends: PromptEnds | None = None, stats: EngineStats | None = None,
-                 on_step: StepHook | None = None):
+                 on_step: StepHook | None = None, usage: TenantUsage | None = None):
         self.facts, self.runner, self.pool = facts, runner, runner.pool
         self.limits = limits = limits or SchedulerLimits()
         self.prefixes = PrefixCache(self.pool, prompt_ends if prompt_ends is not None
                                     else PromptEnds(limits.prompt_cache_tokens))
         self.stats = stats if stats is not None else EngineStats()
+        self.usage = usage if usage is not None else TenantUsage(limits.usage_half_life_s)
         self.on_step = on_step
         media = sorted(t for t in facts.media_token_ids.values() if 0 <= t < facts.vocab_size)
         self._placeholder_ids = torch.tensor(media, dtype=torch.long) if media else None
@@ -244,6 +246,7 @@ class Scheduler:
         self.stats.kv_live_tokens += batch.live_tokens + len(batch)
         self.stats.kv_held_tokens += self.pool.in_use * self.pool.block_size
         self.stats.kv_read_tokens += len(batch) * (max(batch.lengths) + 1)
+        self.usage.charge_rows(job.request.tenant for job in batch.jobs)
         tokens = self._sample(batch.rows, batch.jobs, logits, events, batch_rows=len(batch))
         batch.advance(tokens)
 
@@ -258,53 +261,29 @@ class Scheduler:
         held = Counter(job.request.tenant for job in self._batch.jobs)  # a row each
         for admitted in self._admitted_or_chunking():
             held[admitted.request.tenant] += len(admitted.rows)
+        usage = {job.request.tenant: 0.0 for job in self._jobs.values()}
+        usage = {tenant: self.usage.usage(tenant) for tenant in usage}
         while self._pending:
-            index = next_admission([job.request.tenant for job in self._pending], held)
+            index = next_admission([job.request.tenant for job in self._pending], held, usage)
             job = self._pending[index]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
-                victim = self._preempt_for(job)
+                victim = choose_victim(job, list(self._jobs.values()), self.limits, usage, self._peak_blocks)
                 if victim is None:
                     return
+                preempt(victim, self._batch, self.stats)
+                insort(self._pending, victim, key=lambda pending: pending.handle)  # back in its arrival place
                 held[victim.request.tenant] -= len(victim.rows)
                 continue
             self._pending.pop(index)
             held[job.request.tenant] += len(job.rows)
             job.state = "admitted"
-            job.admitted_at = time.perf_counter()
-            job.admitted_wall = time.time()
-            if job.time_limit is not None:
-                job.deadline = time.monotonic() + job.time_limit
+            if job.admitted_at is None:  # a resumed job keeps its first admission's marks
+                job.admitted_at = time.perf_counter()
+                job.admitted_wall = time.time()
+                if job.time_limit is not None:
+                    job.deadline = time.monotonic() + job.time_limit
+                self.usage.charge(job.request.tenant, job.prompt_len)
             self._admitted.append(job)
-
-    def _preempt_for(self, waiting: Job) -> Job | None:
-        """Preempt the running request that gives way to ``waiting``'s tenant, if one does
-        (:func:`engine.capacity.fair_share_victim`); its blocks are free when this returns."""
-        live = [job for job in self._jobs.values() if job.state != "done" and not job.preempted]
-        tenants = len({job.request.tenant for job in live})
-        if tenants < 2:  # a key alone keeps the whole batch (and the common case costs one pass)
-            return None
-        holding = [job for job in live if job.state != "pending"]  # admitted or running
-        peak = {job.handle: self._peak_blocks(job) for job in [*holding, waiting]}
-        rows, blocks = Counter(), Counter()
-        for job in holding:
-            rows[job.request.tenant] += len(job.rows)
-            blocks[job.request.tenant] += peak[job.handle]
-        shares = {tenant: dominant_share(rows[tenant], blocks[tenant], self.limits) for tenant in rows}
-        running = sorted((job for job in holding if job.state == "running"), key=lambda job: job.admitted_at)
-        victim = fair_share_victim(
-            waiting.request.tenant, dominant_share(len(waiting.rows), peak[waiting.handle], self.limits), shares,
-            [(job.request.tenant, dominant_share(len(job.rows), peak[job.handle], self.limits)) for job in running],
-            tenants=tenants)
-        if victim is None:
-            return None
-        job = running[victim]
-        job.preempted = True
-        for row in job.rows:
-            row.abort()
-        self._batch.drop_finished()
-        self.stats.preempted_requests += 1
-        return job
-
     def _peak_blocks(self, job: Job) -> int:
         return request_peak_blocks(job.prompt_len, job.request.sampling.max_tokens, len(job.rows), self.pool.block_size)
 
@@ -322,10 +301,16 @@ class Scheduler:
         size = self.pool.block_size
         rows = self._batch.futures()
         for j in [*self._admitted_or_chunking(), job]:
-            rows += request_rows(j.prompt_len, j.request.sampling.max_tokens, len(j.rows), j.handle, size)
+            rows += resume_rows(j, size) if j.resuming else request_rows(
+                j.prompt_len, j.request.sampling.max_tokens, len(j.rows), j.handle, size)
         return fits_kv_pool(rows, self.pool.capacity, size)
 
     def _prefill_and_join(self, events: list[RowTokens]) -> None:
+        resumed = [job for job in self._admitted if job.resuming]
+        if resumed:
+            self._admitted = [job for job in self._admitted if not job.resuming]
+            for job in resumed:
+                resume(job, self._batch, self.runner, self.prefixes, self.stats, fail=self._fail)
         try:
             joined, self._admitted = self._prefill.run(self._admitted, running_rows=len(self._batch))
             self._join(joined, events)
@@ -377,9 +362,6 @@ class Scheduler:
             if self._prefill.chunking_job is job:
                 self._prefill.stop_chunking()
             job.state = "done"
-            if job.preempted:
-                finished.append(Finished(handle, job.tag, preempted=True))
-                continue
             if job.error is not None:
                 finished.append(Finished(handle, job.tag, error=job.error))
                 continue

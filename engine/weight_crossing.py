@@ -48,17 +48,25 @@ def cross_swap(version: str, jobs: Iterable[Job], batch: RunningBatch, prefill: 
         for row in job.rows:
             if not row.done and not row.token_ids:
                 row.versions.mark(0, version)  # not running yet: its first token is the new weights'
+            elif not row.done and job.resuming:  # preempted: its resume computes its KV with the new weights
+                _cross(row, version)
+                row.versions.recomputed += 1
     for row in batch.rows:
-        row.versions.crossed += 1
-        lag = row.params.max_policy_lag
-        if lag is not None and row.versions.crossed > lag:
-            row.abort("policy_lag")
-        else:
-            row.versions.mark(len(row.token_ids), version)
+        _cross(row, version)
     batch.drop_finished()  # rows ended for their lag leave (naming none of their blocks)
     if recompute_kv and len(batch):
         _recompute(batch, runner, fail)
     return admitted
+
+
+def _cross(row, version: str) -> None:
+    """A row with tokens lives through the swap to ``version``, or ends for its ``max_policy_lag``."""
+    row.versions.crossed += 1
+    lag = row.params.max_policy_lag
+    if lag is not None and row.versions.crossed > lag:
+        row.abort("policy_lag")
+    else:
+        row.versions.mark(len(row.token_ids), version)
 
 
 def _recompute(batch: RunningBatch, runner: StepRunner, fail: Callable[[Job, BaseException], None]) -> None:

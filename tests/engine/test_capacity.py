@@ -71,13 +71,16 @@ def test_a_request_that_can_never_fit_is_refused_with_what_it_needs():
         check_capacity(limits, 4, 4, 9)  # more rows than the batch has
 
 
-def test_the_tenant_holding_the_fewest_rows_is_admitted_next_first_come_within_a_tenant():
+def test_the_tenant_with_the_least_recent_use_is_admitted_next_first_come_within_a_tenant():
     from engine.capacity import next_admission
 
-    assert next_admission(["a", "a", "b"], {"a": 12}) == 2  # b holds nothing: its job first
-    assert next_admission(["a", "a", "b"], {"a": 2, "b": 5}) == 0  # a holds fewer: its earliest job
-    assert next_admission(["a", "b", "c"], {"a": 3, "b": 3, "c": 3}) == 0  # ties: arrival order
-    assert next_admission(["a", "a"], {"a": 100}) == 0  # a key alone takes every row
+    assert next_admission(["a", "a", "b"], {}, {"a": 500.0}) == 2  # b used nothing lately: its job first
+    # Issue #56: both hold no rows (a's whole-batch job just ended); the tie no longer goes to a's older job.
+    assert next_admission(["a", "a", "b"], {"a": 0, "b": 0}, {"a": 15_360.0, "b": 0.0}) == 2
+    assert next_admission(["a", "b"], {"a": 0, "b": 3}, {"a": 40.0, "b": 8.0}) == 1  # recent use first, not rows
+    assert next_admission(["a", "a", "b"], {"a": 2, "b": 5}, {}) == 0  # no use either: fewer rows held
+    assert next_admission(["a", "b", "c"], {"a": 3, "b": 3, "c": 3}, {}) == 0  # ties: arrival order
+    assert next_admission(["a", "a"], {"a": 100}, {"a": 1e9}) == 0  # a key alone takes every row
 
 
 def test_a_tenant_below_an_even_share_preempts_the_newest_request_of_the_one_above_it():
@@ -94,6 +97,9 @@ def test_a_tenant_below_an_even_share_preempts_the_newest_request_of_the_one_abo
     shares = {"b": 0.4, "c": 0.6}
     running = [("c", 0.2), ("b", 0.2), ("c", 0.2), ("b", 0.2), ("c", 0.2)]
     assert fair_share_victim("a", 0.1, shares, running, tenants=3) == 4
+    # Only a key that used the batch more lately than the waiting one gives way: never a light key to a heavy one.
+    assert fair_share_victim("a", 0.01, {"b": 1.0}, bulk, tenants=2, usage={"a": 9.0, "b": 2.0}) is None
+    assert fair_share_victim("a", 0.01, {"b": 1.0}, bulk, tenants=2, usage={"a": 2.0, "b": 9.0}) == 3
 
 
 def test_a_tenants_share_is_its_larger_fraction_of_rows_and_blocks():

@@ -361,7 +361,7 @@ def test_a_poisoned_pool_hands_out_clean_blocks(models):
 
 def test_a_keys_backlog_does_not_keep_another_keys_job_waiting_behind_all_of_it(models):
     """Issue #47: admission was first come first served, so another key's 8-token job waited behind
-    a key's whole bulk. Now the key holding the fewest rows goes next, ahead of a's queued jobs."""
+    a key's whole bulk. Now the key with the least recent use goes next, ahead of a's queued jobs."""
     model = models("qwen2_vl")
     scheduler = model.engine(max_rows=4).scheduler()
     for i in range(6):  # a's bulk: one row each, 4 tokens
@@ -372,7 +372,7 @@ def test_a_keys_backlog_does_not_keep_another_keys_job_waiting_behind_all_of_it(
                      tag="b")
     order = []
     while scheduler.has_work:
-        order += [f.tag for f in scheduler.step() if not f.preempted]
+        order += [f.tag for f in scheduler.step()]
     assert order.index("b") <= 4, order  # with a's first rows, not after a's six
     assert order[:3] == ["a0", "a1", "a2"] or order.index("b") < 3
 
@@ -383,8 +383,8 @@ def _tenant(model, text: str, tenant: str, **params):
 
 def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models):
     """Issue #47: a key's long rows filled the batch and another key's short job waited for them
-    to end (minutes). Now the newest of them is preempted at the next step (it ends ``preempted``,
-    for its caller to run again), and the other key's job runs beside the rest."""
+    to end (minutes). Now the newest of them is preempted at the next step (its rows wait with their
+    tokens, engine/preemption.py), and the other key's job runs beside the rest."""
     model = models("qwen2_vl")
     scheduler = model.engine(max_rows=6).scheduler()
     for i in range(3):
@@ -395,7 +395,7 @@ def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models
     assert scheduler.running_rows == 6  # a key alone takes every row
     scheduler.submit(_tenant(model, "Short.", "other", seed=7, max_tokens=4), tag="short")
     ended = scheduler.step()
-    assert [(f.tag, f.preempted, f.result) for f in ended] == [("bulk2", True, None)]
+    assert ended == [] and scheduler.running_rows == 4  # bulk2's two rows gave way
     assert scheduler.stats.preempted_requests == 1
     steps = 1
     while "short" not in [f.tag for f in ended]:
@@ -408,10 +408,11 @@ def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models
     assert scheduler.running_rows == 4
 
 
-def test_engine_generate_runs_a_preempted_request_again_to_the_tokens_it_has_alone(models, monkeypatch):
-    """Requests of several keys in one Engine.generate: one preempted for another's share is
-    submitted again, and every result comes back, equal to the request alone (seeded)."""
-    from engine import scheduler as scheduler_module
+def test_a_preempted_request_resumes_to_the_tokens_it_has_alone(models, monkeypatch):
+    """Requests of several keys in one Engine.generate: one preempted for another's share resumes
+    where it was (its rows' KV computed again, engine/preemption.py), and every result comes back
+    equal to the request alone (seeded)."""
+    from engine import preemption as scheduler_module
 
     model = models("qwen2_vl")
     engine = model.engine(kv_cache_tokens=4 * 16, kv_block_tokens=16)  # one request's 3 blocks at a time
@@ -419,11 +420,11 @@ def test_engine_generate_runs_a_preempted_request_again_to_the_tokens_it_has_alo
     alone = [engine.generate([request])[0] for request in requests]
     real, forced = scheduler_module.fair_share_victim, []
 
-    def once_the_oldest_running(waiting, need, shares, running, tenants):  # forced once, whatever the shares
+    def once_the_oldest_running(waiting, need, shares, running, tenants, usage):  # forced once, whatever the shares
         if running and not forced:
             forced.append(running[0])
             return 0
-        return real(waiting, need, shares, running, tenants)
+        return real(waiting, need, shares, running, tenants, usage)
 
     monkeypatch.setattr(scheduler_module, "fair_share_victim", once_the_oldest_running)
     together = engine.generate(requests)
@@ -440,10 +441,9 @@ def test_a_request_that_is_the_whole_batch_is_not_preempted_and_others_wait_for_
     scheduler.submit(_tenant(model, "Short.", "other", seed=7, max_tokens=2), tag="short")
     order = []
     while scheduler.has_work:
-        ended = scheduler.step()
-        assert not any(f.preempted for f in ended)  # bulk would drop below its share: no preemption
-        order += [f.tag for f in ended]
+        order += [f.tag for f in scheduler.step()]
     assert order == ["bulk", "short"]
+    assert scheduler.stats.preempted_requests == 0  # bulk would drop below its share: no preemption
 
 
 def test_rows_and_kv_budget_bound_admission_and_a_request_that_never_fits_is_refused(models):
