@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from typing import Any
-
-from rollout_queue_client.retry import parse_retry_after as parse_header
 
 from domain.settings import Settings
 from domain.webhooks.events import BLOCKED, FAILED, GONE, RETRYING, SUCCEEDED
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 # A receiver may ask for a longer pause than our schedule, but not for days.
 RETRY_AFTER_CAP_S = 6 * 3600.0
 USER_AGENT = "rollout-queue-webhooks"
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]+)?")  # delta-seconds (a fraction tolerated)
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,18 @@ def outcome_of_error(exc: BaseException) -> Outcome:
 
 
 def parse_retry_after(value: str | None, *, now: float) -> float | None:
-    """Seconds to wait from a ``Retry-After`` value (delta-seconds or an HTTP date), capped."""
-    seconds = parse_header(value, now=now)
-    return None if seconds is None else min(seconds, RETRY_AFTER_CAP_S)
+    """Seconds to wait from a ``Retry-After`` value (RFC 9110, 10.2.3: delta-seconds, or an HTTP
+    date the standard library reads), capped; None when absent or unreadable ("nan" included)."""
+    value = (value or "").strip()
+    if _SECONDS.fullmatch(value):
+        return min(float(value), RETRY_AFTER_CAP_S)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # HTTP dates are GMT
+        when = when.replace(tzinfo=UTC)
+    return min(max(when.timestamp() - now, 0.0), RETRY_AFTER_CAP_S)
 
 
 def retry_delay(attempt: int, schedule: tuple[float, ...], retry_after: float | None = None,

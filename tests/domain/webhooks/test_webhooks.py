@@ -121,6 +121,9 @@ def test_retry_after_seconds_date_cap_and_garbage():
     assert parse_retry_after("99999999", now=now) == RETRY_AFTER_CAP_S
     assert parse_retry_after("soon", now=now) is None
     assert parse_retry_after(None, now=now) is None
+    # float() reads these, and a NaN wait compares false with every bound.
+    assert [parse_retry_after(v, now=now) for v in ("nan", "inf", "-3", "1e3", "\u0663")] == [None] * 5
+    assert parse_retry_after(" 2.5 ", now=now) == 2.5
     assert outcome_of_status(503, {"Retry-After": "3"}, now=now).retry_after == 3.0
 
 
