@@ -24,6 +24,7 @@ from domain.jobs.submission import enqueue_preprocess, placement, send_placed
 from domain.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from domain.names import worker_name
 from engine.errors import HandleUnavailableError, RolloutError
+from workers.memory_refusal import refused_for_memory
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,9 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         raise
     except RolloutError as error:
         fail_job(rt, job_id, error)
-    except Exception:
+    except Exception as error:
+        if refused_for_memory(rt.redis, error):
+            raise  # Redis at its maxmemory refused the end: the session hands the job back, unfailed
         fail_unexpected(rt, job_id, "generating")
 
 

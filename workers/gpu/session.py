@@ -11,8 +11,8 @@ the queue); Celery's event loop goes on reserving messages meanwhile
 
 Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after the scheduler
 admitted it: its rows stop then and it fails with ``job_time_limit_exceeded`` while the others go
-on. A job the scheduler preempts (another key was below its share) stays in it and resumes where it
-was (``engine/preemption.py``): its stream goes on. A request that
+on. A job the scheduler preempted (another key was below its share) goes back to the queue, as a
+retracted one does, and runs again from its prompt (a ``restart`` event on its stream). A request that
 fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
 
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
@@ -29,6 +29,11 @@ attempt counters are read with the cancel flags) finds its attempt superseded, a
 aborts those rows in the scheduler and drops them: nothing written, its prompt left to the newer
 attempt, its message settled. A message of a job this session already runs joins that run.
 
+Redis at its maxmemory (``noeviction``): a write it refuses fails no job and ends no session. The
+ends of finished jobs are held and written again, and no new work is taken meanwhile
+(``workers/gpu/job_ends.py``); staged tokens wait for the next flush; jobs that could not begin, or
+be sent back, go back to the queue by their own messages (``GenerateBatches.hand_back``).
+
 Weight updates in mode keep: the stretch ends with its rows still in the scheduler, the next loads
 the target, and the rows go on under it (``_follow_swap``); a keep pause holds them still meanwhile.
 """
@@ -37,57 +42,37 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from domain.infra.heartbeats import heartbeat_key
-from domain.jobs.attempts import FENCED, Fence
+from domain.jobs.attempts import Fence
 from domain.jobs.prompt_codec import release_prompts
 from domain.jobs.request import JobRequest
 from domain.jobs.stream_text import StreamText
-from domain.lifecycle import end_fenced, fail_job
+from domain.lifecycle import fail_job
 from domain.names import worker_name
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
-from workers.gpu.jobs import ending, open_jobs, poll_session, requeue_generate, run_score_jobs
+from workers.gpu.job_ends import JobEnds
+from workers.gpu.jobs import ending, open_jobs, poll_session, run_score_jobs
+from workers.gpu.live_job import ChoiceStream, LiveJob
 from workers.gpu.session_metrics import SessionMetrics
+from workers.memory_refusal import refused_for_memory
 
 log = logging.getLogger(__name__)
 
 ABORT_POLL_SECONDS = 0.05
 REDIS_DOWN_POLL_PAUSE_SECONDS = 1.0
+# How long staged tokens wait after Redis refused them for memory before the next try.
+TOKENS_REFUSED_PAUSE_SECONDS = 0.5
 # How long a session waits for a paused or failed worker to serve again before its messages go back.
 WEIGHTS_HOLD_SECONDS = 2.0
 
 # What a session returns when Redis went away under it: its messages go back to the queue
 # (workers.tasks.gpu_batching puts them back).
 REQUEUE = "requeue"
-
-
-@dataclass
-class _ChoiceStream:
-    sent: int = 0  # tokens staged for publishing so far
-    text: StreamText | None = None  # None: the row does not detokenize
-
-
-@dataclass
-class _Live:
-    job: dict[str, Any]
-    prompt: Any
-    message_ids: list[str]
-    sampling: Any
-    attempt: int = 1
-    watched: bool = False  # someone reads the job's events: its tokens are published
-    streams: dict[int, _ChoiceStream] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    stopped_by: str | None = None  # "abort" | "retract": stopped for a weight update
-    superseded: bool = False  # a newer attempt runs elsewhere: this one writes nothing more
-
-    @property
-    def fence(self) -> Fence:
-        return Fence.generation(self.job["id"], self.attempt)
 
 
 class GenerateSession:
@@ -97,17 +82,19 @@ class GenerateSession:
         self.engine = engine
         self.batches = batches
         self.scheduler = engine.scheduler(on_step=self._on_step)
-        self.live: dict[int, _Live] = {}
+        self.live: dict[int, LiveJob] = {}
         self._swaps = engine.swaps  # the engine's weight swaps this session has followed
         # What this worker's attempts are held by (its heartbeat key, domain/jobs/attempts.py).
         self.holder = heartbeat_key("gpu", worker_name(rt.settings.node_id))
-        self._by_job: dict[str, _Live] = {}
+        self._by_job: dict[str, LiveJob] = {}
         # Tokens not yet written, by (job id, attempt) then choice (see _publish).
         self._unflushed: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         self._flush_every = rt.settings.stream_flush_ms / 1000
         self._next_flush = 0.0
+        self._tokens_refused_until = 0.0
         self._next_poll = 0.0
         self._stats = SessionMetrics(engine)
+        self._ends = JobEnds(rt, batches, metrics=self._stats.batch, flush_tokens=self._flush_tokens)
 
     def run(self, requests) -> str | None:
         """Run until nothing runs and nothing is buffered; returns ``REQUEUE`` when this worker may
@@ -129,6 +116,10 @@ class GenerateSession:
                     if sync.holds_rows:  # paused in mode keep: the rows hold still until it ends
                         continue
                     self._decode_until_idle_or_update(sync, intake=may_serve)
+                    if self._ends.holding and not self.scheduler.has_work:
+                        self._ends.held.wait()  # Redis refused job ends for memory: try again, take nothing
+                        self._ends.retry()
+                        continue
                     if not self.scheduler.has_work and not sync.update_pending:
                         pending = self.batches.take(self.batches.flush_every)
                         if not pending:
@@ -159,7 +150,8 @@ class GenerateSession:
             self._publish(finished)
             if finished:
                 self._end(finished)
-            if intake and self.scheduler.intake_room and not sync.update_pending:
+            self._ends.retry()
+            if intake and self.scheduler.intake_room and not sync.update_pending and not self._ends.holding:
                 more = self.batches.take(self.scheduler.intake_room)
                 if more:
                     self._admit(more)
@@ -191,15 +183,28 @@ class GenerateSession:
                 self._by_job[job_id].message_ids.append(request.id)
                 continue
             messages.setdefault(job_id, []).append(request.id)
-        ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device, holder=self.holder)
+        try:
+            ready, settled = open_jobs(rt, list(messages), device=self.engine.loaded.device, holder=self.holder)
+        except Exception as error:
+            if not refused_for_memory(rt.redis, error):
+                raise
+            log.warning("Redis is at its maxmemory: %d jobs not begun go back to the queue", len(messages))
+            self.batches.hand_back([mid for mids in messages.values() for mid in mids])
+            return
         self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
         scores = [(job, prompt) for job, prompt, _ in ready if job["kind"] == "score"]
         if scores:
+            score_messages = [mid for job, _ in scores for mid in messages[job["id"]]]
             try:
                 run_score_jobs(rt, self.engine, scores)
+            except Exception as error:
+                if not refused_for_memory(rt.redis, error):
+                    raise
+                self.batches.hand_back(score_messages)  # scored again once Redis has room; prompts kept
+                scores = score_messages = []
             finally:
                 release_prompts(rt.redis, [prompt for _job, prompt in scores])
-                self.batches.acknowledge([mid for job, _ in scores for mid in messages[job["id"]]])
+                self.batches.acknowledge(score_messages)
         for job, prompt, attempt in ready:
             if job["kind"] != "generate":
                 continue
@@ -216,19 +221,19 @@ class GenerateSession:
                 continue
             handle = self.scheduler.submit(request, tag=job["id"], time_limit=rt.settings.task_soft_time_limit,
                                            features=features)
-            live = _Live(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
+            live = LiveJob(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
             self.live[handle] = live
             self._by_job[job["id"]] = live
             if attempt.watched:
                 self._watch(handle, live)
 
-    def _watch(self, handle: int, live: _Live) -> None:
+    def _watch(self, handle: int, live: LiveJob) -> None:
         """The job has a reader from now on: publish its tokens, those so far at the next flush."""
         live.watched = True
         tokenizer = self.engine.loaded.tokenizer
         detokenize = live.sampling.detokenize and tokenizer
         for choice in self.scheduler.tokens_so_far(handle):
-            live.streams[choice.index] = _ChoiceStream(text=StreamText(tokenizer, live.sampling) if detokenize else None)
+            live.streams[choice.index] = ChoiceStream(text=StreamText(tokenizer, live.sampling) if detokenize else None)
             self._stage(live, choice.index, choice.token_ids, choice.logprobs, choice.finish_reason)
 
     # --- between steps -------------------------------------------------------------------------
@@ -266,11 +271,17 @@ class GenerateSession:
             return
         now = time.monotonic()
         first = any(out["offset"] == 0 for choices in self._unflushed.values() for out in choices.values())
-        if finished or first or now >= self._next_flush:
-            self._supersede(self._flush_tokens())
+        if (finished or first or now >= self._next_flush) and now >= self._tokens_refused_until:
+            try:
+                self._supersede(self._flush_tokens())
+            except Exception as error:
+                if not refused_for_memory(self.rt.redis, error):
+                    raise
+                # Redis at its maxmemory: the tokens stay staged, and go before their jobs' ends.
+                self._tokens_refused_until = now + TOKENS_REFUSED_PAUSE_SECONDS
             self._next_flush = now + self._flush_every
 
-    def _entry(self, live: _Live, index: int) -> dict[str, Any]:
+    def _entry(self, live: LiveJob, index: int) -> dict[str, Any]:
         """The choice's entry of the next flush (started at the first token not yet staged)."""
         choices = self._unflushed.setdefault((live.job["id"], live.attempt), {})
         if index not in choices:
@@ -280,7 +291,7 @@ class GenerateSession:
                 choices[index]["text"] = ""
         return choices[index]
 
-    def _stage(self, live: _Live, index: int, token_ids: list[int], logprobs: list[float] | None,
+    def _stage(self, live: LiveJob, index: int, token_ids: list[int], logprobs: list[float] | None,
                finish_reason: str | None) -> None:
         """Add the choice's next tokens to the next flush's entry. The token a row finishes with is
         not detokenized: its text comes from the result."""
@@ -302,8 +313,12 @@ class GenerateSession:
         entries, self._unflushed = self._unflushed, {}
         if not entries:
             return set()
-        return self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
-                                              for (job_id, attempt), choices in entries.items()])
+        try:
+            return self.rt.events.publish_tokens([(job_id, attempt, list(choices.values()))
+                                                  for (job_id, attempt), choices in entries.items()])
+        except redis.RedisError:
+            self._unflushed = entries  # nothing was staged meanwhile: written whole at the next flush
+            raise
 
     def _supersede(self, job_ids) -> None:
         """A newer attempt of these jobs began elsewhere: stop their rows here (they end at the next
@@ -348,8 +363,8 @@ class GenerateSession:
             if live.superseded:
                 superseded.append(live)  # the newer attempt ends the job and releases its prompt
                 continue
-            if live.stopped_by == "retract" and item.error is None:
-                retracted.append(live)  # runs again on the new weights: its prompt stays held
+            if (live.stopped_by == "retract" or item.preempted) and item.error is None:
+                retracted.append(live)  # runs again (on the new weights, or later): its prompt stays held
                 continue
             elapsed = time.perf_counter() - live.started
             durations.append(elapsed)
@@ -363,31 +378,8 @@ class GenerateSession:
                 endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
                                       batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
             ended.append(live)
-        done = []
-        if endings:
-            outcomes = end_fenced(rt, endings, [live.fence for live in ended], metrics=self._stats.batch)
-            for live, (_, status, fields), outcome in zip(ended, endings, outcomes, strict=True):
-                if outcome == FENCED:
-                    live.superseded = True
-                    superseded.append(live)
-                    continue
-                done.append(live)
-                if status == "failed" and outcome == 1:
-                    log.info("job %s failed: %s", live.job["id"], fields["error"]["code"])
         self._stats.batch.observe_stage("generate", *durations)
-        release_prompts(rt.redis, [live.prompt for live in done])
-        released = rt.events.release_attempts([(live.job["id"], live.attempt) for live in retracted])
-        for live, still_newest in zip(retracted, released, strict=True):
-            if still_newest:
-                requeue_generate(rt, live.job, live.prompt)
-        if superseded:
-            log.warning("%d superseded attempts dropped: %s", len(superseded),
-                        ", ".join(f"{live.job['id']}#{live.attempt}" for live in superseded))
-        # A superseded attempt's message is settled too: the newer attempt's worker holds its copy.
-        self.batches.acknowledge([mid for live in (*done, *retracted, *superseded) for mid in live.message_ids])
-        interrupted = sum(live.stopped_by is not None for live in (*done, *retracted))
-        if interrupted:
-            rt.weight_sync.note_interrupted(interrupted)
+        self._ends.finish(ended, endings, retracted, superseded)
 
 
 def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:

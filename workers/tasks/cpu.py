@@ -10,6 +10,9 @@ Fairness: a job runs only while its key holds fewer than ``ROLLOUT_CPU_PER_KEY``
 slots; otherwise its message is parked until one of the key's jobs ends (domain/infra/fair_share.py says
 why this shape), so one key's slow media never hold every process.
 
+Redis at its maxmemory: a write it refuses (the prompt's save, the ``generate`` message) puts the
+message back, the job untouched (``workers/tasks/outage.py``); it runs again once Redis has room.
+
 Fencing (domain/jobs/attempts.py): each run of a job here is numbered as it starts. A worker paused
 past its heartbeat (mid-fetch, say) has its message run by another CPU worker meanwhile; when it
 wakes, its run is no longer the newest, so it saves no prompt, sends no ``generate`` and fails
@@ -38,6 +41,7 @@ from domain.lifecycle import fail_job, fail_unexpected, resume_followups
 from domain.names import PREPROCESS_QUEUE, PREPROCESS_TASK
 from engine.errors import JobTimeoutError, NotFoundError, RolloutError
 from engine.request_rules import new_tokens_of
+from workers.memory_refusal import refused_for_memory
 from workers.runtime import runtime
 from workers.tasks.outage import requeued_while_redis_is_down
 
@@ -67,7 +71,7 @@ class PreprocessTask(Task):
 
 @shared_task(name=PREPROCESS_TASK, bind=True, base=PreprocessTask)
 def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
-    with job_context(job_id), requeued_while_redis_is_down(f"preprocessing job {job_id}"):
+    with job_context(job_id), requeued_while_redis_is_down(f"preprocessing job {job_id}", runtime(self.app).redis):
         _preprocess(self.app, job_id, retry_handles)
 
 
@@ -110,7 +114,9 @@ def _run_job(app, rt, job_id: str, job: dict, retry_handles: bool) -> None:
         return
     except REDIS_DOWN:
         raise  # an outage (the multimodal cache lives in Redis), not this job's fault
-    except Exception:
+    except Exception as error:
+        if refused_for_memory(rt.redis, error):
+            raise  # Redis at its maxmemory (the multimodal cache's write): requeued, not failed
         fail_unexpected(rt, job_id, "preprocessing", fence=fence)
         return
     elapsed = time.perf_counter() - started

@@ -33,6 +33,7 @@ from domain.jobs.prompt_codec import release_prompts
 from domain.lifecycle import fail_unexpected
 from domain.names import GENERATE_TASK
 from workers.gpu.session import REQUEUE, GenerateSession
+from workers.memory_refusal import refused_for_memory
 from workers.runtime import runtime
 from workers.tasks.gpu_batching import GenerateBatches
 
@@ -57,7 +58,11 @@ def generate(self, requests) -> str | None:
             log.warning("Redis unavailable during a GPU session of %d jobs; their messages go back to the queue",
                         len(session.live))
             return REQUEUE
-        except Exception:
+        except Exception as error:
+            if refused_for_memory(rt.redis, error):
+                log.warning("Redis at its maxmemory during a GPU session of %d jobs; their messages go back "
+                            "to the queue", len(session.live))
+                return REQUEUE
             # celery-batches only logs an exception from the batch body and leaves every job waiting;
             # end each job that is still open instead (their messages are settled on return).
             # A superseded attempt's job is the newer attempt's to end (domain/jobs/attempts.py).

@@ -160,6 +160,15 @@ class GenerateBatches(Batches):
         requests = [self._inflight.pop(request_id, None) for request_id in request_ids]
         self._acknowledge([request for request in requests if request is not None and request.task.acks_late])
 
+    def hand_back(self, request_ids) -> None:
+        """These messages' jobs go back to the queue unfailed (Redis refused a write for memory):
+        rejected with requeue; one Redis refuses to put back is left to the held-message sweep
+        (``workers/celery_transport.py``)."""
+        requests = [self._inflight.pop(request_id, None) for request_id in request_ids]
+        for request in requests:
+            if request is not None and request.task.acks_late:
+                request.reject(requeue=True)
+
     def _acknowledge(self, requests) -> None:
         """``Request.acknowledge`` for many requests, their messages settled in one round trip. As
         Celery's own acks, it runs on the event loop (``call_soon``): that loop then reserves the
