@@ -53,11 +53,11 @@ def run(prompts: int = 400) -> list[dict]:
             server.stop()
     settings = Settings()
     return [
-        {"name": "route keys per 2,000-token prompt", "value": f"{short[0]:.1f}", "goal": None},
-        {"name": "· Redis bytes per 2,000-token prompt", "value": f"{short[1]:,.0f}", "goal": None},
-        {"name": "route keys per 8,000-token prompt", "value": f"{long[0]:.1f}", "goal": None},
-        {"name": "· Redis bytes per 8,000-token prompt", "value": f"{long[1]:,.0f}", "goal": None},
-    ] + [{"name": f"route map at {name} ({cap:,} prompts of 8,000 tokens), MB", "value": f"{long[1] * cap / 1e6:,.0f}",
+        {"name": "route keys per 2,000-token prompt", "value": round(short[0], 1), "goal": None},
+        {"name": "· Redis bytes per 2,000-token prompt", "value": round(short[1]), "goal": None},
+        {"name": "route keys per 8,000-token prompt", "value": round(long[0], 1), "goal": None},
+        {"name": "· Redis bytes per 8,000-token prompt", "value": round(long[1]), "goal": None},
+    ] + [{"name": f"route map at {name} ({cap:,} prompts of 8,000 tokens), MB", "value": round(long[1] * cap / 1e6),
           "goal": None}
          for name, cap in (("one key's queue cap", settings.max_queued_per_key),
                            ("the queue cap", settings.max_queued_total))]
