@@ -1,11 +1,12 @@
-"""GET /healthz: Redis, each worker kind and the model, up or down; Redis' memory against its bound."""
+"""GET /healthz: Redis, each worker kind and the model, up or down; Redis' memory against its bound;
+the workers that hold messages and make no progress (stalled)."""
 
 from __future__ import annotations
 
 from flask.views import MethodView
 from marshmallow import fields
 
-from domain.infra.heartbeats import WORKER_KINDS, alive_workers
+from domain.infra.heartbeats import WORKER_KINDS, alive_workers, live, stalled
 from domain.infra.redis_memory import MemoryUse
 from web.blueprint import Blueprint
 from web.schema_base import Schema
@@ -30,6 +31,9 @@ class HealthSchema(Schema):
     redis_memory = fields.Nested(RedisMemorySchema)
     workers = fields.Dict(keys=fields.String(), values=fields.String())
     model = fields.String()
+    stalled_workers = fields.Dict(keys=fields.String(), values=fields.Dict(), metadata={
+        "description": "Only when some are: the workers that hold messages and have made no progress (a step, a "
+                       "job's end) for ROLLOUT_STALLED_JOB_AFTER seconds, by name: {held, idle_seconds}"})
     model_error = fields.Dict(metadata={
         "description": "Why the model is down, when its last load-time check refused it: code, reason, report"})
 
@@ -42,7 +46,8 @@ class Health(MethodView):
         """Liveness of every part. Needs no API key."""
         svc = services()
         try:
-            workers = alive_workers(svc.redis)
+            beats = live(svc.redis, WORKER_KINDS)
+            workers = alive_workers(svc.redis, beats)
             memory = svc.redis_memory.read()
         except Exception:  # any Redis failure means "down" here, not an error
             body = {"status": "degraded", "redis": "down", "workers": dict.fromkeys(WORKER_KINDS, "unknown"),
@@ -50,9 +55,13 @@ class Health(MethodView):
             return body, 503
         parts = {kind: ("up" if workers.get(kind) else "down") for kind in WORKER_KINDS}
         model = "up" if workers.get("gpu", {}).get("model_ready") else "down"
-        ok = all(state == "up" for state in parts.values()) and model == "up" and not memory.above_high_water
+        stuck = stalled(beats, svc.settings.stalled_job_after)
+        ok = (all(state == "up" for state in parts.values()) and model == "up" and not memory.above_high_water
+              and not stuck)
         body = {"status": "ok" if ok else "degraded", "redis": "up", "redis_memory": memory_view(memory),
                 "workers": parts, "model": model}
+        if stuck:
+            body["stalled_workers"] = stuck
         check = last_model_check(svc.redis) if model == "down" else None
         if check is not None and not check["passed"]:
             body["model_error"] = {name: check.get(name) for name in ("code", "reason", "report", "at")}

@@ -145,14 +145,21 @@ class GpuWorker(WorkerKind):
         register_direct_queue(rt.redis, self.worker)
 
     def status(self, rt, held: list[str]) -> dict:
+        from workers.gpu.progress import ProgressStamp
+
         generate = rt.celery.tasks[GENERATE_TASK]
         ready = rt.model_ready
+        held = held + generate.held_delivery_tags()
+        stats = rt.engine.stats if ready else None
+        forwards = stats.decode_steps + stats.prefill_forwards if stats is not None else 0
+        progress = self.__dict__.setdefault("_progress", ProgressStamp())
         # The weight version it serves (what SGLang-style /get_model_info reports); the generate
         # messages celery-batches buffers out of Celery's own state; the jobs its session runs,
-        # of which another worker begins no attempt (domain/jobs/attempts.py).
+        # of which another worker begins no attempt (domain/jobs/attempts.py); when it last moved
+        # (workers/gpu/progress.py: /healthz names a worker that holds messages and does not).
         return {"model_ready": ready, "weight_version": rt.engine.weight_version if ready else None,
-                "held": held + generate.held_delivery_tags(), "node": self.settings.node_id,
-                "direct_queue": direct_queue(self.worker), "running": generate.running_job_ids()}
+                "held": held, "node": self.settings.node_id, "direct_queue": direct_queue(self.worker),
+                "running": generate.running_job_ids(), "progress_at": progress.observe(forwards, held)}
 
     def before_consuming(self, rt) -> None:
         # The model loads and passes its fidelity check before the worker consumes: a worker whose

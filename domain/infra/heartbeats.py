@@ -94,10 +94,11 @@ def indexed(client: redis.Redis, kind: str) -> set[str]:
     return {name.decode() for name in client.zrangebyscore(_index_key(kind), time.time() - INDEX_KEEP_S, "+inf")}
 
 
-def alive_workers(client: redis.Redis) -> dict[str, dict]:
-    """For each worker kind with a live heartbeat: the status of one of its workers (model ready first)."""
+def alive_workers(client: redis.Redis, beats: dict[str, dict] | None = None) -> dict[str, dict]:
+    """For each worker kind with a live heartbeat: the status of one of its workers (model ready
+    first). ``beats``: :func:`live`'s of every kind, when read already."""
     alive: dict[str, dict] = {}
-    for key, status in live(client, WORKER_KINDS).items():
+    for key, status in (live(client, WORKER_KINDS) if beats is None else beats).items():
         kind = key.split(":")[2]
         if kind not in alive or status.get("model_ready"):
             alive[kind] = status
@@ -120,6 +121,19 @@ def vanished(client: redis.Redis, kinds: tuple[str, ...], seen_key: str) -> set[
         pipe.sadd(seen_key, *now)
     before = pipe.execute()[0]
     return {key.decode() for key in before} - now
+
+
+def stalled(beats: dict[str, dict], after_s: float, *, now: float | None = None) -> dict[str, dict]:
+    """Of ``beats`` (:func:`live`'s), the workers that hold messages and have not made progress
+    (their beat's ``progress_at``, a GPU worker's: workers/gpu/progress.py) for ``after_s``
+    seconds, by name: how many messages each holds and for how long it has not moved."""
+    now = time.time() if now is None else now
+    out = {}
+    for key, status in beats.items():
+        since = status.get("progress_at")
+        if since is not None and status.get("held") and now - since > after_s:
+            out[key.split(":", 3)[3]] = {"held": len(status["held"]), "idle_seconds": round(now - since, 1)}
+    return out
 
 
 def any_alive(client: redis.Redis, kind: str) -> bool:

@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
+
+from domain.infra.heartbeats import WORKER_KINDS, beat
 from domain.infra.metrics import count, observe_stage, record_job_ends
 from domain.webhooks import WebhookStore
 from tests.web.conftest import KEY_B, auth
@@ -79,3 +83,19 @@ def test_metrics_are_served_to_the_scrape_addresses_only(make_app):
         refused = client.get("/metrics", environ_base={"REMOTE_ADDR": address})
         assert refused.status_code == 403 and refused.get_json()["code"] == "forbidden", address
     assert make_app().test_client().get("/metrics").status_code == 200  # loopback by default
+
+
+def test_healthz_names_a_worker_that_holds_messages_and_makes_no_progress(client, redis_client):
+    """A 503 as for any part down (the load balancer's contract), the worker named with what it holds."""
+    for kind in WORKER_KINDS:
+        beat(redis_client, kind, "node-a-1", {"held": []})
+    now = time.time()
+    beat(redis_client, "gpu", "node-a-1", {"model_ready": True, "held": ["t1", "t2"], "progress_at": now})
+    assert client.get("/healthz").get_json()["status"] == "ok"
+    beat(redis_client, "gpu", "node-a-1", {"model_ready": True, "held": ["t1", "t2"], "progress_at": now - 500})
+    response = client.get("/healthz")
+    body = response.get_json()
+    assert response.status_code == 503 and body["status"] == "degraded" and body["workers"]["gpu"] == "up"
+    assert body["stalled_workers"] == {"node-a-1": {"held": 2, "idle_seconds": pytest.approx(500, abs=5)}}
+    beat(redis_client, "gpu", "node-a-1", {"model_ready": True, "held": [], "progress_at": now - 500})  # idle
+    assert client.get("/healthz").status_code == 200
