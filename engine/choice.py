@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from engine.sampling_mask import unpack
+
 
 @dataclass
 class Choice:
@@ -24,8 +26,10 @@ class Choice:
     # logprobs_mode distribution: RowDecoder.top_logprobs); None unless asked.
     top_logprobs: list[list[list]] | None = None
     # With sampling_mask: {"token_ids": [...], "offsets": [...]}, CSR over the tokens (vLLM's
-    # SamplingMask): token i could have been drawn from token_ids[offsets[i]:offsets[i + 1]].
-    sampling_mask: dict[str, list[int]] | None = None
+    # SamplingMask): token i could have been drawn from token_ids[offsets[i]:offsets[i + 1]]. The
+    # engine's choice holds it packed (engine/sampling_mask.py ``pack``), as the result stores it;
+    # a choice read from a record (``from_record``) holds the lists.
+    sampling_mask: dict[str, list[int]] | dict[str, str] | None = None
     # [{version, start, end}], half-open over token_ids: which weights made which tokens (a row
     # continued across an update, mode keep, has several; engine/row_versions.py).
     weight_versions: list[dict] | None = None
@@ -36,8 +40,11 @@ class Choice:
 
     @classmethod
     def from_record(cls, record: dict) -> Choice:
-        """A stored choice (``dataclasses.asdict`` of one), ignoring keys this version does not know."""
-        return cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+        """A stored choice (``dataclasses.asdict`` of one), ignoring keys this version does not know;
+        its mask unpacked."""
+        choice = cls(**{f.name: record[f.name] for f in fields(cls) if f.name in record})
+        choice.sampling_mask = unpack(choice.sampling_mask)
+        return choice
 
     @classmethod
     def aborted(cls, index: int) -> Choice:

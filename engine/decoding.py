@@ -161,3 +161,7 @@ class RowDecoder:
     def sampling_mask(self) -> dict[str, list[int]] | None:
         """CSR over the tokens (engine/sampling_mask.py) when the request asked, else None."""
         return self._masks.csr() if self._masks is not None else None
+
+    def packed_sampling_mask(self) -> dict[str, str] | None:
+        """:meth:`sampling_mask` packed as a result stores it (engine/sampling_mask.py ``pack``)."""
+        return self._masks.packed() if self._masks is not None else None

@@ -33,7 +33,7 @@ def build_result(facts: ModelFacts, job: Any,
         timings["prompt_logprobs_s"] = time.perf_counter() - started
     choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
-                      top_logprobs=row.top_logprobs(), sampling_mask=row.sampling_mask(),
+                      top_logprobs=row.top_logprobs(), sampling_mask=row.packed_sampling_mask(),
                       weight_versions=row.versions.spans(len(row.token_ids)),
                       kv_recomputed=row.versions.kv_recomputed())
                for row in job.rows]

@@ -3,7 +3,10 @@ used by the GPU session's jobs (``workers/gpu/jobs.py``) and by batch lines scor
 (``workers/tasks/score_lines.py``), and one typed reading of it (``JobResult``), which every
 protocol adapter maps from.
 
-The stored result is a dict because it is the public ``result`` of ``GET /v1/jobs/{id}``.
+The stored result is a dict because it is the public ``result`` of ``GET /v1/jobs/{id}``, but for
+its choices' sampling masks: stored packed (``engine/sampling_mask.py``), read as the CSR lists
+(:func:`readable_result`, as the job store decodes a record; ``web/api/stored_json.py`` for a result
+sent from its stored bytes).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.choice import Choice
+from engine.sampling_mask import is_packed, unpack
 
 
 def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder_ranges: list[dict],
@@ -34,6 +38,15 @@ def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder
         result.update(prompt_logprobs=output.prompt_logprobs, prompt_top_logprobs=output.prompt_top_logprobs,
                       prompt_logprobs_version=output.prompt_logprobs_version or weight_version)
     return result
+
+
+def readable_result(result: Any) -> Any:
+    """``result`` as every reply shows it: each choice's packed sampling mask as its CSR lists."""
+    choices = result.get("choices") if isinstance(result, dict) else None
+    if not choices or not any(is_packed(choice.get("sampling_mask")) for choice in choices):
+        return result
+    return {**result, "choices": [{**choice, "sampling_mask": unpack(choice.get("sampling_mask"))}
+                                  for choice in choices]}
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from domain.jobs import keys, scripts
 from domain.jobs.attempts import Fence, preprocess_key
 from domain.jobs.events import DEFAULT_MAXLEN, events_key, watch_key
 from domain.jobs.keys import TOTAL_ACTIVE_KEY, UNCOUNTED_LINES_KEY, UNFINISHED_KEY, WEBHOOK_OWED_KEY
+from domain.jobs.results import readable_result
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -146,12 +147,13 @@ class JobStore:
             raise QueueFullError("the service has too many unfinished jobs", headers={"Retry-After": "5"})
         return self._decode(encoded)  # what the hash now holds, without reading it back
 
-    def get(self, job_id: str, *, owner: str | None = None) -> dict[str, Any]:
-        """The job, or NotFoundError — also when it belongs to another owner."""
+    def get(self, job_id: str, *, owner: str | None = None, stored_result: bool = False) -> dict[str, Any]:
+        """The job, or NotFoundError — also when it belongs to another owner. ``stored_result``: its
+        result left as stored (``get_many``'s), for a reply that sends it on."""
         raw = self.redis.hgetall(self.key(job_id)) if plausible_id(job_id) else {}
         if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
             raise NotFoundError(f"no job {job_id!r}")
-        return self._decode(raw)
+        return _decode_stored_result(raw) if stored_result else self._decode(raw)
 
     def check_owner(self, job_id: str, owner: str) -> None:
         """NotFoundError where ``get`` with ``owner`` raises one, reading two short fields: the
@@ -222,14 +224,14 @@ class JobStore:
         # The code alone says the type (and its HTTP status): RolloutError.from_record.
         return self.advance(job_id, "failed", fence=fence, error=error.to_dict())
 
-    def wait(self, job_id: str, *, timeout: float) -> dict[str, Any] | None:
+    def wait(self, job_id: str, *, timeout: float, stored_result: bool = False) -> dict[str, Any] | None:
         """Block until the job ends (or ``timeout`` seconds pass); the job, or None if still running."""
-        job = self.get(job_id)
+        job = self.get(job_id, stored_result=stored_result)
         if job["status"] in TERMINAL or timeout <= 0:
             return job if job["status"] in TERMINAL else None
         if self.wait_any_wakeup([self.done_key(job_id)], timeout):
-            return self.get(job_id)
-        job = self.get(job_id)
+            return self.get(job_id, stored_result=stored_result)
+        job = self.get(job_id, stored_result=stored_result)
         return job if job["status"] in TERMINAL else None
 
     def wait_any(self, job_ids: list[str], *, timeout: float) -> dict[str, dict[str, Any] | None]:
@@ -353,7 +355,10 @@ class JobStore:
 
     @staticmethod
     def _decode(raw: dict[bytes, bytes] | dict[str, str]) -> dict[str, Any]:
-        return decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS)
+        record = decode_record(raw, json_fields=_JSON_FIELDS, own_json_fields=_OWN_JSON_FIELDS)
+        if record.get("result"):  # its masks as the lists every reply shows (stored packed)
+            record["result"] = readable_result(record["result"])
+        return record
 
 
 def _decode_stored_result(raw: dict[bytes, bytes]) -> dict[str, Any]:

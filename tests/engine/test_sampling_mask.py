@@ -16,6 +16,7 @@ from engine.batch_sampler import sample_step
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
 from engine.generation import GenerationRequest
+from engine.sampling_mask import unpack
 from engine.sampling_params import SamplingParams
 
 EOS = 7
@@ -40,7 +41,8 @@ def reference(logits: torch.Tensor, params: SamplingParams, banned=()) -> torch.
 
 
 def steps_of(mask: dict) -> list[list[int]]:
-    """Each token's support from a CSR mask."""
+    """Each token's support from a CSR mask (an engine choice's is packed, as results store it)."""
+    mask = unpack(mask)
     ids, offsets = mask["token_ids"], mask["offsets"]
     return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
@@ -218,7 +220,7 @@ def test_a_seeded_request_draws_the_same_tokens_with_and_without_its_mask(engine
     masked = engine.generate([GenerationRequest(prompt, dataclasses.replace(params, sampling_mask=True))])[0]
     for a, b in zip(plain.choices, masked.choices, strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
-        assert len(b.sampling_mask["offsets"]) == len(b.token_ids) + 1
+        assert len(unpack(b.sampling_mask)["offsets"]) == len(b.token_ids) + 1
 
 
 def test_draw_rows_hands_back_each_row_s_processed_distribution():

@@ -14,6 +14,7 @@ from domain.lifecycle import cancel_job
 from engine.errors import NotFoundError
 from web.api import idempotency
 from web.api.idempotency import answered_job, job_answer, once, replay_headers
+from web.api.job_reply import job_reply
 from web.api.long_poll import long_wait
 from web.api.schemas import (
     BulkSubmitResultSchema,
@@ -159,12 +160,14 @@ class Job(MethodView):
         """Poll a job; with ``?wait=S``, answer when it ends or after S seconds, at most
         ROLLOUT_SYNC_TIMEOUT_MAX (long polling: one request instead of one per poll interval)."""
         svc = services()
-        job = svc.jobs.get(job_id, owner=current_owner())  # 404 for another key's job, before any wait
+        # 404 for another key's job, before any wait; the result as stored: sent on, never decoded.
+        job = svc.jobs.get(job_id, owner=current_owner(), stored_result=True)
         if query.get("wait") and job["status"] not in TERMINAL:  # an ended job is answered as read
             with long_wait(query["wait"]) as wait:
                 if wait:
-                    job = svc.jobs.wait(job_id, timeout=wait) or svc.jobs.get(job_id)
-        return public_job(job)
+                    job = (svc.jobs.wait(job_id, timeout=wait, stored_result=True)
+                           or svc.jobs.get(job_id, stored_result=True))
+        return job_reply(job)
 
     @blp.response(200, JobSchema)
     @blp.alt_response(401, schema=None, description="Missing or invalid API key")

@@ -32,7 +32,7 @@ from domain.jobs.events import plausible_event_id
 from domain.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
 from domain.jobs.view import public_job
 from engine.errors import InvalidRequestError, RolloutError, ServiceUnavailableError
-from web.api.stored_json import respelled
+from web.api.stored_json import stored_pieces
 from web.auth import current_owner
 
 log = logging.getLogger(__name__)
@@ -81,12 +81,24 @@ def sse_pieces(data: Any, *, event: str | None = None) -> Iterator[bytes]:
     yield bytes(piece)
 
 
+def json_pieces(data: Any) -> Iterator[bytes]:
+    """``data`` as compact JSON (:func:`sse`'s spelling) in pieces of about :data:`PIECE_BYTES`: a
+    :class:`StoredJSON` in it sent from its bytes (``GET /v1/jobs/{id}``'s result)."""
+    piece = bytearray()
+    for part in _json_parts(data):
+        piece += part if isinstance(part, bytes) else part.encode()
+        if len(piece) >= PIECE_BYTES:
+            yield bytes(piece)
+            piece.clear()
+    yield bytes(piece)
+
+
 def _json_parts(value: Any) -> Iterator[str | bytes]:
     """``value`` as :func:`sse` encodes it, in parts: dicts key by key, lists a slice at a time, the
     rest by the C encoder. Written by hand because the standard library's incremental encoder
     (``JSONEncoder.iterencode``) runs in pure Python: four times slower on a large result."""
     if isinstance(value, StoredJSON):
-        yield from respelled(value.data, PIECE_BYTES)
+        yield from stored_pieces(value.data, PIECE_BYTES)
     elif isinstance(value, dict):
         yield "{"
         for index, (key, item) in enumerate(value.items()):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import struct
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from web.api.stored_json import respelled
+from engine.sampling_mask import SamplingMasks
+from web.api.stored_json import respelled, stored_pieces
 
 # Strings that look like the numbers rewritten outside them, quotes, escapes, DEL, past ASCII.
 TEXT = st.one_of(st.text(alphabet='0.e-5"\\\x7f\x1f é😀\u2028', max_size=8), st.text(max_size=8))
@@ -50,3 +52,21 @@ def test_bytes_spelled_as_json_dumps_pass_through(value):
 def test_the_spellings_that_differ(value):
     assert orjson.dumps(value) != legacy(value)
     assert b"".join(respelled(orjson.dumps(value), 4)) == legacy(value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(st.lists(st.integers(0, 70_000), unique=True, max_size=12).map(sorted), max_size=8),
+       text=TEXT, piece=st.sampled_from([1, 5, 64 * 1024]))
+def test_a_stored_packed_mask_is_written_as_its_lists(steps, text, piece):
+    """The reply of a stored result shows each mask as the CSR lists, wherever it sits, and leaves
+    a string that spells a packed mask alone (its quotes are escaped there)."""
+    masks = SamplingMasks()
+    for step in steps:
+        masks.add(np.asarray(step, dtype=np.int32))
+    fake = orjson.dumps(masks.packed()).decode()
+    stored = {"choices": [{"text": text + fake, "sampling_mask": masks.packed(), "logprobs": [1e-05]},
+                          {"sampling_mask": None}], "tail": fake}
+    expected = {"choices": [{"text": text + fake, "sampling_mask": masks.csr(), "logprobs": [1e-05]},
+                            {"sampling_mask": None}], "tail": fake}
+    parts = list(stored_pieces(orjson.dumps(stored), piece))
+    assert b"".join(parts) == legacy(expected)
