@@ -110,6 +110,11 @@ class Settings:
     # A whole request must arrive within this (plus a second per 256 KiB of body), or it is
     # dropped with a 408 (web/serving/request_buffering.py).
     request_read_timeout: float = between(10.0, 0.1, 3600)
+    # A connection that sends nothing this long is closed; one peer (an address) holds at most
+    # api_connections_per_peer connections of an API worker, more are closed as accepted
+    # (web/serving/request_buffering.py): silent sockets never fill the worker's connections.
+    request_first_byte_timeout: float = between(5.0, 0.1, 3600)
+    api_connections_per_peer: int = between(512, 1, 100_000)
     api_stream_slots: int = between(256, 0, 10_000)
     # Of those, one key holds at most this many (None: three quarters, so other keys keep a share);
     # a reader that stops reading is dropped once a write to it waits stream_write_timeout seconds.

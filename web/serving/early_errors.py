@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 # Each status answered before the app, with its code and message ({limit}: the request line's).
 EARLY_ERRORS = {
-    400: ("bad_request", "the request is not valid HTTP (its request line or a header is malformed)"),
+    400: ("bad_request", "the request is not valid HTTP/1.1 (its request line, a header or its body's framing is malformed)"),
     403: ("forbidden", "the request was refused"),
     408: ("request_timeout", "the request did not arrive within {timeout:g} s"),
     414: ("uri_too_long", "the request line is longer than {limit} bytes"),

@@ -14,7 +14,14 @@ plus a second per :data:`~web.serving.request_framing.MIN_BODY_BYTES_PER_SECOND`
 whole by then is dropped in the loop (a JSON 408). Bytes of a pipelined next request wait in the
 loop for the first to be answered. A whole request then waits in the loop for a thread of its
 key's share (``web/serving/thread_share.py``): one key's calls that wait for their jobs never take every
-thread, and ``/healthz``, ``/metrics`` and admin calls have threads of their own.
+thread, and ``/healthz``, ``/metrics`` and an admin's control calls have threads of their own. A
+request gunicorn's grammar refuses is answered here (``web/serving/request_framing.py``), once, and
+its connection closed; a thread reads each request re-framed with a ``Content-Length``.
+
+Connections that send nothing cost a socket until ``ROLLOUT_REQUEST_FIRST_BYTE_TIMEOUT``, then are
+closed; one peer holds at most ``ROLLOUT_API_CONNECTIONS_PER_PEER`` connections of a worker, more
+are closed as they are accepted. Thousands of silent sockets reopened as they were dropped once
+filled ``worker_connections``, and gthread stopped accepting: ``/healthz`` timed out.
 
 The other way, a write that waits ``ROLLOUT_STREAM_WRITE_TIMEOUT`` (a reader that stopped
 reading) fails and ends the connection.
@@ -31,6 +38,7 @@ import selectors
 import socket
 import struct
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -45,7 +53,7 @@ from web.serving.request_framing import (
     Progress,
     RequestSource,
 )
-from web.serving.thread_share import OPS_THREADS, ThreadShare, is_ops, key_digest
+from web.serving.thread_share import CONTROL_THREADS, OPS_THREADS, Lane, ThreadShare, lane, request_key
 
 
 class RequestBuffering:
@@ -53,16 +61,21 @@ class RequestBuffering:
     event loop first. The server sets the class attributes from Settings."""
 
     read_timeout: float = 10.0
+    first_byte_timeout: float = 5.0  # a connection silent this long is closed
+    connections_per_peer: int = 512  # a peer's connections past this are closed as accepted
     write_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024  # the largest body any route takes
     per_key_threads: int | None = None  # None: a key may hold every thread (no keys configured)
-    admin_keys: frozenset[bytes] = frozenset()  # their digests (web/serving/thread_share.py)
+    known_keys: frozenset[bytes] = frozenset()  # every configured key's digest (web/serving/thread_share.py)
+    admin_keys: frozenset[bytes] = frozenset()  # the admin keys' digests; none and no keys: the open API
 
     def init_process(self):
         self._reading: dict[TConn, tuple[float, IncomingRequest]] = {}  # connection -> (start, request)
         threads = self.cfg.threads
         self._share = ThreadShare(threads, self.per_key_threads or threads)
-        self._ops_pool = ThreadPoolExecutor(OPS_THREADS, thread_name_prefix="ops")
+        self._pools = {Lane.OPS: ThreadPoolExecutor(OPS_THREADS, thread_name_prefix="ops"),
+                       Lane.CONTROL: ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="control")}
+        self._peers: Counter = Counter()  # open connections per peer address
         super().init_process()  # runs the worker's loop until it stops
 
     # --- gthread's hooks: every request is collected here first -----------------------------------
@@ -74,8 +87,12 @@ class RequestBuffering:
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return
+        peer = _peer(address)
+        if self._peers[peer] >= self.connections_per_peer:
+            util.close(client)  # never read: one peer does not fill the worker's connections
+            return
         self.nr_conns += 1
-        self._start_reading(TConn(self.cfg, client, address, listener.getsockname()))
+        self._start_reading(_PeerConn(self.cfg, client, address, listener.getsockname(), self._peers, peer))
 
     def on_client_socket_readable(self, conn, client):
         """A kept-alive connection's next request: collected here too."""
@@ -108,13 +125,15 @@ class RequestBuffering:
             self._drop(conn, error_response(408, timeout=self.read_timeout) if request.received_any else b"")
 
     def _deadline(self, start: float, request: IncomingRequest) -> float:
+        if not request.received_any:
+            return start + min(self.first_byte_timeout, self.read_timeout)
         return start + self.read_timeout + request.body_bytes / MIN_BODY_BYTES_PER_SECOND
 
     # --- collecting -----------------------------------------------------------------------------
 
     def _start_reading(self, conn: TConn, leftover: bytes = b"") -> None:
         conn.sock.setblocking(False)
-        self._reading[conn] = (time.monotonic(), IncomingRequest(self.max_body_bytes))
+        self._reading[conn] = (time.monotonic(), IncomingRequest(self.cfg, self.max_body_bytes, conn.client))
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._read_some, conn))
         if leftover:
             self._take(conn, leftover)
@@ -138,8 +157,10 @@ class RequestBuffering:
             if request.wants_continue:  # the client waits for our word before it sends the body
                 request.wants_continue = False
                 self._write(conn, CONTINUE)
-        elif progress is Progress.INVALID:
-            self._drop(conn, error_response(request.error_status))
+        elif progress is Progress.INVALID:  # gunicorn's refusal, answered as gunicorn answers it
+            self._forget(conn)
+            self.handle_error(None, conn.sock, conn.client, request.error)
+            self._close(conn)
         else:  # whole, or past the cap: the thread answers it (a 413 from what came, if past)
             self._hand_over(conn, request)
 
@@ -155,13 +176,15 @@ class RequestBuffering:
         conn.init()  # the parser (plain HTTP/1.1: no TLS or h2 preface here, so nothing is read)
         conn.parser.unreader.sock = request.source()
         conn.data_ready = True
-        key = key_digest(request.bearer)
-        if is_ops(request.target, key, self.admin_keys):
-            done = self._ops_pool.submit(self.handle, conn)
-            done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
-        else:
+        key = request_key(request.authorization, self.known_keys)
+        admin = (key in self.admin_keys) if self.known_keys else True  # no keys: anyone may steer
+        where = lane(request.path, admin)
+        if where is Lane.SHARE:
             self._share.add(key, conn)
             self._give_threads()
+        else:
+            done = self._pools[where].submit(self.handle, conn)
+            done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
 
     def _give_threads(self) -> None:
         """Free threads to the requests waiting for them, each key within its share."""
@@ -171,6 +194,12 @@ class RequestBuffering:
             self.enqueue_req(conn)
 
     def _drop(self, conn: TConn, answer: bytes = b"") -> None:
+        self._forget(conn)
+        if answer:
+            self._write(conn, answer)
+        self._close(conn)
+
+    def _forget(self, conn: TConn) -> None:
         try:
             self.poller.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
@@ -178,8 +207,8 @@ class RequestBuffering:
         _, request = self._reading.pop(conn, (0.0, None))
         if request is not None:
             request.close()
-        if answer:
-            self._write(conn, answer)
+
+    def _close(self, conn: TConn) -> None:
         self.nr_conns -= 1
         conn.close()
 
@@ -189,6 +218,29 @@ class RequestBuffering:
             util.write_nonblock(conn.sock, data)
         except Exception:  # the client is gone or not reading: nothing more to tell it
             pass
+
+
+class _PeerConn(TConn):
+    """A connection counted against its peer's connections until it closes (every way gthread and
+    the loop end a connection goes through ``close``; all of them run on the loop's thread)."""
+
+    def __init__(self, cfg, sock, client, server, peers: Counter, peer: str):
+        super().__init__(cfg, sock, client, server)
+        self._peers, self._peer = peers, peer
+        peers[peer] += 1
+
+    def close(self, graceful=False):
+        if self._peers is not None:
+            self._peers[self._peer] -= 1
+            if self._peers[self._peer] <= 0:
+                del self._peers[self._peer]
+            self._peers = None
+        super().close(graceful)
+
+
+def _peer(address) -> str:
+    """The peer's address without its port (a Unix socket's peers are one)."""
+    return str(address[0]) if isinstance(address, tuple) and address else "unix"
 
 
 def _timeval(seconds: float) -> bytes:

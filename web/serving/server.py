@@ -80,11 +80,13 @@ class ApiServer(BaseApplication):
         keyed = bool(s.api_keys or s.admin_keys)
         self.cfg.set("worker_class", type("ApiWorker", (ApiWorker,), {
             "read_timeout": s.request_read_timeout, "write_timeout": s.stream_write_timeout,
+            "first_byte_timeout": s.request_first_byte_timeout, "connections_per_peer": s.api_connections_per_peer,
             "max_body_bytes": max(s.max_body_bytes, s.batch_max_bytes + MULTIPART_OVERHEAD),
             "per_key_threads": threads - max(1, s.api_threads // 2) if keyed else None,
-            "admin_keys": digests(s.admin_keys)}))
+            "known_keys": digests(s.api_keys + s.admin_keys), "admin_keys": digests(s.admin_keys)}))
         self.cfg.set("threads", threads)
-        self.cfg.set("worker_connections", max(1000, 2 * (s.api_threads + s.api_stream_slots)))
+        # Twice one peer's cap at least: a peer at its cap leaves room for every other.
+        self.cfg.set("worker_connections", max(1000, 2 * threads, 2 * s.api_connections_per_peer))
         self.cfg.set("timeout", int(s.sync_timeout_max) + 30)
         # gunicorn closes an idle kept-alive connection after 2 s by default, and a pooled client
         # that sends as it closes gets a closed socket (1 bulk post in ~100 sent 2 s apart failed so).

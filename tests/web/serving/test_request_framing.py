@@ -1,11 +1,13 @@
 """Where a request ends, as the API's event loop finds it before a thread takes it
 (web/serving/request_framing.py): whole requests of each framing, fed a byte at a time or all at once,
-come out byte for byte as gunicorn's parser then reads them, and nothing past their end."""
+come out as gunicorn's parser then reads them (re-framed with a Content-Length), and nothing past
+their end; what gunicorn's grammar refuses is refused here, with gunicorn's error."""
 
 from __future__ import annotations
 
 import pytest
 from gunicorn.config import Config
+from gunicorn.http import errors
 from gunicorn.http.parser import RequestParser
 
 from web.serving.request_framing import IN_MEMORY_BODY_BYTES, IncomingRequest, Progress
@@ -16,7 +18,7 @@ CHUNKED = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\
 
 
 def fed(data: bytes, *, step: int | None = None, max_body: int = 1 << 20) -> IncomingRequest:
-    request = IncomingRequest(max_body)
+    request = IncomingRequest(Config(), max_body)
     pieces = [data] if step is None else [data[i:i + step] for i in range(0, len(data), step)]
     for piece in pieces:
         if request.feed(piece) is not Progress.NEED_MORE:
@@ -49,7 +51,7 @@ def test_a_pipelined_next_request_is_left_over_not_read(first):
     assert request.leftover == second_start
     assert as_gunicorn_reads(request)[0] in ("GET", "POST")
     # The next request starts from what was left over, and is whole once the rest comes.
-    following = IncomingRequest(1 << 20, request.leftover)
+    following = IncomingRequest(Config(), 1 << 20, leftover=request.leftover)
     assert following.progress is Progress.NEED_MORE
     assert following.feed(b"st: x\r\n\r\n") is Progress.COMPLETE
 
@@ -88,13 +90,41 @@ def test_a_large_body_is_kept_on_disk_and_read_back_whole():
     assert as_gunicorn_reads(request) == ("POST", body)
 
 
-@pytest.mark.parametrize("data, status", [
-    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n", 400),
-    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + b"y" * (200 * 1024), 431),
+@pytest.mark.parametrize("data, error", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Bad: a\x00b\r\n\r\n", errors.InvalidHeader),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + b"y" * (200 * 1024), errors.LimitRequestHeaders),
+    (b"GET / HTTP/1.1\r\nHost: x\nX-Next: ", errors.InvalidHeader),  # a bare LF: at once, not at the head's end
+    (b"GET /" + b"a" * 5000, errors.LimitRequestLine),  # a request line past its limit: at once
+    (CHUNKED.replace(b"3\r\n", b"3 \r\n"), errors.InvalidChunkSize),
+    (CHUNKED.replace(b"3\r\n", b"3;\r\n"), errors.InvalidChunkExtension),
+    (CHUNKED[:-2] + b"Content-Length: 5\r\n\r\n", errors.InvalidHeaderName),
+    (CHUNKED.split(b"\r\n\r\n")[0] + b"\r\n\r\nFFFFFFFFFFFFFFFFFFFF\r\n", errors.InvalidChunkSize),
 ])
-def test_what_is_not_http_is_invalid_with_the_status_to_answer(data, status):
-    request = fed(data)
-    assert request.progress is Progress.INVALID and request.error_status == status
+@pytest.mark.parametrize("step", [None, 1])
+def test_what_gunicorn_refuses_is_invalid_with_its_error(data, error, step):
+    request = fed(data, step=step)
+    assert request.progress is Progress.INVALID and isinstance(request.error, error)
+
+
+def test_a_chunk_size_past_the_cap_is_oversized_at_once_and_handed_on_declaring_past_it():
+    head = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    request = fed(head + b"100000\r\nab", max_body=1000)
+    assert request.progress is Progress.OVERSIZED
+    parser = RequestParser(Config(), request.source(), ("127.0.0.1", 1))
+    assert next(parser).body.reader.length == 0x100000
+
+
+def test_a_chunked_request_is_handed_on_with_its_length_and_no_framing():
+    request = fed(CHUNKED.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\n"))
+    head = request.source().recv(1 << 20)
+    assert head == b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n"
+
+
+def test_the_key_and_the_routed_path_are_gunicorns_reading():
+    request = fed(b"GET http://x/heal%74hz?a=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                  b"authorization: Bearer j\r\n\r\n")
+    assert request.path == "/healthz"
+    assert request.authorization == "Bearer k,Bearer j"  # repeated: joined, as the app gets it
 
 
 def test_the_source_ends_where_the_request_ends_so_a_thread_never_waits_for_more():

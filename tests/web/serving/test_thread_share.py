@@ -13,7 +13,7 @@ import requests
 from tests.conftest import empty_db_url
 from tests.web.conftest import KEY_A, KEY_B, auth
 from tests.web.gunicorn_api import gunicorn_api
-from web.serving.thread_share import ThreadShare, digests, is_ops, key_digest
+from web.serving.thread_share import CONTROL_PATHS, Lane, ThreadShare, digests, key_digest, lane, request_key
 
 WAIT_S = 3  # each of A's synchronous calls waits this long for a job no worker runs
 
@@ -33,11 +33,25 @@ def test_a_free_thread_goes_to_the_waiting_key_holding_the_fewest_within_its_sha
     assert share.waiting == 2
 
 
-def test_health_metrics_and_admin_keys_have_threads_of_their_own():
-    admins = digests(["admin-secret"])
-    assert is_ops(b"/healthz", b"", admins) and is_ops(b"/metrics?x=1", b"", admins)
-    assert is_ops(b"/continue_generation", key_digest(b"admin-secret"), admins)
-    assert not is_ops(b"/v1/jobs", key_digest(b"user-secret"), admins) and not is_ops(b"/v1/jobs", b"", admins)
+def test_health_metrics_and_admin_control_calls_have_threads_of_their_own_admin_generation_does_not():
+    assert lane("/healthz", False) is Lane.OPS and lane("/metrics", True) is Lane.OPS
+    assert lane("/continue_generation", True) is Lane.CONTROL and lane("/v1/weights", True) is Lane.CONTROL
+    assert lane("/continue_generation", False) is Lane.SHARE  # not an admin: refused in its share
+    assert lane("/v1/generate", True) is Lane.SHARE and lane("/generate", True) is Lane.SHARE
+
+
+def test_every_control_path_is_a_route_of_the_app(make_app):
+    routes = {rule.rule for rule in make_app().url_map.iter_rules()}
+    assert CONTROL_PATHS <= routes
+
+
+@pytest.mark.parametrize("header", [f"Bearer {KEY_A}\xa0", f"Bearer {KEY_A}\x85", f"Bearer \xa0{KEY_A}",
+                                    f"Bearer {KEY_A}x", f"Basic {KEY_A}", f"Bearer\t{KEY_A}", "Bearer made-up",
+                                    f"Bearer {KEY_A},Bearer {KEY_A}", None])
+def test_a_request_not_presenting_a_configured_key_exactly_waits_with_the_keyless(header):
+    known = digests([KEY_A, KEY_B])
+    assert request_key(header, known) == b""
+    assert request_key(f"bearer   {KEY_A}", known) == key_digest(KEY_A)
 
 
 @pytest.fixture(scope="module")
