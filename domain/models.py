@@ -10,6 +10,9 @@ from engine.errors import ModelLoadError
 
 # A tiny Qwen2.5-Omni thinker: it takes image, video and audio, so every content part can be tried.
 DEMO_MODEL_NAME = "demo-qwen2.5-omni"
+# The built-in models by name (ROLLOUT_DEMO_MODEL) and the demo architecture each is built as;
+# demo-qwen3's chat template has tools and thinking (engine/demo_qwen3.py).
+DEMO_ARCHS = {DEMO_MODEL_NAME: "qwen2_5_omni", "demo-qwen3": "qwen3_tools"}
 
 
 def resolve_model_path(settings: Settings) -> str:
@@ -19,13 +22,14 @@ def resolve_model_path(settings: Settings) -> str:
         if not local.is_dir() and (local.is_absolute() or settings.model.startswith(".") or local.exists()):
             raise ModelLoadError(f"ROLLOUT_MODEL={settings.model!r} is not a model directory")
         return settings.model
-    from engine.demo_model import SERVED_ARCH, build_demo_model  # reusing a built one imports no torch
+    from engine.demo_model import build_demo_model  # reusing a built one imports no torch
 
-    return str(build_demo_model(Path(settings.state_dir) / "models" / DEMO_MODEL_NAME, arch=SERVED_ARCH))
+    name = settings.demo_model
+    return str(build_demo_model(Path(settings.state_dir) / "models" / name, arch=DEMO_ARCHS[name]))
 
 
 def model_id(settings: Settings) -> str:
-    return settings.model or DEMO_MODEL_NAME
+    return settings.model or settings.demo_model
 
 
 @dataclass(frozen=True)

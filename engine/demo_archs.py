@@ -22,6 +22,8 @@ class ArchSpec:
     write: Callable[[Path, object, dict[str, int]], tuple[type, object]]
     # Named special tokens (tokenizer.image_token etc.), which some HF processors read.
     named: dict[str, str] | None = None
+    # Added tokens that are not special (decoding keeps them), e.g. Qwen3's <think> and <tool_call>.
+    added_tokens: tuple[str, ...] = ()
 
 
 

@@ -16,14 +16,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.demo_archs import SPECS, ArchSpec
+from engine.demo_archs import SPECS as _ARCH_SPECS
+from engine.demo_archs import ArchSpec
+from engine.demo_qwen3 import QWEN3_TOOLS
+
+SPECS = {**_ARCH_SPECS, "qwen3_tools": QWEN3_TOOLS}
 
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
 BUILD_FORMAT = 3
 MARKER = "rollout_demo_build.json"
-ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio")
+ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio", "qwen3_tools")
 IMAGE_ARCHS = tuple(arch for arch in ARCHS if arch != "qwen2_audio")
 # The one `rollout-queue up` serves: it takes image, video and audio.
 SERVED_ARCH = "qwen2_5_omni"
@@ -107,7 +111,7 @@ def _train_tokenizer(spec: ArchSpec):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=640 - len(spec.special_tokens),
+        vocab_size=640 - len(spec.special_tokens) - len(spec.added_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -115,6 +119,7 @@ def _train_tokenizer(spec: ArchSpec):
     # Special and media tokens after the learned vocabulary, as in real Qwen tokenizers: small ids
     # are ordinary text (SGLang's own example sends input_ids [1, 2, 3]).
     tok.add_special_tokens(list(spec.special_tokens))
+    tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in spec.added_tokens])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=spec.bos,

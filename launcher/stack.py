@@ -23,7 +23,7 @@ import requests
 from domain.infra.redis_client import connect
 from domain.infra.redis_memory import HIGH_WATER, default_maxmemory_bytes
 from domain.infra.redis_server import EmbeddedRedis, LocalFailoverGroup
-from domain.models import DEMO_MODEL_NAME, resolve_model_path
+from domain.models import resolve_model_path
 from domain.settings import Settings, SettingsError
 from engine.errors import ServiceUnavailableError
 from launcher.supervisor import Child, Supervisor, process_child
@@ -43,7 +43,7 @@ def child_env(settings: Settings, *, redis_url: str, model_path: str) -> dict[st
            "ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_MODEL": model_path}
     if not settings.model and not settings.served_model_name:
         # The children get the built demo model's path; clients still name it by the demo's name.
-        env["ROLLOUT_SERVED_MODEL_NAME"] = DEMO_MODEL_NAME
+        env["ROLLOUT_SERVED_MODEL_NAME"] = settings.demo_model
     return env
 
 

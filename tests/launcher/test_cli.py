@@ -64,3 +64,6 @@ def test_up_serves_the_demo_model_under_its_name(tmp_path, monkeypatch):
     named = child_env(Settings(state_dir=tmp_path, served_model_name="policy"), redis_url="redis://r/0",
                       model_path="/built/demo")
     assert "ROLLOUT_SERVED_MODEL_NAME" not in named  # a name of one's own reaches the children as set
+    qwen3 = child_env(Settings(state_dir=tmp_path, demo_model="demo-qwen3"), redis_url="redis://r/0",
+                      model_path="/built/demo-qwen3")
+    assert qwen3["ROLLOUT_SERVED_MODEL_NAME"] == "demo-qwen3"  # ROLLOUT_DEMO_MODEL picks the built-in one
