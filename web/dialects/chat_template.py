@@ -36,12 +36,13 @@ class ChatTemplateRefusedError(InvalidRequestError):
     code = "chat_template_refused"
 
 
-def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, kwargs: Mapping[str, Any]) -> str:
-    """The prompt text of ``messages`` through the tokenizer's chat template (``kwargs`` as
-    ``template_kwargs`` checked them)."""
+def render(tokenizer, messages: list[dict], *, add_generation_prompt: bool, kwargs: Mapping[str, Any],
+           tools: list[dict] | None = None) -> str:
+    """The prompt text of ``messages`` (and ``tools``, OpenAI's function tools) through the
+    tokenizer's chat template (``kwargs`` as ``template_kwargs`` checked them)."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
+                                             tools=tools, **kwargs)
     except TemplateError as exc:
         raise ChatTemplateRefusedError(f"the chat template refused the conversation: {exc}",
                                        errors={"messages": [str(exc)]}) from None
@@ -71,19 +72,27 @@ def template_kwargs(body: Mapping[str, Any], tokenizer, *, trust_request_templat
 
 def template_variables(tokenizer) -> frozenset[str]:
     """The variables the tokenizer's chat template(s) read that a request may set."""
-    template = tokenizer.chat_template
-    sources = tuple(sorted(template.values())) if isinstance(template, dict) else (template or "",)
     taken = _taken_by_apply_chat_template(type(tokenizer)) | frozenset(tokenizer.special_tokens_map)
-    return _variables(sources) - taken
+    return _undeclared(_sources(tokenizer)) - _SET_BY_SERVICE - taken
+
+
+def reads_tools(tokenizer) -> bool:
+    """Whether the chat template reads ``tools`` (one that does not would drop them unseen)."""
+    return "tools" in _undeclared(_sources(tokenizer))
+
+
+def _sources(tokenizer) -> tuple[str, ...]:
+    template = tokenizer.chat_template
+    return tuple(sorted(template.values())) if isinstance(template, dict) else (template or "",)
 
 
 @lru_cache(maxsize=8)
-def _variables(sources: tuple[str, ...]) -> frozenset[str]:
+def _undeclared(sources: tuple[str, ...]) -> frozenset[str]:
     env = ImmutableSandboxedEnvironment()
     found: set[str] = set()
     for source in sources:
         found |= meta.find_undeclared_variables(env.parse(source))
-    return frozenset(found) - frozenset(env.globals) - _SET_BY_SERVICE
+    return frozenset(found) - frozenset(env.globals)
 
 
 @lru_cache(maxsize=8)

@@ -127,3 +127,23 @@ def test_reasoning_then_calls_stream_as_the_whole_text_parses(data, thought, ans
         streamed, _ = _streamed(text, parsers, cuts)
         assert streamed["reasoning_content"] == whole["reasoning_content"], (text, cuts)
         assert streamed["content"] == whole["content"] and _calls(streamed) == _calls(whole), (text, cuts)
+
+
+def test_the_settings_offer_every_registered_parser_and_auto_picks_each_by_its_markup():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from domain.settings import Settings
+    from web.parsers import select
+
+    choices = {f.name: f.metadata["one_of"] for f in dataclasses.fields(Settings) if "one_of" in f.metadata}
+    assert set(choices["tool_call_parser"]) == {"auto", "none", *TOOL_PARSERS}
+    assert set(choices["reasoning_parser"]) == {"auto", "none", *REASONING_PARSERS}
+    for name, cls in TOOL_PARSERS.items():
+        tok = SimpleNamespace(chat_template=f"{{{{ messages }}}} {cls.start}")
+        assert select.tool_parser_name(tok, "auto") == name and select.tool_parser_name(tok, "none") is None
+    thinking = SimpleNamespace(chat_template="{% if enable_thinking %}</think>{% endif %}")
+    assert select.reasoning_parser(thinking, "auto", {}).name == "qwen3"
+    assert select.reasoning_parser(thinking, "auto", {"enable_thinking": False}) is None
+    assert select.reasoning_parser(SimpleNamespace(chat_template="</think>"), "auto", {}).name == "deepseek_r1"
+    assert select.reasoning_parser(SimpleNamespace(chat_template="plain"), "auto", {}) is None

@@ -45,7 +45,8 @@ COMPLETIONS_URL = "/v1/completions"
 JOBS_URL = "/v1/jobs"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, JOBS_URL)
 # The request options the reply renderers read (web.dialects.openai.chat_reply / completion_reply).
-_REPLY_OPTIONS = ("logprobs", "top_logprobs", "echo", "return_token_ids", "return_tokens_as_token_ids")
+_REPLY_OPTIONS = ("logprobs", "top_logprobs", "echo", "return_token_ids", "return_tokens_as_token_ids",
+                  "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
 
 
 class LineShapeError(InvalidRequestError):

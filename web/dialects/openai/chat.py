@@ -23,7 +23,9 @@ from web.dialects.common import (
     vocab_size,
 )
 from web.dialects.openai.request import check_model, native_params, speller, stop_reason
+from web.dialects.openai.tools import checked_tools, reply_parsers, template_tool_calls
 from web.dialects.sampling import RENAMED
+from web.parsers.message import finish_reason, parsed_message
 from web.services import services
 
 
@@ -49,13 +51,11 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
 
 def chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     check_model(body.get("model"))
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError("tool_choice: tools are not served", errors={"tool_choice": ["not supported"]})
+    tools = checked_tools(body)
     template_messages, parts = chat_messages(body["messages"])
     text = chat_template.render(tokenizer(), template_messages,
                                 add_generation_prompt=body.get("add_generation_prompt", True),
-                                kwargs=checked_template_kwargs(body))
+                                kwargs=checked_template_kwargs(body), tools=tools)
     return ChatPrompt(body, text, parts)
 
 
@@ -109,8 +109,10 @@ def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
         for name in ("audio", "refusal"):  # an assistant's audio reply or refusal: not served, never dropped
             if message.get(name) is not None:
                 raise _bad(f"messages[{i}].{name}", "not supported here")
-        converted: dict[str, Any] = {k: v for k, v in message.items() if k in ("role", "name", "tool_calls",
-                                                                                 "tool_call_id")}
+        converted: dict[str, Any] = {k: v for k, v in message.items() if k in ("role", "name", "tool_call_id",
+                                                                                 "reasoning_content")}
+        if message.get("tool_calls") is not None:
+            converted["tool_calls"] = template_tool_calls(message["tool_calls"], f"messages[{i}].tool_calls")
         if content is None or isinstance(content, str):
             converted["content"] = content or ""
         elif isinstance(content, list):
@@ -150,14 +152,16 @@ def _bad(where: str, what: str) -> InvalidRequestError:
 def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> dict:
     result = JobResult.of(job, n=request["sampling_params"]["n"])
     spell = speller(TokenTexts(), body.get("return_tokens_as_token_ids", False))
+    parsers = reply_parsers(body)
     choices = []
     for choice in result.choices:
+        message = parsed_message(choice.text or "", parsers)
         entry = {"index": choice.index,
-                 "message": {"role": "assistant", "content": choice.text or "", "tool_calls": [],
-                             "reasoning_content": None},
+                 "message": message,
                  "logprobs": {"content": chat_logprob_entries(choice, spell, body.get("top_logprobs") or 0)}
                  if body.get("logprobs") else None,
-                 "finish_reason": choice.finish_reason, "stop_reason": stop_reason(choice)}
+                 "finish_reason": finish_reason(choice.finish_reason, bool(message["tool_calls"])),
+                 "stop_reason": stop_reason(choice)}
         if body.get("return_token_ids"):
             entry["token_ids"] = choice.token_ids
         if request["sampling_params"].get("sampling_mask"):  # return_sampling_mask: vLLM's CSR

@@ -37,7 +37,7 @@ from web.dialects.sampling import native_sampling, sampling_fields
 MAX_LOGPROBS = 20
 # OpenAI / vLLM knobs this service cannot honour: accepted only at these values.
 _UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "best_of": (None, 1), "echo_chat": (False,),
-                "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+                "functions": (None, []), "response_format": (None, {"type": "text"}),
                 "continue_final_message": (False,), "priority": (0,), "guided_json": (None,),
                 "guided_regex": (None,), "guided_choice": (None,), "structured_outputs": (None,),
                 "allowed_token_ids": (None,), "bad_words": (None, []), "kv_transfer_params": (None,),
@@ -113,9 +113,9 @@ class ChatCompletionRequestSchema(_Common):
     max_completion_tokens = fields.Integer(strict=True)
     logprobs = StrictBoolean()
     top_logprobs = fields.Integer(strict=True, validate=validate.Range(0, MAX_LOGPROBS))
-    tools = fields.Raw()
-    tool_choice = fields.Raw()
-    parallel_tool_calls = fields.Raw()
+    tools = fields.Raw(metadata={"description": "OpenAI's function tools, rendered by the chat template (web/dialects/openai/tools.py)"})
+    tool_choice = fields.Raw(metadata={"description": "none or auto; required and named functions are a 422 until calls are constrained"})
+    parallel_tool_calls = StrictBoolean()
     functions = fields.Raw()
     response_format = fields.Raw()
     add_generation_prompt = StrictBoolean()

@@ -28,7 +28,9 @@ from web.api.streams import sse
 from web.dialects import openai
 from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
+from web.dialects.openai.tools import reply_parsers
 from web.dialects.vllm import request as vllm
+from web.parsers.message import MessageStream, finish_reason
 from web.services import services
 
 
@@ -131,6 +133,19 @@ class ChatChunks(_OpenAIChunks):
     def __init__(self, body: dict[str, Any], requests: list[dict]):
         super().__init__(body, requests)
         self._started: set[tuple[str, int]] = set()
+        self._parsers = reply_parsers(body)  # built in the request; its chunks are made outside its context
+        self._messages: dict[tuple[str, int], MessageStream] = {}
+
+    def _message(self, job_id: str, delta: ChoiceDelta, *, final: bool) -> dict:
+        """The delta's message part: its text as is, or what the reply parsers settled of it."""
+        if self._parsers.reasoning is None and self._parsers.tools is None:
+            return {"content": delta.text} if delta.text or not final else {}
+        stream = self._messages.setdefault((job_id, delta.index), MessageStream(self._parsers))
+        return stream.feed(delta.text or "", final=final)
+
+    def _called(self, job_id: str, index: int) -> bool:
+        stream = self._messages.get((job_id, index))
+        return stream is not None and stream.called
 
     def _choices(self, job_id: str, delta: ChoiceDelta, content: dict) -> list[dict]:
         out = []
@@ -147,11 +162,17 @@ class ChatChunks(_OpenAIChunks):
         return out
 
     def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
-        return [self._chunk([entry]) for entry in self._choices(job["id"], delta, {"content": delta.text})]
+        content = self._message(job["id"], delta, final=False)
+        entries = self._choices(job["id"], delta, content)
+        if not content and set(entries[-1]) == {"index", "delta", "logprobs", "finish_reason"} \
+                and entries[-1]["logprobs"] is None:
+            entries.pop()  # held back by a parser, and nothing else to carry
+        return [self._chunk([entry]) for entry in entries]
 
     def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
-        entries = self._choices(job["id"], delta, {"content": delta.text} if delta.text else {})
+        entries = self._choices(job["id"], delta, self._message(job["id"], delta, final=True))
         self._ended(entries[-1], job, delta)
+        entries[-1]["finish_reason"] = finish_reason(delta.finish_reason, self._called(job["id"], delta.index))
         return b"".join(self._chunk([entry]) for entry in entries)
 
 

@@ -16,6 +16,7 @@ from web.dialects.common import run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.fields import NullMeansDefault
 from web.dialects.openai.stream import ChatChunks, CompletionChunks
+from web.dialects.openai.tools import checked_tools
 from web.dialects.streaming import dialect_stream
 from web.services import services
 
@@ -86,6 +87,7 @@ class TokenizeSchema(NullMeansDefault):
     add_generation_prompt = StrictBoolean()
     return_token_strs = StrictBoolean()
     chat_template_kwargs = fields.Dict(keys=fields.String())
+    tools = fields.Raw(metadata={"description": "OpenAI's function tools, rendered by the chat template"})
 
     @validates_schema
     def one_input(self, data: dict, **_) -> None:
@@ -108,7 +110,8 @@ class Tokenize(MethodView):
         else:
             messages, _ = openai.chat_messages(body["messages"])
             text = chat_template.render(tok, messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                                        kwargs=openai.checked_template_kwargs(body))
+                                        kwargs=openai.checked_template_kwargs(body),
+                                        tools=checked_tools(body, tool_choice=False))
             ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
         return {"count": len(ids), "max_model_len": services().limits.context_tokens, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None}

@@ -82,7 +82,8 @@ class CompletionRender(MethodView):
 # What the chat body takes that a render (the model's template with its generation prompt, on a CPU
 # worker) does not honour: accepted only at these values, refused by name otherwise.
 _RENDER_HONOURS = {"chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-                   "stream": (None, False), "tool_choice": (None, "none", "auto")}
+                   "stream": (None, False), "tool_choice": (None, "none", "auto"),
+                   "tools": (None, []), "parallel_tool_calls": (None, True)}  # render writes no tools
 
 
 def _refuse_unrendered(body: dict) -> None:
