@@ -8,6 +8,9 @@ then a second head begun (the slow senders that still reached a thread), then sy
 and ``/healthz`` are timed, 5 of each (a call that times out counts :data:`TIMEOUT_S`); beside
 them the same with nothing open. A's sockets are closed after each round.
 
+Then what one key's jobs cost another's in the GPU batch (issue #56 item 3: the livelock and tie
+scenarios, :mod:`bench.tenant_scheduling`, which runs alone too).
+
     python -m bench.tenant_load
 """
 
@@ -93,7 +96,9 @@ def run() -> list[dict]:
                 time.sleep(1.0)
         finally:
             service.close()
-    return rows
+    from bench import tenant_scheduling
+
+    return rows + tenant_scheduling.run()
 
 
 def main() -> None:
