@@ -28,6 +28,7 @@ import torch
 from engine.capacity import RowFuture, SchedulerLimits, dominant_share, fair_share_victim
 from engine.prefill_plan import reusable_blocks
 from engine.prefix_cache import PrefixCache
+from engine.prefix_hash import MediaSpan, chain
 from engine.running_batch import RunningBatch
 from engine.scheduled_requests import EngineStats, Job
 from engine.step_runner import PromptInput, StepRunner
@@ -110,12 +111,15 @@ def resume(job: Job, batch: RunningBatch, runner: StepRunner, prefixes: PrefixCa
         inputs = []
         for row in rows:
             length = job.prompt_len + len(row.token_ids) - 1  # its last token is fed by the next decode step
+            tokens = [*job.request.prompt_token_ids, *row.token_ids][:length]
             shared = reusable_blocks(job.prompt_len // size, size, length, [unit.span for unit in job.units])
             prefix = prompt.kv.blocks[:shared]
+            decoded = _decoded_blocks(job, tokens, pool) if shared == job.prompt_len // size else []
+            count = reusable_blocks(len(decoded), size, length, []) if decoded else 0
+            prefix = [*prefix, *decoded[shared:count]]
             pool.share(prefix)  # the row's prefill takes this reference over
-            inputs.append(PromptInput([*job.request.prompt_token_ids, *row.token_ids][:length], job.features,
-                                      job.units, prefix, shared * size))
-            stats.prefill_tokens += length - shared * size
+            inputs.append(PromptInput(tokens, job.features, job.units, prefix, len(prefix) * size))
+            stats.prefill_tokens += length - len(prefix) * size
         held.remove(prompt)  # the rows hold its full blocks now: the rest (its tail) is free for their own
         prompt.kv.release()
         prefilled = runner.prefill(inputs) if inputs else []
@@ -129,3 +133,16 @@ def resume(job: Job, batch: RunningBatch, runner: StepRunner, prefixes: PrefixCa
     finally:  # the rows that joined hold their blocks; the prefills' own references go back
         for prompt in held:
             prompt.kv.release()
+
+
+def _decoded_blocks(job: Job, tokens: list[int], pool) -> list[int]:
+    """The blocks of ``tokens`` (a row's prompt and tokens) the pool still holds by name, from the
+    first: its prompt's full blocks, then those its row named as it left
+    (:meth:`engine.prefix_cache.PrefixCache.keep_decoded`), while the pool has not reused them."""
+    names, size = job.names, pool.block_size
+    if names is None:
+        return []
+    first = len(names.full)
+    parent = names.full[-1] if names.full else names.root
+    spans = [MediaSpan(*unit.span, unit.key) for unit in job.units]
+    return pool.cached_run([*names.full, *chain(parent, tokens, size, spans, first_block=first)])

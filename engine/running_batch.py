@@ -102,10 +102,13 @@ class RunningBatch:
         self._keep(keep)
 
     def evict(self, job: Any) -> None:
-        """``job``'s rows leave unfinished (preempted: engine/preemption.py); their blocks go back."""
+        """``job``'s rows leave unfinished (preempted: engine/preemption.py); their blocks go back,
+        their full ones named as a finished row's (``on_row_done``), so its resume finds them."""
         keep = [i for i, j in enumerate(self.jobs) if j is not job]
         for i, j in enumerate(self.jobs):
             if j is job:
+                if self.on_row_done is not None:
+                    self.on_row_done(self.rows[i], job, self.tables[i], self.lengths[i])
                 self.pool.release(self.tables[i])
         self._keep(keep)
 

@@ -198,9 +198,9 @@ def test_a_key_below_its_share_preempts_the_newest_job_of_a_key_above_it_which_r
     assert sched.stats.preempted_requests == 1 and sched.running_rows == 3  # a1's two rows and b's
     results = run_to_end(sched)
     assert results["b"].result.choices[0].token_ids == [4, 5]
-    # a2's rows came back after b's: its prompt found whole in the pool, each row's 7 tokens but the
-    # last (fed next) computed after the prompt's full block; not a token lost.
-    assert ("prefill", [(10, 4), (10, 4)]) in sched.runner.calls
+    # a2's rows came back after b's: its prompt, and the full block each row named as it left, found
+    # in the pool; each row's 7 tokens but the last (fed next) computed after them; not a token lost.
+    assert ("prefill", [(10, 8), (10, 8)]) in sched.runner.calls
     assert [c.token_ids for c in results["a2"].result.choices] == [list(range(3, 43))] * 2
     assert sched.stats.preempted_requests == 1 and sched.pool.in_use == 0
 
