@@ -1,6 +1,6 @@
 """The GPU batch is shared between keys (issue #47, item 2): key A's long rows fill every row of
-the GPU worker's batch; key B's short job starts at once (A's newest job is preempted, runs again
-from its prompt and still ends with the tokens it would have had), where it used to wait for A's
+the GPU worker's batch; key B's short job starts at once (A's newest job is preempted, resumes where
+it was and still ends with the tokens it would have had), where it used to wait for A's
 rows to end. A real GPU worker (the demo model on the CPU) with a batch of four rows."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_a_keys_rows_filling_the_batch_give_way_to_another_keys_short_job(gpu):
     for job in a_jobs:
         assert gpu.wait(job, timeout=300)["status"] == "succeeded"
     assert int(gpu.services.redis.hget("rq:metrics:counters", "engine_preempted_requests") or 0) >= 1
-    # The preempted job ran again from its prompt: greedy, it ends with what each job gets alone.
+    # The preempted job resumed (its rows' KV computed again): greedy, it ends with what each job gets alone.
     for i, job in enumerate(a_jobs):
         alone = gpu.submit({"token_ids": [5, 6, 7, 8 + i], "sampling_params": LONG})["id"]
         assert gpu.wait(alone, timeout=300)["status"] == "succeeded"
