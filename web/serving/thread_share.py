@@ -33,7 +33,7 @@ from web.bearer import bearer_token
 
 OPS_THREADS = 2
 OPS_PATHS = frozenset({"/healthz", "/metrics"})
-CONTROL_THREADS = 2
+CONTROL_THREADS = 4  # an update waits for the fleet: two at once still leave pause and continue theirs
 # The admin routes that steer the fleet (web/api/weights.py, web/dialects/vllm/views.py and
 # web/dialects/sglang/views.py): none of them waits on a job.
 CONTROL_PATHS = frozenset({"/v1/weights", "/update_weights_from_disk", "/pause_generation", "/continue_generation",

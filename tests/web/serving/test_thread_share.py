@@ -5,6 +5,8 @@ event loop; another key, /healthz and admin calls still answer at once. Under gu
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 import time
 
 import pytest
@@ -76,3 +78,39 @@ def test_one_keys_waiting_calls_leave_threads_for_another_key_and_health(api):
             assert time.monotonic() - started < 1.0
         # A's calls are all answered, a share at a time: the job, still queued, after WAIT_S each.
         assert [call.result().status_code for call in calls] == [202] * 20
+
+
+ADMIN = "admin-key-secret"
+
+
+@pytest.fixture(scope="module")
+def admin_api(redis_url, demo_model_dir, tmp_path_factory):
+    with gunicorn_api(empty_db_url(redis_url, 7), demo_model_dir, tmp_path_factory.mktemp("admin-share-state"),
+                      api_keys=KEY_A, admin_keys=ADMIN, api_threads="4", api_stream_slots="4") as (url, port):
+        yield url, port
+
+
+def test_an_admins_generation_waits_in_its_share_while_its_control_calls_and_health_answer(admin_api):
+    """#56 item 4: an admin's synchronous calls once ran on the two ops threads; six of them during a
+    pause kept /healthz, /metrics and GET /v1/weights from answering, and /continue_generation, which
+    they waited for, waited behind them."""
+    url, port = admin_api
+    admin = auth(ADMIN)
+    assert requests.post(f"{url}/pause_generation", json={}, headers=admin, timeout=30).status_code == 200
+    body = json.dumps({"token_ids": [100, 101], "sampling_params": {"max_tokens": 2}, "timeout": 120}).encode()
+    calls = []
+    for _ in range(8):  # more than the admin key's share: the last wait in the event loop
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        calls.append(sock)
+    try:
+        time.sleep(1.0)  # every call is waiting for its job, paused
+        assert requests.get(f"{url}/healthz", timeout=10).status_code in (200, 503)
+        assert requests.get(f"{url}/metrics", timeout=10).status_code == 200
+        assert requests.get(f"{url}/v1/weights", headers=admin, timeout=10).json()["paused"] == "abort"
+        assert requests.post(f"{url}/continue_generation", headers=admin, timeout=10).status_code == 200
+        assert requests.get(f"{url}/v1/weights", headers=admin, timeout=10).json()["paused"] is None
+    finally:
+        for sock in calls:
+            sock.close()  # the calls' client hung up: their jobs are cancelled
