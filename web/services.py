@@ -12,7 +12,7 @@ from functools import cached_property
 
 from flask import current_app
 
-from domain.infra.redis_client import with_pool_size
+from domain.infra.redis_client import connect, with_pool_size
 from domain.infra.redis_memory import MemoryGauge
 from domain.infra.wakeup_hub import WakeupHub
 from domain.infra.wakeups import WaitAny
@@ -21,6 +21,7 @@ from domain.jobs.events import JobEvents
 from domain.jobs.idempotency import IdempotencyStore
 from domain.settings import Settings
 from web.auth import KeyRing
+from web.serving.thread_share import CONTROL_THREADS, OPS_THREADS
 from web.serving.wait_slots import WaitSlots
 from workers.runtime import Runtime
 
@@ -30,6 +31,16 @@ class Services(Runtime):
         super().__init__(settings, redis_url)
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         _ = self.model_facts  # a bad ROLLOUT_MODEL fails the API at start, not its first request
+
+    @cached_property
+    def redis(self):
+        """The process's shared client, its pool as large as the process's threads (plus a few for
+        the hubs' own short calls): each thread may be in a call at once. redis-py's pool holds 100
+        by default: 300 of one key's synchronous calls resuming together found it empty, and 57
+        answered 503."""
+        s = self.settings
+        threads = s.api_threads + s.api_stream_slots + OPS_THREADS + CONTROL_THREADS
+        return with_pool_size(connect(self.redis_url), threads + 16)
 
     @cached_property
     def stream_slots(self):
