@@ -15,6 +15,7 @@ def build_limits(settings: Settings, model_context: int | None) -> Limits:
         context_tokens=context_limit(s.max_model_len, model_context),
         default_max_tokens=s.default_max_tokens,
         max_metadata_bytes=s.max_metadata_bytes,
+        max_result_bytes=s.max_result_bytes,
         media=MediaLimits(max_items=s.max_content_parts, max_image_pixels=s.max_image_pixels,
                           max_video_seconds=s.max_video_seconds, max_video_frames=s.max_video_frames,
                           video_fps=s.video_fps, max_video_pixels=s.max_video_pixels,

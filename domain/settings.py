@@ -99,6 +99,8 @@ class Settings:
     max_body_bytes: int = between(32 * 1024 * 1024, 1024, 2**34)
     max_content_parts: int = between(16, 0, 1024)
     max_metadata_bytes: int = between(4096, 0, 2**20)
+    # One job's result at the most (engine/result_bound.py, counted at submit: 422 result_too_large).
+    max_result_bytes: int = between(32 * 1024 * 1024, 64 * 1024, 2**34)
     max_queued_per_key: int = between(10_000, 1, 10**9)
     max_queued_total: int = between(100_000, 1, 10**9)
     sync_timeout_max: float = between(300.0, 0, 3600)

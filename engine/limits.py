@@ -38,5 +38,6 @@ class Limits:
     context_tokens: int | None = None
     default_max_tokens: int = 64  # a request that names no max_tokens
     max_metadata_bytes: int = 4096
+    max_result_bytes: int = 32 * MIB  # one job's result at the most (engine/result_bound.py)
     media: MediaLimits = field(default_factory=MediaLimits)
     scheduler: SchedulerLimits = field(default_factory=SchedulerLimits)  # the GPU worker's batch

@@ -23,6 +23,8 @@ class RedisMemorySchema(Schema):
     used_bytes = fields.Integer()
     maxmemory_bytes = fields.Integer(metadata={"description": "0: no bound"})
     high_water_bytes = fields.Integer(allow_none=True, metadata={"description": "new work is refused from here"})
+    reserved_bytes = fields.Integer(metadata={
+        "description": "what accepted jobs' results may still write, counted against the room below the mark"})
 
 
 class HealthSchema(Schema):
@@ -71,4 +73,4 @@ class Health(MethodView):
 def memory_view(memory: MemoryUse) -> dict:
     state = "unbounded" if not memory.bounded else "refusing_new_work" if memory.above_high_water else "ok"
     return {"state": state, "used_bytes": memory.used_bytes, "maxmemory_bytes": memory.maxmemory_bytes,
-            "high_water_bytes": memory.high_water_bytes}
+            "high_water_bytes": memory.high_water_bytes, "reserved_bytes": memory.reserved_bytes}

@@ -14,6 +14,7 @@ from flask import current_app
 
 from domain.infra.redis_client import connect, with_pool_size
 from domain.infra.redis_memory import MemoryGauge
+from domain.infra.redis_reservations import Reservations
 from domain.infra.wakeup_hub import WakeupHub
 from domain.infra.wakeups import WaitAny
 from domain.jobs.event_hub import EventHub
@@ -67,6 +68,11 @@ class Services(Runtime):
         """Redis' memory against its bound, read at most once a second (domain/infra/redis_memory.py):
         new work is refused at its high-water mark; /healthz and /metrics show it."""
         return MemoryGauge(self.redis)
+
+    @cached_property
+    def reservations(self) -> Reservations:
+        """What accepted jobs' results may still take, reserved at submit (domain/infra/redis_reservations.py)."""
+        return Reservations(self.redis)
 
     @cached_property
     def wait_slots(self) -> WaitSlots:

@@ -21,6 +21,8 @@ import redis
 
 from engine.errors import ServiceUnavailableError
 
+# The sum of the reservations of domain/infra/redis_reservations.py (which imports this module).
+RESERVED_TOTAL_KEY = "rq:reserve:total"
 # The share of maxmemory at which the API refuses new work; the rest is for the work accepted.
 HIGH_WATER = 0.9
 # Each process reads INFO at most this often: a submit path never pays a round trip per request.
@@ -42,6 +44,8 @@ class MemoryUse:
     used_bytes: int
     maxmemory_bytes: int  # 0: Redis has no bound
     high_water: float = HIGH_WATER
+    # What accepted jobs may still write (domain/infra/redis_reservations.py); counted at submit.
+    reserved_bytes: int = 0
 
     @property
     def bounded(self) -> bool:
@@ -59,19 +63,26 @@ class MemoryUse:
     def full(self) -> bool:
         return self.bounded and self.used_bytes >= self.maxmemory_bytes
 
-    def refusal(self) -> RedisMemoryFullError:
+    def refusal(self, asked_bytes: int = 0) -> RedisMemoryFullError:
+        """``asked_bytes``: what the refused work would have reserved (its results' bound)."""
+        reserved = (f", {self.reserved_bytes} more are reserved for accepted jobs' results and this work "
+                    f"asks {asked_bytes}" if asked_bytes else "")
         return RedisMemoryFullError(
-            f"Redis holds {self.used_bytes} bytes of its {self.maxmemory_bytes}-byte maxmemory (new work stops at "
-            f"{self.high_water:.0%}): retry once results expire, or raise the bound",
-            errors={"used_bytes": self.used_bytes, "maxmemory_bytes": self.maxmemory_bytes},
+            f"Redis holds {self.used_bytes} bytes of its {self.maxmemory_bytes}-byte maxmemory{reserved} (new work "
+            f"stops at {self.high_water:.0%}): retry once results expire, or raise the bound",
+            errors={"used_bytes": self.used_bytes, "maxmemory_bytes": self.maxmemory_bytes,
+                    **({"reserved_bytes": self.reserved_bytes, "asked_bytes": asked_bytes} if asked_bytes else {})},
             headers={"Retry-After": "60"})
 
 
 def read_memory(client: redis.Redis, high_water: float = HIGH_WATER) -> MemoryUse:
     """One ``INFO memory``: it carries ``maxmemory`` too, so no ``CONFIG GET`` (which managed Redis
     services often disable) is needed, on our embedded Redis or on anyone's."""
-    info = client.info("memory")
-    return MemoryUse(int(info["used_memory"]), int(info.get("maxmemory", 0)), high_water)
+    pipe = client.pipeline(transaction=False)
+    pipe.info("memory")
+    pipe.get(RESERVED_TOTAL_KEY)
+    info, reserved = pipe.execute()
+    return MemoryUse(int(info["used_memory"]), int(info.get("maxmemory", 0)), high_water, int(reserved or 0))
 
 
 class MemoryGauge:

@@ -5,7 +5,7 @@ newest, with the keys and arguments each takes."""
 
 from __future__ import annotations
 
-from domain.infra import wakeups
+from domain.infra import redis_reservations, wakeups
 from domain.jobs.attempts import fence_lua
 from domain.jobs.events import STATUS_EVENT_LUA
 
@@ -26,12 +26,13 @@ return ended
 OWN_WEBHOOK_LUA = "(redis.call('HGET', {key}, 'webhook') or 'null') ~= 'null'"
 
 # KEYS: job, owner active counter, total active counter, done list, prompt, cancel flag, events,
-# unfinished index, webhook debts, uncounted batch lines, the mover's fence counter (attempts.py).
+# unfinished index, webhook debts, uncounted batch lines, the mover's fence counter (attempts.py),
+# then the result reservations' three keys (domain/infra/redis_reservations.py).
 # ARGV: new status, its rank, now, ttl, events maxlen, '1' when the owner has a key-wide webhook,
 # the mover's run number ('' when it has none), then field/value pairs to set with the move.
 # Returns 1 when the job moved, FENCED when a newer run began (nothing written); the move's status
 # event goes to the job's stream in the same call, and an end that owes a webhook (the job's own, or
-# its owner's) or a batch line is recorded as a debt.
+# its owner's) or a batch line is recorded as a debt; an end releases the job's result reservation.
 TRANSITION = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return -1 end
@@ -60,6 +61,8 @@ if to == 3 then
   end
   local batch = redis.call('HGET', KEYS[1], 'batch_id')
   if batch and batch ~= '' then redis.call('ZADD', KEYS[10], 'NX', ARGV[3], redis.call('HGET', KEYS[1], 'id')) end
+  """ + redis_reservations.RELEASE_LUA.format(bytes="KEYS[12]", total="KEYS[13]", until="KEYS[14]",
+                                              id="redis.call('HGET', KEYS[1], 'id')") + """
 end
 return 1
 """

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from domain.infra import wakeups
+from domain.infra import redis_reservations, wakeups
 from domain.infra.pipelined_scripts import run_scripts
 from domain.infra.redis_records import decode_record, encode_field, new_id, page_by_creation, plausible_id
 from domain.jobs import keys, scripts
@@ -71,6 +71,7 @@ class NewJob:
     extra: dict[str, str] | None = None
     prompt: str | None = None
     watched: bool = False
+    job_id: str | None = None  # one made beforehand (its result reserved under it, web/api/submit.py); else new
 
 
 class JobStore:
@@ -125,7 +126,7 @@ class JobStore:
 
     def _create_call(self, new: NewJob) -> tuple[list[str], list[Any], dict[str, str]]:
         now = time.time()
-        job_id = new_id("job")
+        job_id = new.job_id or new_id("job")
         fields: dict[str, Any] = {
             "id": job_id, "owner": new.owner, "kind": new.kind, "status": "queued", "created_at": now,
             "request_id": new.request_id or "", "request": new.request, "webhook": new.webhook,
@@ -217,7 +218,8 @@ class JobStore:
             args += [name, _encode(name, value)]
         names = [self.key(job_id), self._active_key(owner), TOTAL_ACTIVE_KEY, self.done_key(job_id),
                 self.prompt_key(job_id), self.cancel_key(job_id), events_key(job_id), UNFINISHED_KEY,
-                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY, fence.key if fence else preprocess_key(job_id)]
+                WEBHOOK_OWED_KEY, UNCOUNTED_LINES_KEY, fence.key if fence else preprocess_key(job_id),
+                *redis_reservations.KEYS]
         return names, args
 
     def fail(self, job_id: str, error: RolloutError, *, fence: Fence | None = None) -> bool:

@@ -17,6 +17,7 @@ from celery import Celery
 from kombu.exceptions import BatchPublishError, OperationalError
 
 from domain.infra.gpu_affinity import GpuRouter, Placement
+from domain.infra.redis_records import new_id
 from domain.jobs.prompt_codec import text_prompt
 from domain.jobs.request import JobRequest
 from domain.jobs.store import JobStore, NewJob, QueueFullError
@@ -27,16 +28,17 @@ from engine.errors import ServiceUnavailableError
 
 def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobRequest,
                extra: dict[str, str] | None = None, model: ModelFacts | None = None,
-               watched: bool = False) -> dict[str, Any]:
+               watched: bool = False, job_id: str | None = None) -> dict[str, Any]:
     """Create the job and enqueue its first task; returns the stored job record. ``watched``: the
     caller streams the job's events from the start.
 
     A prompt of plain token ids (no media, no media tokens; the token-in-token-out path RL
     trainers use most) needs no processor: it goes straight to the GPU queue, skipping a Celery
-    hop. Everything else is preprocessed by a CPU worker first.
+    hop. Everything else is preprocessed by a CPU worker first. ``job_id``: the id to make it
+    under (made beforehand by :func:`new_job_ids`); a new one by default.
     """
     plain = _is_plain(request, model)
-    job = store.add(_new_job(owner, request, extra, plain, watched))
+    job = store.add(_new_job(owner, request, extra, plain, watched, job_id))
     try:
         if plain:
             send_placed(celery, store.redis, [placement(job["id"], owner, request, request.token_ids)])
@@ -50,13 +52,15 @@ def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobReque
 
 def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
                 requests: list[tuple[JobRequest, dict[str, str] | None]],
-                model: ModelFacts | None = None) -> list[dict[str, Any] | QueueFullError]:
+                model: ModelFacts | None = None, job_ids: Sequence[str] | None = None,
+                ) -> list[dict[str, Any] | QueueFullError]:
     """``submit_job`` for many ``(request, extra)`` of one owner (a batch's chunk): created in one
     round trip, their messages sent through one producer. Each one's record, or the
-    QueueFullError it met."""
+    QueueFullError it met. ``job_ids``: the ids to make them under, one each (:func:`new_job_ids`)."""
     plain = [_is_plain(request, model) for request, _ in requests]
-    outcomes = store.create_many([_new_job(owner, request, extra, is_plain)
-                                  for (request, extra), is_plain in zip(requests, plain, strict=True)])
+    ids = list(job_ids) if job_ids is not None else [None] * len(requests)
+    outcomes = store.create_many([_new_job(owner, request, extra, is_plain, job_id=job_id)
+                                  for (request, extra), is_plain, job_id in zip(requests, plain, ids, strict=True)])
     created = [(job["id"], is_plain) for job, is_plain in zip(outcomes, plain, strict=True)
                if not isinstance(job, QueueFullError)]
     try:
@@ -107,11 +111,17 @@ def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:
     return bool(model is not None and token_ids and not request.has_media and model.is_plain_text(token_ids))
 
 
+def new_job_ids(count: int) -> list[str]:
+    """Ids for jobs not made yet: what is reserved for them is keyed by them before they exist."""
+    return [new_id("job") for _ in range(count)]
+
+
 def _new_job(owner: str, request: JobRequest, extra: dict[str, str] | None, plain: bool,
-             watched: bool = False) -> NewJob:
+             watched: bool = False, job_id: str | None = None) -> NewJob:
     return NewJob(owner=owner, kind=request.kind, request=request.to_record(), request_id=request.request_id,
                   webhook=request.webhook, metadata=request.metadata, extra=extra,
-                  prompt=json.dumps(text_prompt(request.token_ids)) if plain else None, watched=watched)
+                  prompt=json.dumps(text_prompt(request.token_ids)) if plain else None, watched=watched,
+                  job_id=job_id)
 
 
 def _fail_unqueued(store: JobStore, job_ids: list[str]) -> None:

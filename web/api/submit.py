@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import flask
@@ -10,7 +12,7 @@ from flask import has_request_context
 from domain.infra.replication import confirm_if_asked
 from domain.jobs.request import JobRequest
 from domain.jobs.store import QueueFullError
-from domain.jobs.submission import submit_job, submit_jobs
+from domain.jobs.submission import new_job_ids, submit_job, submit_jobs
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, PlaceholderMismatchError, RolloutError, check_token_ids
 from engine.request_rules import (
@@ -20,6 +22,7 @@ from engine.request_rules import (
     new_tokens_of,
     sampling_knob_problems,
 )
+from engine.result_bound import check_result_size, request_result_bound
 from web.api.sampling_mask import check_sampling_mask
 from web.api.session_header import with_session
 from web.auth import current_owner
@@ -51,7 +54,15 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
     if request.get("kind", "generate") == "generate":
         # Image placeholders are expanded later; a prompt that can never fit is refused now.
         check_capacity(limits.scheduler, prompt_len, params["max_tokens"], params.get("n", 1))
+    check_result_size(result_bound(request), limits.max_result_bytes)
     return request
+
+
+def result_bound(request: dict[str, Any]) -> int:
+    """The most bytes ``request``'s result can take (engine/result_bound.py), as admission counts it."""
+    svc = services()
+    return request_result_bound(request, context_tokens=svc.limits.context_tokens,
+                                vocab_size=svc.model_facts.vocab_size)
 
 
 def check_placeholders_have_media(request: dict[str, Any], placeholder_ids: frozenset[int]) -> None:
@@ -86,16 +97,39 @@ def check_vocabulary(request: dict[str, Any], vocab_size: int | None) -> None:
 
 
 def submit(request: dict[str, Any], *, watched: bool = False, confirm: bool = True) -> dict[str, Any]:
-    """Check the validated ``request`` against the limits, type it, store and enqueue its job
-    (``watched``: the caller streams its events). ``confirm=False``: the caller confirms
-    (:func:`confirm_created`) once it recorded the job under its idempotency key."""
+    """Check the validated ``request`` against the limits, type it, reserve what its result may
+    take, store and enqueue its job (``watched``: the caller streams its events). ``confirm=False``:
+    the caller confirms (:func:`confirm_created`) once it recorded the job under its idempotency key."""
     svc = services()
     svc.redis_memory.admit()
-    job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=checked_request(request),
-                     model=svc.model_facts, watched=watched)
+    checked = checked_request(request)
+    job_ids = new_job_ids(1)
+    with reserved(job_ids, [checked], watched=watched):
+        job = submit_job(svc.jobs, svc.celery, owner=current_owner(), request=checked, model=svc.model_facts,
+                         watched=watched, job_id=job_ids[0])
     if confirm:
         confirm_created([job["id"]])
     return job
+
+
+@contextmanager
+def reserved(job_ids: list[str], requests: list[JobRequest], *, watched: bool = False) -> Iterator[None]:
+    """Each job's result bound (:func:`result_bound`; twice for a streamed job, whose tokens are
+    written to its events as well) reserved against Redis' headroom under its id, all at once:
+    503 ``redis_memory_full`` when they do not fit (domain/infra/redis_reservations.py). The job's
+    end releases its reservation; a job the block does not make (an error, a queue cap) is released
+    here. An unbounded Redis reserves nothing."""
+    svc = services()
+    if not svc.redis_memory.read().bounded:
+        yield
+        return
+    svc.reservations.reserve([(job_id, result_bound(request.to_record()) * (2 if watched else 1))
+                              for job_id, request in zip(job_ids, requests, strict=True)])
+    try:
+        yield
+    except BaseException:
+        svc.reservations.release(job_ids)
+        raise
 
 
 def confirm_created(job_ids: list[str]) -> None:
@@ -130,11 +164,16 @@ def submit_checked(requests: list[JobRequest], *, confirm: bool = True) -> list[
     """The caller's jobs of ``requests`` created in one round trip and their messages sent in one
     more, so they reach the GPU workers together. Each one's job, or the QueueFullError its turn met
     under the caps (the others still run). Refused whole (503 ``redis_memory_full``) while Redis is at
-    its high-water mark: what it holds already may then still finish (domain/infra/redis_memory.py)."""
+    its high-water mark, or when their results' bounds do not fit below it beside what accepted jobs
+    reserved: what it holds already may then still finish (domain/infra/redis_memory.py, :func:`reserved`)."""
     svc = services()
     svc.redis_memory.admit()
-    outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],
-                           model=svc.model_facts)
+    job_ids = new_job_ids(len(requests))
+    with reserved(job_ids, requests):
+        outcomes = submit_jobs(svc.jobs, svc.celery, owner=current_owner(), requests=[(r, None) for r in requests],
+                               model=svc.model_facts, job_ids=job_ids)
+        svc.reservations.release([job_id for job_id, job in zip(job_ids, outcomes, strict=True)
+                                  if isinstance(job, QueueFullError)])
     if confirm:
         confirm_created([job["id"] for job in outcomes if not isinstance(job, QueueFullError)])
     return outcomes
