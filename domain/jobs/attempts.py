@@ -20,7 +20,7 @@ Who holds a GPU attempt: ``rq:job:<id>:holder`` names the heartbeat key of the w
 the newest one. A worker that gets a message of a job whose holder is another worker, alive and
 listing the job among those it runs (its heartbeat's ``running``), does not begin another attempt
 (``workers/gpu/jobs.py`` ``open_jobs``): that message is a duplicate of one the holder runs, and
-is settled. A holder gives its hold up before it sends a job back to the queue (preempted, or
+is settled. A holder gives its hold up before it sends a job back to the queue (a job
 retracted by a weight update). A session that Redis' outage ended keeps its holds, but its next beat
 lists none of their jobs; a message taken elsewhere before that beat is settled as a duplicate and
 its job is sent again by the job reaper (``domain/jobs/reaper.py``) once it has stalled.
