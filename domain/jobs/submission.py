@@ -24,6 +24,8 @@ from domain.jobs.store import JobStore, NewJob, QueueFullError
 from domain.models import ModelFacts
 from domain.names import GENERATE_TASK, PREPROCESS_QUEUE, PREPROCESS_TASK, SHARED_GENERATE_QUEUE
 from engine.errors import ServiceUnavailableError
+from engine.limits import Limits
+from engine.result_bound import request_result_bound
 
 
 def submit_job(store: JobStore, celery: Celery, *, owner: str, request: JobRequest,
@@ -114,6 +116,16 @@ def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:
 def new_job_ids(count: int) -> list[str]:
     """Ids for jobs not made yet: what is reserved for them is keyed by them before they exist."""
     return [new_id("job") for _ in range(count)]
+
+
+def result_reservations(job_ids: Sequence[str], requests: Sequence[JobRequest], *, limits: Limits,
+                        vocab_size: int | None, watched: bool = False) -> list[tuple[str, int]]:
+    """``(job id, bytes)`` of each job's result bound (engine/result_bound.py) as admission reserves
+    it (domain/infra/redis_reservations.py): twice for a streamed job, whose tokens its events hold too."""
+    times = 2 if watched else 1
+    return [(job_id, times * request_result_bound(request.to_record(), context_tokens=limits.context_tokens,
+                                                  vocab_size=vocab_size))
+            for job_id, request in zip(job_ids, requests, strict=True)]
 
 
 def _new_job(owner: str, request: JobRequest, extra: dict[str, str] | None, plain: bool,

@@ -6,16 +6,20 @@ high-water mark (real embedded Redis, small maxmemory), new work refused with 50
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import redis
 
 from domain.infra import redis_reservations
+from domain.infra.redis_memory import RedisMemoryFullError
 from domain.infra.redis_server import EmbeddedRedis
 from domain.lifecycle import end_job
 from domain.settings import Settings
 from engine.result_bound import request_result_bound
 from tests.web.conftest import KEY_A, KEY_B, auth
 from web.app import create_app
+from workers.tasks.batches import submit_chunk
 
 MIB = 1024 * 1024
 BOUND = 8 * MIB  # new work stops at 7.2 MiB
@@ -120,3 +124,21 @@ def test_an_unbounded_redis_reserves_nothing(make_app, redis_client):
     api = make_app().test_client()
     assert api.post("/v1/jobs", json=BIG, headers=auth()).status_code == 202
     assert reserved(redis_client) == 0
+
+
+def test_a_batch_chunk_reserves_its_jobs_results_or_waits(bounded):
+    app, client = bounded
+    api, svc = app.test_client(), app.extensions["rollout"]  # the API's services carry what a worker runtime does
+
+    def batch_of(lines: int) -> str:
+        body = b"".join(b'{"custom_id": "r%d", "body": %s}\n' % (n, json.dumps(BIG).encode()) for n in range(lines))
+        reply = api.post("/v1/batches", data=body, content_type="application/jsonl", headers=auth())
+        assert reply.status_code in (200, 201, 202), reply.get_json()
+        return reply.get_json()["id"]
+
+    too_many = batch_of(12)  # about 11 MB of results at the most: past the 7.2 MiB mark
+    with pytest.raises(RedisMemoryFullError):
+        submit_chunk(svc, too_many, 0)
+    assert reserved(client) == 0 and svc.jobs.active_count(KEY_A) == 0  # none made, none reserved
+    assert submit_chunk(svc, batch_of(3), 0) == 3
+    assert client.hlen(redis_reservations.BYTES_KEY) == 3 and reserved(client) > 0

@@ -12,7 +12,7 @@ from flask import has_request_context
 from domain.infra.replication import confirm_if_asked
 from domain.jobs.request import JobRequest
 from domain.jobs.store import QueueFullError
-from domain.jobs.submission import new_job_ids, submit_job, submit_jobs
+from domain.jobs.submission import new_job_ids, result_reservations, submit_job, submit_jobs
 from engine.capacity import check_capacity
 from engine.errors import InvalidRequestError, PlaceholderMismatchError, RolloutError, check_token_ids
 from engine.request_rules import (
@@ -114,8 +114,8 @@ def submit(request: dict[str, Any], *, watched: bool = False, confirm: bool = Tr
 
 @contextmanager
 def reserved(job_ids: list[str], requests: list[JobRequest], *, watched: bool = False) -> Iterator[None]:
-    """Each job's result bound (:func:`result_bound`; twice for a streamed job, whose tokens are
-    written to its events as well) reserved against Redis' headroom under its id, all at once:
+    """Each job's result bound (``domain.jobs.submission.result_reservations``) reserved against
+    Redis' headroom under its id, all at once:
     503 ``redis_memory_full`` when they do not fit (domain/infra/redis_reservations.py). The job's
     end releases its reservation; a job the block does not make (an error, a queue cap) is released
     here. An unbounded Redis reserves nothing."""
@@ -123,8 +123,8 @@ def reserved(job_ids: list[str], requests: list[JobRequest], *, watched: bool = 
     if not svc.redis_memory.read().bounded:
         yield
         return
-    svc.reservations.reserve([(job_id, result_bound(request.to_record()) * (2 if watched else 1))
-                              for job_id, request in zip(job_ids, requests, strict=True)])
+    svc.reservations.reserve(result_reservations(job_ids, requests, limits=svc.limits,
+                                                 vocab_size=svc.model_facts.vocab_size, watched=watched))
     try:
         yield
     except BaseException:

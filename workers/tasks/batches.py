@@ -35,10 +35,12 @@ from domain.batches.store import DIRECT_LINE
 from domain.batches.sweeps import cancel_lines, expire
 from domain.infra import finite_json
 from domain.infra.redis_client import REDIS_DOWN
+from domain.infra.redis_memory import RedisMemoryFullError, read_memory
+from domain.infra.redis_reservations import Reservations
 from domain.jobs.request import JobRequest
 from domain.jobs.store import TERMINAL as JOB_TERMINAL
 from domain.jobs.store import QueueFullError
-from domain.jobs.submission import submit_jobs
+from domain.jobs.submission import new_job_ids, result_reservations, submit_jobs
 from domain.lifecycle import cancel_job
 from domain.names import (
     CANCEL_BATCH_TASK,
@@ -65,6 +67,8 @@ def enqueue_chunk(self, batch_id: str, index: int) -> int:
             return submit_chunk(rt, batch_id, index)
         except QueueFullError as full:
             raise self.retry(countdown=_retry_after(full), max_retries=None) from None
+        except RedisMemoryFullError as full:  # its results do not fit below Redis' mark yet: later
+            raise self.retry(countdown=float(full.headers["Retry-After"]), max_retries=None) from None
 
 
 @shared_task(name=CANCEL_BATCH_TASK, bind=True)
@@ -128,9 +132,10 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
                 unreadable.append(line)
     _cannot_run(rt, batch_id, unreadable)
     created: dict[int, str] = {}
+    job_ids = _reserve(rt, [request for _, request in readable])  # RedisMemoryFullError: the chunk waits
     try:
         # One round trip creates the chunk's jobs, one more maps their lines.
-        outcomes = submit_jobs(rt.jobs, rt.celery, owner=batch["owner"], model=rt.model_facts,
+        outcomes = submit_jobs(rt.jobs, rt.celery, owner=batch["owner"], model=rt.model_facts, job_ids=job_ids,
                                requests=[(request, _job_extra(batch_id, line)) for line, request in readable])
         created = {line["line"]: job["id"] for (line, _), job in zip(readable, outcomes, strict=True)
                    if not isinstance(job, QueueFullError)}
@@ -144,10 +149,29 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
         log.exception("batch %s chunk %d: could not create jobs", batch_id, index)
         _cannot_run(rt, batch_id, [line for line, _ in readable if line["line"] not in created])
     finally:
+        _release(rt, sorted(set(job_ids) - set(created.values())))  # the jobs not made
         if created:
             _cancel_if_stopped(rt, batch, list(created.values()))
     _mark_submitted(rt, batch, index, {n: given.get(n) or created.get(n) for n in numbers})
     return len(created)
+
+
+def _reserve(rt, requests: list[JobRequest]) -> list[str]:
+    """Ids for the chunk's jobs, each one's result bound reserved under it against Redis' headroom
+    (domain/infra/redis_reservations.py; none on a Redis without a bound): all of them or, with
+    :class:`RedisMemoryFullError`, none."""
+    job_ids = new_job_ids(len(requests))
+    if requests and read_memory(rt.redis).bounded:
+        Reservations(rt.redis).reserve(result_reservations(job_ids, requests, limits=rt.limits,
+                                                           vocab_size=rt.model_facts.vocab_size))
+    return job_ids
+
+
+def _release(rt, job_ids: list[str]) -> None:
+    try:
+        Reservations(rt.redis).release(job_ids)
+    except REDIS_DOWN:  # they lapse (redis_reservations.LIFETIME_SECONDS)
+        log.warning("could not release the reservations of %d jobs not made", len(job_ids))
 
 
 def _jobs_held(rt, batch_id: str, mapped: dict[int, str]) -> dict[int, str]:
