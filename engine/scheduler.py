@@ -75,6 +75,7 @@ from engine.capacity import (
 )
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
+from engine.grammar.for_request import admissible, check_grammar
 from engine.model_facts import ModelFacts
 from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
@@ -127,6 +128,7 @@ class Scheduler:
             raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
                                       errors={"stop": ["not supported by this model"]})
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
+        check_grammar(facts, params)
         return features
 
     def submit(self, request, *, tag: Any = None, time_limit: float | None = None,
@@ -263,9 +265,8 @@ class Scheduler:
             held[admitted.request.tenant] += len(admitted.rows)
         usage = {job.request.tenant: 0.0 for job in self._jobs.values()}
         usage = {tenant: self.usage.usage(tenant) for tenant in usage}
-        while self._pending:
-            index = next_admission([job.request.tenant for job in self._pending], held, usage)
-            job = self._pending[index]
+        while waiting := admissible(self._pending, self._fail):  # a grammar still compiling waits
+            job = waiting[next_admission([job.request.tenant for job in waiting], held, usage)]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
                 victim = choose_victim(job, list(self._jobs.values()), self.limits, usage, self._peak_blocks)
                 if victim is None:
@@ -274,7 +275,7 @@ class Scheduler:
                 insort(self._pending, victim, key=lambda pending: pending.handle)  # back in its arrival place
                 held[victim.request.tenant] -= len(victim.rows)
                 continue
-            self._pending.pop(index)
+            self._pending.remove(job)
             held[job.request.tenant] += len(job.rows)
             job.state = "admitted"
             if job.admitted_at is None:  # a resumed job keeps its first admission's marks
@@ -283,6 +284,7 @@ class Scheduler:
                 if job.time_limit is not None:
                     job.deadline = time.monotonic() + job.time_limit
                 self.usage.charge(job.request.tenant, job.prompt_len)
+                usage[job.request.tenant] += job.prompt_len  # the rest of this pass sees it too
             self._admitted.append(job)
     def _peak_blocks(self, job: Job) -> int:
         return request_peak_blocks(job.prompt_len, job.request.sampling.max_tokens, len(job.rows), self.pool.block_size)
@@ -312,7 +314,9 @@ class Scheduler:
             for job in resumed:
                 resume(job, self._batch, self.runner, self.prefixes, self.stats, fail=self._fail)
         try:
-            joined, self._admitted = self._prefill.run(self._admitted, running_rows=len(self._batch))
+            # A preempted job waits for what took its rows: those prompts do not wait for company.
+            joined, self._admitted = self._prefill.run(self._admitted, running_rows=len(self._batch),
+                                                       hold=not any(job.resuming for job in self._pending))
             self._join(joined, events)
         finally:  # the rows that joined hold the blocks they need; the step lets go of its own
             self._prefill.release_step()

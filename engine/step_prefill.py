@@ -39,14 +39,16 @@ class StepPrefill:
             prompt.kv.release()
         self._step_prompts = []
 
-    def run(self, admitted: list[Job], *, running_rows: int) -> tuple[list[tuple[Job, PrefilledPrompt]], list[Job]]:
+    def run(self, admitted: list[Job], *, running_rows: int, hold: bool = True
+            ) -> tuple[list[tuple[Job, PrefilledPrompt]], list[Job]]:
         """The jobs whose prompts are ready after this step's prefill (cached ones first), and the
         admitted jobs left waiting. A long prompt being chunked goes first: nothing else is
-        prefilled until its last chunk ran."""
+        prefilled until its last chunk ran. ``hold``: prompts may wait for company (``hold_joins``)."""
         if self.chunking is not None:
             return self._prefill_chunk(), admitted
         plan = plan_prefill(admitted, self._find_cached, budget=self.limits.prefill_chunk_tokens if running_rows else None)
-        plan = self._hold_lone_joins(plan, admitted, running_rows)
+        if hold:
+            plan = self._hold_lone_joins(plan, admitted, running_rows)
         taken = set(map(id, plan.taken))
         admitted = [job for job in admitted if id(job) not in taken]
         for job, _ in plan.cached:
