@@ -395,16 +395,16 @@ def test_rows_that_fill_the_batch_give_way_to_another_key_below_its_share(models
     assert scheduler.running_rows == 6  # a key alone takes every row
     scheduler.submit(_tenant(model, "Short.", "other", seed=7, max_tokens=4), tag="short")
     ended = scheduler.step()
-    assert ended == [] and scheduler.running_rows == 4  # bulk2's two rows gave way
+    assert ended == [] and scheduler.running_rows == 5  # bulk2's two rows gave way to short's, prefilled at once
     assert scheduler.stats.preempted_requests == 1
     steps = 1
     while "short" not in [f.tag for f in ended]:
         ended = scheduler.step()
         steps += 1
         assert all(f.tag == "short" for f in ended), ended
-    # Its prefill waits a few steps for company (join_wait_steps), then its 4 tokens: bulk0 and
-    # bulk1 (40 tokens) still run.
-    assert steps <= scheduler.limits.join_wait_steps + 5
+    # Its prefill gave its first token at once (bulk2 waits on it: no wait for company), three decode
+    # steps the rest; bulk0 and bulk1 (40 tokens) still run, bulk2 resumes at the next step.
+    assert steps == 4
     assert scheduler.running_rows == 4
 
 
