@@ -46,6 +46,21 @@ def without_placeholders(logits: torch.Tensor, placeholder_ids: torch.Tensor | N
     return logits.index_fill(-1, placeholder_ids.to(logits.device), -torch.inf)
 
 
+def _constrained(scores: torch.Tensor, rows: Sequence[RowDecoder], jobs: Sequence[Any], constrained: list[int],
+                 fail: Callable[[Any, BaseException], None], failed: set[int]) -> torch.Tensor:
+    """``scores`` with each constrained row's grammar mask (engine/grammar/row_grammar.py)."""
+    # Imported here: xgrammar loads only in a process that serves a constrained request.
+    from engine.grammar.row_grammar import apply_grammars
+
+    try:
+        return apply_grammars(scores, [rows[i].grammar for i in constrained], constrained)
+    except Exception as error:  # their requests end; the free rows go on
+        for i in constrained:
+            fail(jobs[i], error)
+            failed.add(i)
+        return scores
+
+
 def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.Tensor, *,
                 placeholder_ids: torch.Tensor | None, events: list[RowTokens], batch_rows: int,
                 fail: Callable[[Any, BaseException], None]) -> torch.Tensor:
@@ -58,6 +73,8 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     scores = without_placeholders(logits, placeholder_ids)
     failed: set[int] = set()
+    if constrained := [i for i in live if rows[i].grammar is not None]:
+        scores = _constrained(scores, rows, jobs, constrained, fail, failed)
     if adjusted := [i for i in live if rows[i].adjusts]:
         scores = scores.clone()
         for i in adjusted:
@@ -125,7 +142,11 @@ def sample_step(rows: Sequence[RowDecoder], jobs: Sequence[Any], logits: torch.T
         else:
             logprob, (values, ids), at = host_logprobs[i], top or (None, None), i
         row.add_logprobs(logprob, values[at, :k] if k else None, ids[at, :k] if k else None)
-        row.record(token, aborted=False)
+        try:
+            row.record(token, aborted=False)
+        except Exception as error:  # its grammar refused the token: its request ends alone
+            fail(job, error)
+            continue
         if job.first_token_at is None:
             job.first_token_at = time.perf_counter()
         events.append(RowTokens(job.tag, row.choice_index, token, logprob if row.params.logprobs else None,

@@ -35,7 +35,8 @@ class RowDecoder:
 
     def __init__(self, request_index: int, choice_index: int, params: SamplingParams,
                  generator: torch.Generator | None, *, prompt_token_ids: Sequence[int] = (),
-                 eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, weight_version: str = ""):
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, weight_version: str = "",
+                 grammar: Any = None):
         self.request_index = request_index
         self.choice_index = choice_index
         self.params = params
@@ -58,6 +59,9 @@ class RowDecoder:
         self._top_ids: list[torch.Tensor] = []
         self._masks = SamplingMasks() if params.sampling_mask else None
         self.versions = RowVersions(weight_version)  # which weights made each token (engine/row_versions.py)
+        # engine.grammar.row_grammar.RowGrammar: the request's constraint, applied by the sampler
+        # before everything else this row adjusts; None for a free row.
+        self.grammar = grammar
 
     @property
     def done(self) -> bool:
@@ -66,13 +70,19 @@ class RowDecoder:
     @property
     def adjusts(self) -> bool:
         """This step's logits need :meth:`adjust` (a penalty, or the min_tokens mask)."""
-        return self._penalties is not None or (len(self.token_ids) < self.params.min_tokens
-                                                and bool(self._min_tokens_ids))
+        return self._penalties is not None or self._holds_stops
+
+    @property
+    def _holds_stops(self) -> bool:
+        """min_tokens holds eos and the stop ids back this step: not once the row's grammar
+        allows nothing but its end (the constraint decides the length then)."""
+        return (len(self.token_ids) < self.params.min_tokens and bool(self._min_tokens_ids)
+                and not (self.grammar is not None and self.grammar.must_end))
 
     def adjust(self, raw: torch.Tensor) -> torch.Tensor:
         """The row's fp32 logits (vocab,) with the min_tokens mask and its penalties applied."""
         logits = raw
-        if len(self.token_ids) < self.params.min_tokens and self._min_tokens_ids:
+        if self._holds_stops:
             ids = [t for t in self._min_tokens_ids if t < raw.shape[-1]]
             logits = logits.index_fill(0, torch.as_tensor(ids, device=raw.device), -math.inf)
         if self._penalties is not None:
@@ -97,12 +107,16 @@ class RowDecoder:
 
     def record(self, token: int, *, aborted: bool) -> None:
         """The token this step produced (on the host); decides whether the row ends here."""
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.token_ids.append(token)
         step = len(self.token_ids)
         new_text = self._text.push(token) if self._text is not None else ""
         params = self.params
         if token in self._stop_ids:
             # The stop or eos token itself stays in the output: the trainer needs it and its logprob.
+            self._finish("stop", token)
+        elif self.grammar is not None and self.grammar.terminated:  # its stop token, under ignore_eos
             self._finish("stop", token)
         elif new_text and step > params.min_tokens and (match := find_stop(self._text.text, len(new_text),
                                                                             params.stop)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.errors import InvalidRequestError
+from engine.grammar.spec import GrammarSpec
 from engine.request_rules import sampling_knob_problems
 
 MAX_SEED = 2**63 - 1
@@ -70,6 +71,9 @@ class SamplingParams:
     # The most weight updates a row may live through (update mode keep); one more ends it with
     # finish_reason "policy_lag" before any token of the newer weights. None: no bound.
     max_policy_lag: int | None = None
+    # A constraint every token obeys (engine/grammar/): the native ``structured_output`` object
+    # (one of json_schema, json_object, regex, choice, grammar) or its GrammarSpec. None: free.
+    structured_output: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Lists from JSON become a tuple so the params stay hashable and immutable.
@@ -121,6 +125,8 @@ class SamplingParams:
             problems["max_policy_lag"] = "must be null or an integer >= 0"
         if problems:
             raise InvalidRequestError("invalid sampling parameters", errors=problems)
+        if self.structured_output is not None:  # its own typed refusals (invalid_grammar, grammar_too_complex)
+            object.__setattr__(self, "structured_output", GrammarSpec.from_request(self.structured_output))
 
     @property
     def greedy(self) -> bool:

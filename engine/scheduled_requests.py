@@ -11,6 +11,7 @@ import torch
 
 from engine.decoding import RowDecoder
 from engine.encoder_cache import MediaUnit, tensors_hash, unit_key
+from engine.grammar.for_request import row_grammar, start_grammar
 from engine.model_facts import ModelFacts
 from engine.prefix_hash import MediaSpan, PromptHashes, prompt_hashes
 from engine.sampling import choice_seed
@@ -82,6 +83,7 @@ class Job:
     peak_rows: int = 0
     prefix: list[int] = field(default_factory=list)  # cached blocks its prefill starts from (held)
     prefix_tokens: int = 0  # the tokens they hold
+    grammar: Any = None  # engine.grammar.compiler.PendingGrammar: its constraint, compiling until admission
 
     @property
     def prompt_len(self) -> int:
@@ -109,11 +111,12 @@ def new_job(facts: ModelFacts, handle: int, tag: Any, request, features: dict[st
     decoder per choice."""
     units, key, names = _weights_keyed(facts, request, features, block_size=block_size, prefix_caching=prefix_caching)
     eos = frozenset(facts.eos_token_ids)
+    grammar = start_grammar(facts, request.sampling)
     rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
                        prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer,
-                       weight_version=facts.weight_version)
+                       weight_version=facts.weight_version, grammar=row_grammar(grammar, facts))
             for c in range(request.sampling.n)]
-    return Job(handle, tag, request, features, units, key, names, rows, time_limit)
+    return Job(handle, tag, request, features, units, key, names, rows, time_limit, grammar=grammar)
 
 
 def rekey(facts: ModelFacts, job: Job, *, block_size: int, prefix_caching: bool) -> None:
