@@ -1,7 +1,9 @@
 """Redis at its bound loses no accepted job (issue #56 item 1): a stack on a Redis with a small
-maxmemory takes legal jobs whose results outgrow it, submitted in bulk until the API refuses with
-``redis_memory_full``; every accepted job ends ``succeeded`` as results expire (a short
-``ROLLOUT_RESULT_TTL``), nothing stays held or unfinished, and the GPU worker takes work after.
+maxmemory takes legal jobs in bulk until the API refuses with ``redis_memory_full``; then Redis is
+filled to its bound from outside, by keys that expire as results do (what admission's reservation
+cannot see: another writer, an estimate missed), so the workers' writes are refused while the jobs
+run. Every accepted job ends ``succeeded`` as that memory frees (a short ``ROLLOUT_RESULT_TTL``),
+nothing stays held or unfinished, and the GPU worker takes work after.
 
 Its own Redis and workers (a CPU worker too: a queued job whose prompt expired is preprocessed
 again). What the run saw, the peak of Redis' memory and the refusals the workers rode out, is
@@ -56,6 +58,18 @@ def submit_until_refused(stack) -> list[str]:
     return accepted
 
 
+def fill_to_the_bound(client: redis.Redis, expire_s: int) -> None:
+    """Write keys that expire in ``expire_s`` until Redis refuses even a small one."""
+    index = 0
+    for size in (20_000, 1_000, 20):
+        try:
+            while True:
+                client.set(f"ballast:{index}", "x" * size, ex=expire_s)
+                index += 1
+        except redis.exceptions.OutOfMemoryError:
+            pass
+
+
 def watch_until_ended(stack, job_ids: list[str], client: redis.Redis, timeout: float) -> tuple[dict, float]:
     """Each job's terminal status, read before its record expires; and the peak of Redis' memory."""
     ended: dict[str, str] = {}
@@ -79,11 +93,13 @@ def test_every_accepted_job_succeeds_at_the_bound_and_nothing_stays_stuck(stack,
     started = time.monotonic()
     accepted = submit_until_refused(stack)
     assert accepted
+    fill_to_the_bound(client, TTL)
     ended, peak = watch_until_ended(stack, accepted, client, timeout=120)
     took = time.monotonic() - started
     log = (stack.log_dir / "worker-gpu.log").read_text(errors="replace")
     print(f"\naccepted {len(accepted)}, succeeded {sum(s == 'succeeded' for s in ended.values())}, "
           f"peak Redis memory {peak:.0%} of {BOUND} bytes, held ends {log.count('job ends held')}, "
+          f"handed back {log.count('go back to the queue')}, "
           f"{took:.1f} s")
     stuck = [job_id for job_id in accepted if job_id not in ended]
     assert not stuck, f"{len(stuck)} accepted jobs never ended"
