@@ -19,7 +19,8 @@ from engine.sampling_params import SamplingParams
 # Stored-request keys that become SamplingParams fields as they are (the rest are mapped below).
 _SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "top_logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
-                   "spaces_between_special_tokens", "max_policy_lag", "logprobs_mode", "sampling_mask")
+                   "spaces_between_special_tokens", "max_policy_lag", "logprobs_mode", "sampling_mask",
+                   "structured_output")
 
 
 @dataclass(frozen=True)

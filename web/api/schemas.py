@@ -159,6 +159,10 @@ class SamplingParamsSchema(Schema):
                                     load_default=None, metadata={
                                         "description": "Weight updates (mode keep) a row may live through; one "
                                                        "more ends it with finish_reason policy_lag. null: no bound"})
+    # Checked by engine.grammar.spec (through SamplingParams): typed 422s invalid_grammar, grammar_too_complex.
+    structured_output = fields.Dict(keys=fields.String(), allow_none=True, load_default=None, metadata={
+        "description": "A constraint every token obeys: one of {json_schema: {...}}, {json_object: true}, "
+                       "{regex: str}, {choice: [str]}, {grammar: EBNF str}"})
 
     @pre_load
     def accept_aliases(self, data: Any, **_) -> Any:

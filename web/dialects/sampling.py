@@ -13,6 +13,7 @@ from marshmallow import fields, validate
 
 from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.fields import OneOrMany
+from web.dialects.structured import vllm_structured
 
 # Same name, same meaning, in vLLM and in our native sampling_params.
 SAME = ("temperature", "top_p", "min_p", "n", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
@@ -70,4 +71,6 @@ def native_sampling(body: dict[str, Any], vocab_size: int | None) -> dict[str, A
         out["logprobs_mode"] = LOGPROBS_MODES[body["logprobs_mode"]]
     if "return_sampling_mask" in body:
         out["sampling_mask"] = body["return_sampling_mask"]
+    if (constraint := vllm_structured(body)) is not None:  # structured_outputs, guided_*
+        out["structured_output"] = constraint
     return out

@@ -33,13 +33,12 @@ from web.dialects.fields import (
     refuse_non_default,
 )
 from web.dialects.sampling import native_sampling, sampling_fields
+from web.dialects.structured import openai_structured
 
 MAX_LOGPROBS = 20
 # OpenAI / vLLM knobs this service cannot honour: accepted only at these values.
 _UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "best_of": (None, 1), "echo_chat": (False,),
-                "functions": (None, []), "response_format": (None, {"type": "text"}),
-                "continue_final_message": (False,), "priority": (0,), "guided_json": (None,),
-                "guided_regex": (None,), "guided_choice": (None,), "structured_outputs": (None,),
+                "functions": (None, []), "continue_final_message": (False,), "priority": (0,),
                 "allowed_token_ids": (None,), "bad_words": (None, []), "kv_transfer_params": (None,),
                 "truncate_prompt_tokens": (None,), "logits_processors": (None,), "mm_processor_kwargs": (None, {}),
                 # vLLM's extra field; AReaL always sends it (false).
@@ -82,10 +81,13 @@ class _Common(_Knobs):
     logit_bias = fields.Raw()
     best_of = fields.Raw()
     priority = fields.Raw()
+    # Structured outputs (web/dialects/structured.py): OpenAI's response_format and vLLM's fields.
+    response_format = fields.Raw(metadata={"description": "text, json_object, or json_schema {name, schema, strict}"})
+    structured_outputs = fields.Raw(metadata={"description": "vLLM's: one of json, regex, choice, grammar, json_object"})
     guided_json = fields.Raw()
-    guided_regex = fields.Raw()
-    guided_choice = fields.Raw()
-    structured_outputs = fields.Raw()
+    guided_regex = fields.String()
+    guided_choice = fields.List(fields.String())
+    guided_grammar = fields.String()
     allowed_token_ids = fields.Raw()
     bad_words = fields.Raw()
     kv_transfer_params = fields.Raw()
@@ -117,7 +119,6 @@ class ChatCompletionRequestSchema(_Common):
     tool_choice = fields.Raw(metadata={"description": "none or auto; required and named functions are a 422 until calls are constrained"})
     parallel_tool_calls = StrictBoolean()
     functions = fields.Raw()
-    response_format = fields.Raw()
     add_generation_prompt = StrictBoolean()
     continue_final_message = fields.Raw()
     chat_template_kwargs = fields.Dict(keys=fields.String())
@@ -153,7 +154,10 @@ FIELD_NAMES = {"sampling_params.max_tokens": "max_tokens", "sampling_params.top_
 
 
 def native_params(body: dict[str, Any]) -> dict[str, Any]:
-    return native_sampling(body, vocab_size())
+    params = native_sampling(body, vocab_size())
+    if (constraint := openai_structured(body)) is not None:  # response_format, or vLLM's fields
+        params["structured_output"] = constraint
+    return params
 
 
 def speller(texts: TokenTexts, as_ids: bool):

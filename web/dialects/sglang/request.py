@@ -27,6 +27,7 @@ from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.common import TokenTexts, media_url, native_request
 from web.dialects.fields import NullMeansDefault, OneOrMany, TokenIdsOrBatch, refuse_non_default
 from web.dialects.sampling import top_k_of
+from web.dialects.structured import sglang_structured
 
 # SGLang sampling name -> ours.
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -35,8 +36,8 @@ _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos"
          "spaces_between_special_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "n",
          "max_policy_lag", "logprobs_mode")
 # SGLang knobs we cannot honour: accepted only at their defaults.
-_UNSUPPORTED_SAMPLING = {"json_schema": (None,), "regex": (None,), "ebnf": (None,), "structural_tag": (None,),
-                         "stop_regex": (None,), "logit_bias": (None, {}), "custom_params": (None, {})}
+_UNSUPPORTED_SAMPLING = {"structural_tag": (None,), "stop_regex": (None,), "logit_bias": (None, {}),
+                         "custom_params": (None, {})}
 _UNSUPPORTED_TOP = {"return_hidden_states": (False,), "return_routed_experts": (False,), "lora_path": (None,),
                     "custom_logit_processor": (None,), "session_params": (None,), "input_embeds": (None,),
                     "token_ids_logprob": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
@@ -65,9 +66,9 @@ class SglangSamplingParamsSchema(NullMeansDefault):
     max_policy_lag = fields.Integer(strict=True, metadata={"description": "ours: weight updates a row may cross"})
     logprobs_mode = fields.String(validate=validate.OneOf(LOGPROBS_MODES), metadata={
         "description": "ours: raw (default) or processed (the distribution each token was drawn from)"})
-    json_schema = fields.Raw()
-    regex = fields.Raw()
-    ebnf = fields.Raw()
+    json_schema = fields.Raw(metadata={"description": "A JSON schema (its JSON text, or $$ANY$$ for any JSON object)"})
+    regex = fields.String(metadata={"description": "The output matches this regex"})
+    ebnf = fields.String(metadata={"description": "The output follows this EBNF grammar (xgrammar's)"})
     structural_tag = fields.Raw()
     stop_regex = fields.Raw()
     logit_bias = fields.Raw()
@@ -210,6 +211,8 @@ def _media_per_item(value: Any, name: str, size: int, batch: bool) -> list[list]
 def _sampling(params: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
     out = {ours: params[theirs] for theirs, ours in _RENAMED.items() if theirs in params}
     out.update({name: params[name] for name in _SAME if name in params})
+    if (constraint := sglang_structured(params)) is not None:
+        out["structured_output"] = constraint
     if "top_k" in params:
         out["top_k"] = top_k_of(params["top_k"], vocab_size)
     return out

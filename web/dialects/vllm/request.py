@@ -38,7 +38,7 @@ from web.dialects.openai.request import check_model
 from web.dialects.sampling import RENAMED, SAME, native_sampling, sampling_fields
 
 _UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
-                "structured_outputs": (None,), "guided_decoding": (None,), "truncate_prompt_tokens": (None,),
+                "truncate_prompt_tokens": (None,),
                 "logits_processors": (None,), "extra_args": (None, {}), "output_kind": (None, 0),
                 "flat_logprobs": (None, False)}
 _UNSUPPORTED_TOP = {"priority": (0,), "kv_transfer_params": (None,)}
