@@ -9,7 +9,7 @@ from flask import Flask, g, request
 from domain.settings import Settings, load_settings
 from engine.errors import PayloadTooLargeError
 from web import health, metrics
-from web.api import batches, deliveries, files, generate, jobs, render, weights
+from web.api import batches, deliveries, files, generate, jobs, render, sessions, weights
 from web.api.batch_upload import MULTIPART_OVERHEAD
 from web.dialects.openai import views as openai_views
 from web.dialects.sglang import views as sglang_views
@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
     })
-    for blueprint in (jobs.blp, batches.blp, files.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp,
+    for blueprint in (jobs.blp, batches.blp, files.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp, sessions.blp,
                       sglang_views.blp, openai_views.blp, vllm_views.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)

@@ -36,3 +36,10 @@ def with_session(request: dict[str, Any], headers: Mapping[str, str]) -> dict[st
     if not _SESSION_ID.fullmatch(value):
         raise InvalidRequestError(f"{HEADER} must be {RULE}", errors={HEADER: [RULE]})
     return {**request, "session_id": value}
+
+
+def session_id_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+    """The session a dialect body names: its ``session_id`` (checked by its schema), else the
+    header's (this rule), else None."""
+    return with_session({k: body[k] for k in ("session_id",) if body.get("session_id") is not None},
+                        headers).get("session_id")

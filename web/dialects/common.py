@@ -61,8 +61,9 @@ def usage(*results) -> dict[str, Any]:
 
 
 def carry_request_fields(body: dict[str, Any], native: dict[str, Any]) -> dict[str, Any]:
-    """``native`` with the dialect body's request id and cache salt, which mean what they mean natively."""
-    for name in ("request_id", "cache_salt"):
+    """``native`` with the dialect body's request id, cache salt and session id, which mean what
+    they mean natively."""
+    for name in ("request_id", "cache_salt", "session_id"):
         if body.get(name):
             native[name] = body[name]
     return native

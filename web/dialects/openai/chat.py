@@ -73,10 +73,11 @@ def chat_prompts_token_ids(prompts: list[ChatPrompt], tok=None) -> list[list[int
     return ids
 
 
-def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
+def chat_job_request(prompt: ChatPrompt, ids: list[int], *, ids_field: str = "messages") -> dict[str, Any]:
     """The native job request of a rendered chat prompt and its token ids. The template wrote every
     special token the model wants; media placeholders stay collapsed (one per item) and are
-    expanded by the preprocessing worker, exactly once."""
+    expanded by the preprocessing worker, exactly once. ``ids_field``: the body's field the ids
+    came from, which errors name (``tokens``: the client's own, checked id by id)."""
     body = prompt.body
     params = native_params({**body, **({"max_tokens": body["max_completion_tokens"]}
                                  if "max_completion_tokens" in body else {})})
@@ -88,8 +89,8 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int]) -> dict[str, Any]:
         native["content_parts"] = prompt.parts
     carry_request_fields(body, native)
     names = {f"sampling_params.{n}": RENAMED.get(n, n) for n in params} | {"sampling_params.top_logprobs": "top_logprobs",
-                                                            "content_parts": "messages", "token_ids": "messages"}
-    return native_request(native, names, vocab_size=vocab_size(), tokenized=True)
+                                                            "content_parts": "messages", "token_ids": ids_field}
+    return native_request(native, names, vocab_size=vocab_size(), tokenized=ids_field == "messages")
 
 
 def checked_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from engine.choice import Choice
 from engine.errors import NotFoundError
 from web.api.schemas import StrictBoolean
+from web.api.session_header import validate_session_id
 from web.dialects.common import (
     TokenTexts,
     served_model_name,
@@ -77,6 +78,8 @@ class _Common(_Knobs):
     cache_salt = fields.String(validate=validate.Length(1, 256), metadata={
         "description": "KV blocks are reused only between requests of the same key and the same salt"})
     add_special_tokens = StrictBoolean()
+    session_id = fields.String(validate=validate_session_id, metadata={
+        "description": "An agent's session (as the X-Session-ID header): its chat turns continue its ids"})
     suffix = fields.Raw()
     logit_bias = fields.Raw()
     best_of = fields.Raw()

@@ -6,7 +6,9 @@ OpenAI's API reference and vLLM's ``serving_completion.py`` / ``serving_chat.py`
 chunk a delta (``text``, or ``delta.content`` after a first ``delta.role`` chunk), ``finish_reason``
 null until the choice's last chunk; with ``stream_options.include_usage`` every chunk has
 ``usage: null`` and one last chunk has ``choices: []`` and the usage; then ``data: [DONE]``. vLLM's
-extensions ride along: ``token_ids`` per chunk with ``return_token_ids``, ``stop_reason``.
+extensions ride along: ``token_ids`` per chunk with ``return_token_ids`` and the prompt's ids on the
+first (chat: ``prompt_token_ids`` beside each choice's role chunk; completions: in each choice's
+first chunk, as vLLM's serving_chat / serving_completion send them), ``stop_reason``.
 vLLM's generate: each chunk's ``choices[].token_ids`` are the new token ids only (a delta).
 
 Streamed logprobs are those of the sampled tokens; the top alternatives (``top_logprobs``) are in
@@ -28,14 +30,25 @@ from web.api.streams import sse
 from web.dialects import openai
 from web.dialects.common import TokenTexts, served_model_name, usage
 from web.dialects.errors import openai_shape
+from web.dialects.openai.session_turns import SessionTurn
 from web.dialects.openai.tools import reply_parsers
 from web.dialects.vllm import request as vllm
-from web.parsers.message import MessageStream, finish_reason
+from web.parsers.message import MessageStream, finish_reason, parsed_message
 from web.services import services
 
 
 def _error(error: RolloutError) -> bytes:
     return sse(openai_shape(http_status(error), error.code, error.message, error.errors))
+
+
+def prompt_token_ids(jobs, job: dict, request: dict) -> list[int]:
+    """The ids a job's prompt runs as (media placeholders expanded): its result's once it ended,
+    else the finalized prompt the GPU worker runs (stored until the job ends), else the request's."""
+    stored = job.get("result")
+    if not stored:
+        (raw,) = jobs.prompts([job["id"]])
+        stored = json.loads(raw) if raw else {}
+    return stored.get("prompt_token_ids") or stored.get("token_ids") or request.get("token_ids") or []
 
 
 def _usage(jobs: list[dict]) -> dict:
@@ -55,6 +68,17 @@ class _OpenAIChunks:
         self.spell = openai.speller(TokenTexts(), body.get("return_tokens_as_token_ids", False))
         self._base: dict[str, int] = {}
         self.id = ""
+        self._jobs = services().jobs  # built in the request; its chunks are made outside its context
+        self._prompt_sent: set[tuple[str, int]] = set()
+
+    def _prompt_ids(self, job: dict, index: int) -> dict[str, list[int]]:
+        """``{"prompt_token_ids": ...}`` for a choice's first chunk with ``return_token_ids``, else
+        ``{}``: the ids the job runs (media expanded), from its result or its stored prompt."""
+        if not self.body.get("return_token_ids") or (job["id"], index) in self._prompt_sent:
+            return {}
+        self._prompt_sent.add((job["id"], index))
+        return {"prompt_token_ids": prompt_token_ids(self._jobs, job,
+                                                     self.requests[list(self._base).index(job["id"])])}
 
     def bind(self, jobs: list[dict]) -> None:
         at = 0
@@ -63,9 +87,9 @@ class _OpenAIChunks:
             at += request["sampling_params"]["n"]
         self.id = self.prefix + jobs[0]["id"].removeprefix("job_")
 
-    def _chunk(self, choices: list[dict]) -> bytes:
+    def _chunk(self, choices: list[dict], **extra) -> bytes:
         chunk = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                 "choices": choices}
+                 "choices": choices, **extra}
         if self.include_usage:
             chunk["usage"] = None
         return sse(chunk)
@@ -109,9 +133,9 @@ class CompletionChunks(_OpenAIChunks):
     object_name = "text_completion"
     prefix = "cmpl-"
 
-    def _choice(self, job_id: str, delta: ChoiceDelta) -> dict:
-        entry: dict[str, Any] = {"index": self._index(job_id, delta.index), "text": delta.text, "logprobs": None,
-                                 "finish_reason": None, "stop_reason": None}
+    def _choice(self, job: dict, delta: ChoiceDelta) -> dict:
+        entry: dict[str, Any] = {"index": self._index(job["id"], delta.index), "text": delta.text, "logprobs": None,
+                                 "finish_reason": None, "stop_reason": None, **self._prompt_ids(job, delta.index)}
         if self.body.get("logprobs") is not None and delta.token_ids:
             choice = replace(delta.as_choice(), logprobs=delta.logprobs or [None] * len(delta.token_ids))
             entry["logprobs"] = openai.completion_logprobs(choice, None, [], {}, self.spell)
@@ -120,18 +144,19 @@ class CompletionChunks(_OpenAIChunks):
         return entry
 
     def delta(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> list[bytes]:
-        return [self._chunk([self._choice(job["id"], delta)])]
+        return [self._chunk([self._choice(job, delta)])]
 
     def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
-        return self._chunk([self._ended(self._choice(job["id"], delta), job, delta)])
+        return self._chunk([self._ended(self._choice(job, delta), job, delta)])
 
 
 class ChatChunks(_OpenAIChunks):
     object_name = "chat.completion.chunk"
     prefix = "chatcmpl-"
 
-    def __init__(self, body: dict[str, Any], requests: list[dict]):
+    def __init__(self, body: dict[str, Any], requests: list[dict], session: SessionTurn | None = None):
         super().__init__(body, requests)
+        self._session = session  # recorded at its job's end (web/dialects/openai/session_turns.py)
         self._started: set[tuple[str, int]] = set()
         self._parsers = reply_parsers(body)  # built in the request; its chunks are made outside its context
         self._messages: dict[tuple[str, int], MessageStream] = {}
@@ -167,13 +192,24 @@ class ChatChunks(_OpenAIChunks):
         if not content and set(entries[-1]) == {"index", "delta", "logprobs", "finish_reason"} \
                 and entries[-1]["logprobs"] is None:
             entries.pop()  # held back by a parser, and nothing else to carry
-        return [self._chunk([entry]) for entry in entries]
+        return [self._chunk([entry], **self._role_extra(job, entry)) for entry in entries]
+
+    def _role_extra(self, job: dict, entry: dict) -> dict:
+        return self._prompt_ids(job, entry["index"]) if "role" in entry["delta"] else {}
+
+    def done(self, job: dict, finals: list[ChoiceDelta], ledger: TokenLedger) -> list[bytes]:
+        chunks = self._finals(job, finals, ledger)
+        if self._session is not None:
+            choice = JobResult.of(job, n=0).choice(0)
+            self._session.record(job, self.requests[0], parsed_message((choice.text if choice else "") or "",
+                                                                       self._parsers))
+        return chunks
 
     def _final(self, job: dict, delta: ChoiceDelta, ledger: TokenLedger) -> bytes:
         entries = self._choices(job["id"], delta, self._message(job["id"], delta, final=True))
         self._ended(entries[-1], job, delta)
         entries[-1]["finish_reason"] = finish_reason(delta.finish_reason, self._called(job["id"], delta.index))
-        return b"".join(self._chunk([entry]) for entry in entries)
+        return b"".join(self._chunk([entry], **self._role_extra(job, entry)) for entry in entries)
 
 
 class GenerateChunks:

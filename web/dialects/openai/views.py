@@ -15,6 +15,9 @@ from web.dialects import chat_template, openai
 from web.dialects.common import run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.fields import NullMeansDefault
+from web.dialects.openai.chat_tokens import ChatTokensRequestSchema, chat_tokens_request
+from web.dialects.openai.session_turns import HEADER as SESSION_HEADER
+from web.dialects.openai.session_turns import SessionTurn, chat_turn
 from web.dialects.openai.stream import ChatChunks, CompletionChunks
 from web.dialects.openai.tools import checked_tools
 from web.dialects.streaming import dialect_stream
@@ -69,12 +72,34 @@ class ChatCompletions(MethodView):
     @blp.response(200)
     @documented(blp)
     def post(self, body):
-        """Chat through the model's chat template; media parts go through the guarded fetcher."""
-        request = openai.chat_request(body)
-        if body.get("stream"):
-            return dialect_stream([request], ChatChunks(body, [request]))
-        (job,) = run_jobs([request])
-        return openai.chat_reply(body, request, job, int(time.time()))
+        """Chat through the model's chat template; media parts go through the guarded fetcher. With
+        a session (X-Session-ID or session_id), a turn that extends the last one continues its ids."""
+        return _chat(body, *chat_turn(body))
+
+
+@blp.route("/v1/chat/completions/tokens")
+class ChatCompletionsTokens(MethodView):
+    @blp.arguments(ChatTokensRequestSchema)
+    @blp.response(200)
+    @documented(blp)
+    def post(self, body):
+        """prime-rl's token-in chat: the body's tokens are the prompt; messages and tools drive the reply's parsers."""
+        return _chat(body, *chat_tokens_request(body))
+
+
+def _chat(body: dict, request: dict, turn: SessionTurn | None):
+    if body.get("stream"):
+        response = dialect_stream([request], ChatChunks(body, [request], session=turn))
+        if turn is not None:
+            response.headers[SESSION_HEADER] = turn.header()
+        return response
+    (job,) = run_jobs([request])
+    reply = openai.chat_reply(body, request, job, int(time.time()))
+    if turn is None:
+        return reply
+    turn.record(job, request, reply["choices"][0]["message"])
+    reply["session"] = turn.reply_field()
+    return reply, 200, {SESSION_HEADER: turn.header()}
 
 
 class TokenizeSchema(NullMeansDefault):
