@@ -1,7 +1,8 @@
 """An agent's session id from its HTTP request: SkyRL's ``X-Session-ID`` header, on every route,
-for the dialects whose bodies have no such field. It only routes the agent's turns to one GPU
-worker (``domain/infra/gpu_affinity.py``, docs/architecture.md); what a request computes never
-depends on it."""
+for the dialects whose bodies have no such field. It routes the agent's turns to one GPU worker
+(``domain/infra/gpu_affinity.py``, docs/architecture.md), and on OpenAI chat a turn that extends
+the session's last one continues its ids (web/dialects/openai/session_turns.py); the tokens a
+given prompt samples never depend on it."""
 
 from __future__ import annotations
 
