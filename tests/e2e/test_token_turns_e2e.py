@@ -76,8 +76,9 @@ def verifiers_bridge(served, new_messages, tools, last_id, eot) -> list[int]:
 
 def test_verifiers_token_in_flow_stitches_turns_and_finds_the_cached_prefix(client, served):
     model = client.models.list().data[0].id
+    session = {"X-Session-ID": "verifiers-1"}  # recorded too: token-in turns extend its trajectory
     one = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0,
-                                         logprobs=True, extra_body={"return_token_ids": True})
+                                         logprobs=True, extra_body={"return_token_ids": True}, extra_headers=session)
     prompt1, sampled1 = one.model_extra["prompt_token_ids"], one.choices[0].model_extra["token_ids"]
     assert prompt1 == tokenize(served, messages=ASK, tools=[WEATHER])
     assert len(one.choices[0].logprobs.content) == len(sampled1)
@@ -87,13 +88,32 @@ def test_verifiers_token_in_flow_stitches_turns_and_finds_the_cached_prefix(clie
     messages = [*ASK, one.choices[0].message.model_dump(exclude_none=True), *env]
     raw = client.post("/chat/completions/tokens", cast_to=httpx.Response, body={
         "model": model, "messages": messages, "tools": [WEATHER], "tokens": stitched, "max_completion_tokens": 8,
-        "temperature": 0, "logprobs": True, "return_token_ids": True})
+        "temperature": 0, "logprobs": True, "return_token_ids": True}, options={"headers": session})
     two = openai.types.chat.ChatCompletion.model_validate_json(raw.content)
     assert two.model_extra["prompt_token_ids"] == stitched
     assert two.model_extra["prompt_token_ids"][:len(prompt1) + len(sampled1)] == prompt1 + sampled1
     assert len(two.choices[0].model_extra["token_ids"]) == 8 and two.choices[0].message.role == "assistant"
     # Turn one's prompt and decoded tokens were kept by name: turn two computes only what is new.
     assert two.usage.prompt_tokens_details.cached_tokens >= len(prompt1) // 2
+    assert two.model_extra["session"]["prompt"] == "tokens" and raw.headers["X-Session-Prompt"] == "tokens"
+    [segment] = httpx.get(f"{served}/v1/sessions/verifiers-1/trajectory", headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=30).json()["segments"]
+    assert segment["token_ids"] == stitched + two.choices[0].model_extra["token_ids"]
+    assert sum(segment["loss_mask"]) == len(sampled1) + 8
+
+
+def test_streamed_completions_carry_the_prompt_ids_in_each_choices_first_chunk(client, served):
+    model = client.models.list().data[0].id
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, n=2, stream=True,
+                                            temperature=1, seed=3, extra_body={"return_token_ids": True}))
+    expected = tokenize(served, prompt="Once upon a time")
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.model_extra.get("prompt_token_ids"))
+            if firsts[choice.index] is not choice.model_extra.get("prompt_token_ids"):
+                assert choice.model_extra.get("prompt_token_ids") is None
+    assert firsts == {0: expected, 1: expected}
 
 
 def test_bad_tokens_are_a_4xx_in_openais_shape(client):
