@@ -11,9 +11,10 @@ from its prompt: each turn lost all of its tokens, and a key sending a short job
 preempting another key's job that never got to finish (issue #56).
 
 What a preemption costs the request is then bounded: the wait while the other key's request
-runs, and one prefill of what it had. And a request that resumed is not chosen again until its
-rows made :data:`PROGRESS_BEFORE_PREEMPTION` tokens more: a trickle of another key's jobs moves it
-forward between them, never back.
+runs, no longer than what it had left itself (:func:`preemptible`), and one prefill of its last
+part blocks. A request that resumed is not chosen again until its rows made
+:data:`PROGRESS_BEFORE_PREEMPTION` tokens more (a trickle of another key's jobs moves it forward
+between them, never back), and at most :data:`MAX_PREEMPTIONS` times in all.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from engine.step_runner import PromptInput, StepRunner
 # Tokens a resumed request's rows decode before it may be preempted again: one KV block of the
 # default size, so what its resume computed again is at least paid back.
 PROGRESS_BEFORE_PREEMPTION = 16
+# Times one request gives way at most: then the other key waits for rows to end.
+MAX_PREEMPTIONS = 4
 
 
 def progress(job: Job) -> int:
@@ -43,10 +46,16 @@ def progress(job: Job) -> int:
     return max((len(row.token_ids) for row in job.rows), default=0)
 
 
-def preemptible(job: Job) -> bool:
-    """Running, and either never preempted or past :data:`PROGRESS_BEFORE_PREEMPTION` tokens since it resumed."""
-    return job.state == "running" and (not job.preemptions
-                                       or progress(job) - job.resume_mark >= PROGRESS_BEFORE_PREEMPTION)
+def preemptible(job: Job, waiting: Job) -> bool:
+    """Whether ``job`` may give way to ``waiting``: running, preempted fewer than
+    :data:`MAX_PREEMPTIONS` times and never since it resumed until :data:`PROGRESS_BEFORE_PREEMPTION`
+    tokens more, and with at least as many steps left as ``waiting`` may take (what it waits for
+    ``waiting``'s rows is at most what it had left: a long job waits for rows to end instead)."""
+    if job.state != "running" or job.preemptions >= MAX_PREEMPTIONS:
+        return False
+    if job.preemptions and progress(job) - job.resume_mark < PROGRESS_BEFORE_PREEMPTION:
+        return False
+    return job.request.sampling.max_tokens - progress(job) >= waiting.request.sampling.max_tokens
 
 
 def choose_victim(waiting: Job, jobs: list[Job], limits: SchedulerLimits, usage: Mapping[Any, float],
@@ -64,7 +73,7 @@ def choose_victim(waiting: Job, jobs: list[Job], limits: SchedulerLimits, usage:
         rows[job.request.tenant] += len(job.rows)
         blocks[job.request.tenant] += peak[job.handle]
     shares = {tenant: dominant_share(rows[tenant], blocks[tenant], limits) for tenant in rows}
-    running = sorted((job for job in holding if preemptible(job)), key=lambda job: job.admitted_at)
+    running = sorted((job for job in holding if preemptible(job, waiting)), key=lambda job: job.admitted_at)
     victim = fair_share_victim(
         waiting.request.tenant, dominant_share(len(waiting.rows), peak[waiting.handle], limits), shares,
         [(job.request.tenant, dominant_share(len(job.rows), peak[job.handle], limits)) for job in running],
@@ -103,7 +112,7 @@ def resume(job: Job, batch: RunningBatch, runner: StepRunner, prefixes: PrefixCa
         prompt = prefixes.find(job)  # the prompt found whole in the pool, or the cached blocks it starts from
         if prompt is None:
             [prompt] = runner.prefill([PromptInput(job.request.prompt_token_ids, job.features, job.units,
-                                                   job.prefix, job.prefix_tokens)])
+                                                   job.prefix, job.prefix_tokens, job.adapter)])
             stats.prefill_tokens += prompt.length - job.prefix_tokens
             job.prefix, job.prefix_tokens = [], 0
             prefixes.keep(job, prompt)
@@ -118,7 +127,7 @@ def resume(job: Job, batch: RunningBatch, runner: StepRunner, prefixes: PrefixCa
             count = reusable_blocks(len(decoded), size, length, []) if decoded else 0
             prefix = [*prefix, *decoded[shared:count]]
             pool.share(prefix)  # the row's prefill takes this reference over
-            inputs.append(PromptInput(tokens, job.features, job.units, prefix, len(prefix) * size))
+            inputs.append(PromptInput(tokens, job.features, job.units, prefix, len(prefix) * size, job.adapter))
             stats.prefill_tokens += length - len(prefix) * size
         held.remove(prompt)  # the rows hold its full blocks now: the rest (its tail) is free for their own
         prompt.kv.release()

@@ -360,21 +360,24 @@ def test_a_poisoned_pool_hands_out_clean_blocks(models):
 
 
 def test_a_keys_backlog_does_not_keep_another_keys_job_waiting_behind_all_of_it(models):
-    """Issue #47: admission was first come first served, so another key's 8-token job waited behind
-    a key's whole bulk. Now the key with the least recent use goes next, ahead of a's queued jobs."""
+    """Issue #47: admission was first come first served, so another key's job waited behind a key's
+    whole bulk. Now the key with the least recent use goes next: b's job joins as soon as a's first
+    rows end (a's running rows have fewer steps left than b's job: they are not preempted for it),
+    ahead of a's queued jobs."""
     model = models("qwen2_vl")
     scheduler = model.engine(max_rows=4).scheduler()
-    for i in range(6):  # a's bulk: one row each, 4 tokens
+    for i in range(12):  # a's bulk: one row each, 4 tokens: three waves of 4 rows
         scheduler.submit(dataclasses.replace(model.request(f"Job {i} of the bulk.", sampled(seed=i, max_tokens=4)),
                                              tenant="key_a"), tag=f"a{i}")
     scheduler.step()
     scheduler.submit(dataclasses.replace(model.request("Mine.", sampled(seed=99, max_tokens=4)), tenant="key_b"),
                      tag="b")
-    order = []
+    ended, step = {}, 0
     while scheduler.has_work:
-        order += [f.tag for f in scheduler.step()]
-    assert order.index("b") <= 4, order  # with a's first rows, not after a's six
-    assert order[:3] == ["a0", "a1", "a2"] or order.index("b") < 3
+        step += 1
+        ended |= {f.tag: step for f in scheduler.step()}
+    assert ended["b"] == ended["a4"] < ended["a8"], ended  # in a's second wave, not after its backlog
+    assert scheduler.stats.preempted_requests == 0
 
 
 def _tenant(model, text: str, tenant: str, **params):
@@ -416,8 +419,10 @@ def test_a_preempted_request_resumes_to_the_tokens_it_has_alone(models, monkeypa
 
     model = models("qwen2_vl")
     engine = model.engine(kv_cache_tokens=4 * 16, kv_block_tokens=16)  # one request's 3 blocks at a time
-    requests = [_tenant(model, "First.", "a", seed=1, max_tokens=30), _tenant(model, "Second.", "b", seed=2, max_tokens=30)]
+    # b's job is shorter than what a has left when it is preempted (else a is not preempted for it).
+    requests = [_tenant(model, "First.", "a", seed=1, max_tokens=40), _tenant(model, "Second.", "b", seed=2, max_tokens=28)]
     alone = [engine.generate([request])[0] for request in requests]
+    engine.usage.half_life_s = 0  # their runs alone forgotten: a, first come, runs first
     real, forced = scheduler_module.fair_share_victim, []
 
     def once_the_oldest_running(waiting, need, shares, running, tenants, usage):  # forced once, whatever the shares
