@@ -29,6 +29,7 @@ _MODALITY_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids val
 class Row:
     token_ids: Sequence[int]
     features: Mapping[str, torch.Tensor]
+    adapter: str = ""  # the LoRA adapter the row runs under (engine/lora/); "" is the base
 
 
 def request_features(

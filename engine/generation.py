@@ -27,6 +27,8 @@ from engine.choice import Choice
 from engine.encoder_cache import EncoderCache
 from engine.generation_types import GenerationRequest, GenerationResult
 from engine.loading import LoadedModel
+from engine.lora.adapter_files import LoraAdapter, read_adapter
+from engine.lora.bank import AdapterBank
 from engine.model_runner import ModelRunner
 from engine.paged_kv import BlockPool
 from engine.prompt_cache import PromptEnds
@@ -43,8 +45,11 @@ class Engine:
     Forward passes are serialized per model (``loaded.lock``).
     """
 
-    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None):
+    def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *, max_loras: int = 8,
+                 max_lora_rank: int = 64):
         self.loaded = loaded
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self._adapter_ids_seen: set[str] = set()
         self.limits = limits or SchedulerLimits()
         self.encoder_cache = EncoderCache(self.limits.encoder_cache_bytes)
         self.prompt_ends = PromptEnds(self.limits.prompt_cache_tokens)
@@ -87,6 +92,33 @@ class Engine:
         for listener in list(self._weights_listeners):
             listener(swap)
         return swap
+
+    def load_adapter(self, adapter_id: str, directory, *, root=None) -> LoraAdapter:
+        """Read the PEFT adapter in ``directory`` (confined under ``root`` when given), check it
+        against the base, and make it resident as ``adapter_id`` (engine/lora/). A refusal
+        (``AdapterInvalidError``, ``AdapterLimitError``) changes nothing."""
+        adapter = read_adapter(directory, self.loaded.model, max_rank=self.max_lora_rank, root=root)
+        if adapter_id in self._adapter_ids_seen:
+            # An id names one adapter's weights in KV block names: served again with other weights,
+            # what the last ones computed must not be found (the service versions its ids anyway).
+            self.forget_cached()
+        self._adapter_ids_seen.add(adapter_id)
+        with self.loaded.lock:
+            if self.loaded.adapters is None:
+                self.loaded.adapters = AdapterBank(self.loaded.model, max_loras=self.max_loras,
+                                                   max_rank=self.max_lora_rank)
+            self.loaded.adapters.add(adapter_id, adapter)
+        return adapter
+
+    def unload_adapter(self, adapter_id: str) -> bool:
+        """Free ``adapter_id``'s slot (False: it was not resident). Requests naming it are refused
+        from now on (``adapter_not_found``); the caller ends the ones still running under it first."""
+        with self.loaded.lock:
+            return self.loaded.adapters is not None and self.loaded.adapters.remove(adapter_id)
+
+    @property
+    def adapter_ids(self) -> list[str]:
+        return [] if self.loaded.adapters is None else self.loaded.adapters.ids()
 
     def save_weights(self, directory) -> None:
         """Write the weights this engine serves to ``directory`` (transformers' ``save_pretrained``:

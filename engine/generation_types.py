@@ -30,6 +30,9 @@ class GenerationRequest:
     # Whose share of the running batch this request takes (the API key): admission serves the
     # tenant holding the fewest rows first (engine.capacity.next_admission).
     tenant: str = ""
+    # The LoRA adapter (its id in the engine's bank, engine/lora/) the request runs under; "" is the
+    # base. Its KV blocks are named under it: a prefix is reused only under the same adapter.
+    adapter: str = ""
 
 
 @dataclass

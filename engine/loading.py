@@ -47,6 +47,8 @@ class LoadedModel:
     tokenizer: Any = None
     # generate() keeps per-call state on the model (Qwen-VL's rope_deltas): one call at a time.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # The LoRA adapters resident on the model (engine.lora.bank.AdapterBank); None until one loads.
+    adapters: Any = field(default=None, repr=False, compare=False)
 
     @cached_property
     def vocab_size(self) -> int:

@@ -30,6 +30,7 @@ from engine.encoder_cache import (
     supports_encoder_outputs,
 )
 from engine.loading import LoadedModel
+from engine.lora.bank import lora_rows
 from engine.paged_kv import BlockPool, prefix_cache, write_prompts
 from engine.prefill_plan import chunk_end
 from engine.prompt_cache import PrefilledPrompt
@@ -76,7 +77,7 @@ class ModelRunner:
     def decode(self, batch: RunningBatch) -> torch.Tensor:
         """One decode forward over the running rows; each row's raw fp32 logits (rows, vocab)."""
         inputs = batch.decode_inputs()
-        with self.loaded.lock, torch.inference_mode():
+        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [job.adapter for job in batch.jobs]):
             out = self.loaded.model(**inputs, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
 
@@ -113,7 +114,7 @@ class ModelRunner:
             past["cache"] = prefix_cache(self.pool, [p.prefix for p in prompts], dtype=loaded.dtype)
             batch = rest
         kwargs = self._forward_inputs(batch, units)
-        with loaded.lock, torch.inference_mode():
+        with loaded.lock, torch.inference_mode(), lora_rows(loaded, [p.adapter for p in prompts]):
             out = loaded.model(**kwargs, **past, position_ids=positions, use_cache=True, logits_to_keep=1)
         self.stats.prefill_forwards += 1
         prefixes = [p.prefix for p in prompts]
@@ -164,7 +165,7 @@ class ModelRunner:
             batch = {name: value for name, value in batch.items()
                      if name in ("input_ids", "attention_mask", "mm_token_type_ids")}
         kwargs = self._forward_inputs(batch, chunk_units)
-        with self.loaded.lock, torch.inference_mode():
+        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [prompt.adapter]):
             out = self.loaded.model(**kwargs, position_ids=state.positions[..., start:end], cache=state.cache,
                                     use_cache=True, logits_to_keep=1)
         self.stats.prefill_forwards += 1
@@ -185,7 +186,8 @@ class ModelRunner:
             entry["prompt_top_logprobs"] = [None]
         if length == 1:  # nothing to score: no forward
             return entry
-        [(logprobs, top)] = teacher_forced(self.loaded, [Row(request.prompt_token_ids, features)], [length - 1],
+        [(logprobs, top)] = teacher_forced(self.loaded, [Row(request.prompt_token_ids, features, request.adapter)],
+                                           [length - 1],
                                            top_k=k)
         entry["prompt_logprobs"] += logprobs[-(length - 1):]
         if k:

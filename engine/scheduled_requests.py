@@ -86,6 +86,11 @@ class Job:
     grammar: Any = None  # engine.grammar.compiler.PendingGrammar: its constraint, compiling until admission
 
     @property
+    def adapter(self) -> str:
+        """The LoRA adapter its rows run under ("" is the base)."""
+        return getattr(self.request, "adapter", "")
+
+    @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
 
@@ -131,10 +136,14 @@ def _weights_keyed(facts: ModelFacts, request, features, *, block_size: int, pre
     """Everything of a request named by the weights: its media units, its prompt's key (scope,
     weights, tokens, media) and its blocks' names (None: prefix caching is off)."""
     units = _media_units(facts, request, features)
-    key = (request.cache_scope, facts.weight_version, tuple(request.prompt_token_ids), tuple(unit.key for unit in units))
+    # The adapter (its id carries its version) is part of the scope: its KV is its own. Media units
+    # are not: adapters never touch the encoders (engine/lora/adapter_files.py).
+    adapter = getattr(request, "adapter", "")
+    scope = f"{request.cache_scope}\x1flora:{adapter}" if adapter else request.cache_scope
+    key = (scope, facts.weight_version, tuple(request.prompt_token_ids), tuple(unit.key for unit in units))
     names = None
     if prefix_caching:
-        names = prompt_hashes(request.cache_scope, facts.weight_version, request.prompt_token_ids, block_size,
+        names = prompt_hashes(scope, facts.weight_version, request.prompt_token_ids, block_size,
                               [MediaSpan(*unit.span, unit.key) for unit in units])
     return units, key, names
 

@@ -76,6 +76,7 @@ from engine.capacity import (
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
 from engine.grammar.for_request import admissible, check_grammar
+from engine.lora.bank import check_adapter
 from engine.model_facts import ModelFacts
 from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
@@ -129,6 +130,7 @@ class Scheduler:
                                       errors={"stop": ["not supported by this model"]})
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
         check_grammar(facts, params)
+        check_adapter(facts, request)
         return features
 
     def submit(self, request, *, tag: Any = None, time_limit: float | None = None,

@@ -35,6 +35,7 @@ from engine.batch_inputs import (
 from engine.errors import InvalidRequestError, check_token_ids
 from engine.items import MultimodalItem
 from engine.loading import LoadedModel
+from engine.lora.bank import check_adapter, lora_rows
 
 
 @dataclass
@@ -43,6 +44,7 @@ class ScoreRequest:
     completion_token_ids: Sequence[int]
     items: Sequence[MultimodalItem] = ()
     mm_kwargs: Mapping[str, torch.Tensor] | None = None
+    adapter: str = ""  # the LoRA adapter scored under (engine/lora/); "" is the base
 
 
 @dataclass
@@ -66,9 +68,11 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
         check_token_ids(request.completion_token_ids, loaded.vocab_size, "completion_token_ids")
         features = request_features(request.items, request.mm_kwargs)
         check_placeholders(loaded, request.prompt_token_ids, features, request.completion_token_ids)
+        check_adapter(loaded, request)
         rows.append(Row(
             token_ids=[*request.prompt_token_ids, *request.completion_token_ids],
             features=features,
+            adapter=request.adapter,
         ))
     if not requests:
         return []
@@ -104,7 +108,7 @@ def teacher_forced(
     the k most likely tokens at each of those positions. Rows are checked by the caller."""
     batch = collate(loaded, rows)
     keep = max(scored) + 1
-    with loaded.lock, torch.inference_mode():
+    with loaded.lock, torch.inference_mode(), lora_rows(loaded, [row.adapter for row in rows]):
         # The positions generation's prefill uses (transformers' own, M-RoPE with media included):
         # left to the model, a padded row would be numbered from the padding, and Qwen2.5-Omni's
         # thinker, which takes no mm_token_type_ids, would get 1-D text positions over its media.

@@ -118,7 +118,8 @@ class StepPrefill:
 
     def _prompt_input(self, job: Job) -> PromptInput:
         """What the runner prefills for ``job``; its cached prefix (and the references) go with it."""
-        prompt = PromptInput(job.request.prompt_token_ids, job.features, job.units, job.prefix, job.prefix_tokens)
+        prompt = PromptInput(job.request.prompt_token_ids, job.features, job.units, job.prefix, job.prefix_tokens,
+                             job.adapter)
         job.prefix, job.prefix_tokens = [], 0
         return prompt
 

@@ -27,6 +27,7 @@ class PromptInput:
     units: Sequence[MediaUnit]
     prefix: list[int] = field(default_factory=list)
     start: int = 0
+    adapter: str = ""  # the LoRA adapter it runs under (engine/lora/); "" is the base
 
 
 class StepRunner(Protocol):

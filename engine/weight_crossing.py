@@ -81,7 +81,8 @@ def _recompute(batch: RunningBatch, runner: StepRunner, fail: Callable[[Job, Bas
         batch.tables[i] = []
     prompts = []
     try:
-        prompts = runner.prefill([PromptInput(job.request.prompt_token_ids, job.features, job.units) for job in jobs])
+        prompts = runner.prefill([PromptInput(job.request.prompt_token_ids, job.features, job.units, adapter=job.adapter)
+                                  for job in jobs])
         by_job = {id(job): prompt for job, prompt in zip(jobs, prompts, strict=True)}
         inputs = []
         for row, job, length in zip(batch.rows, batch.jobs, batch.lengths, strict=True):
@@ -89,7 +90,7 @@ def _recompute(batch: RunningBatch, runner: StepRunner, fail: Callable[[Job, Bas
             prefix = by_job[id(job)].kv.blocks[:shared]
             pool.share(prefix)  # the row's prefill takes this reference over
             inputs.append(PromptInput([*job.request.prompt_token_ids, *row.token_ids][:length], job.features,
-                                      job.units, prefix, shared * size))
+                                      job.units, prefix, shared * size, job.adapter))
         rows = runner.prefill(inputs)
     except Exception as error:  # their KV is gone: the requests end with the error
         for job in jobs:
