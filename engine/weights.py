@@ -42,6 +42,7 @@ import torch
 from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import WeightsInvalidError, check_config, read_headers
 from engine.loading import LoadedModel
+from engine.weight_parts import fused_parts
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,15 @@ def _targets_by_checkpoint_name(model) -> dict[str, torch.Tensor]:
     own = model.state_dict()
     by_identity = {id(tensor): tensor for tensor in own.values()}
     saved = revert_weight_conversion(model, dict(own))
+    parts: dict = {}
     targets = dict(own)
+    copies = [name for name, tensor in saved.items() if id(tensor) not in by_identity]
+    if copies:  # an MoE checkpoint's per-expert weights, fused on load (engine/weight_parts.py)
+        kept = {id(tensor) for tensor in saved.values()}
+        parts = fused_parts(model, own, [name for name, t in own.items() if id(t) not in kept], copies)
+        saved = {**saved, **parts}
     for name, tensor in saved.items():
-        if id(tensor) not in by_identity:  # a conversion that made a new tensor (fused/split weights)
+        if id(tensor) not in by_identity and name not in parts:
             raise WeightsInvalidError("this architecture's checkpoints convert tensors on load; in-place weight "
                                       "updates support renamed tensors only", problem="unsupported_conversion")
         targets.setdefault(name, tensor)
@@ -137,7 +144,12 @@ def _plan(headers, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     covered = {_storage(t) for t in plan.values()}
     if len(covered) != len(plan):
         raise WeightsInvalidError("the checkpoint holds one model tensor under two names", problem="duplicate_tensor")
-    missing = sorted({name for name, t in targets.items() if _storage(t) not in covered}
+    # A fused tensor is covered by its parts: views of its storage whose sizes add up to its own.
+    parts: dict[int, int] = {}
+    for target in plan.values():
+        parts[target.untyped_storage().data_ptr()] = parts.get(target.untyped_storage().data_ptr(), 0) + target.numel()
+    missing = sorted({name for name, t in targets.items()
+                      if _storage(t) not in covered and parts.get(t.untyped_storage().data_ptr(), 0) < t.numel()}
                      & set(_own_names(targets)))
     if missing:
         raise WeightsInvalidError(f"the checkpoint lacks {len(missing)} tensors of the model, e.g. {missing[0]!r}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from processors import llava, pixtral, qwen_audio, qwen_omni, qwen_vl  # noqa: F401  (each registers its classes)
+from processors import llava, pixtral, qwen_audio, qwen_omni, qwen_vl, text_only  # noqa: F401  (each registers its classes)
 from processors.base import MultimodalProcessor
 from processors.registration import REGISTRY, ProcessorRegistry, register_processor
 

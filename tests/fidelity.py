@@ -124,9 +124,13 @@ class Reference:
     def __init__(self, model_dir: Path, hf_processor):
         """``hf_processor``: the model's HF processor (``processor.hf``: AutoProcessor itself needs
         torchvision for some models, which this project never installs)."""
-        from transformers import AutoModelForMultimodalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMultimodalLM
 
-        self.model = AutoModelForMultimodalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # A text-only model (Qwen3-MoE) is a causal LM, not a multimodal one.
+        auto = AutoModelForMultimodalLM
+        if type(AutoConfig.from_pretrained(model_dir)) not in auto._model_mapping:
+            auto = AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.hf_processor = hf_processor
         self._takes_types = "mm_token_type_ids" in getattr(self.hf_processor, "model_input_names", ())
 
