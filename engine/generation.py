@@ -111,10 +111,11 @@ class Engine:
         return adapter
 
     def unload_adapter(self, adapter_id: str) -> bool:
-        """Free ``adapter_id``'s slot (False: it was not resident). Requests naming it are refused
-        from now on (``adapter_not_found``); the caller ends the ones still running under it first."""
+        """Requests naming ``adapter_id`` are refused from now on (``adapter_not_found``); the rows
+        running under it finish, its slot given up when another adapter needs it (False: it was
+        not served)."""
         with self.loaded.lock:
-            return self.loaded.adapters is not None and self.loaded.adapters.remove(adapter_id)
+            return self.loaded.adapters is not None and self.loaded.adapters.retire(adapter_id)
 
     @property
     def adapter_ids(self) -> list[str]:

@@ -51,7 +51,9 @@ class AdapterBank:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.device = next(model.parameters()).device
         self._targets = adaptable_modules(model)
-        self._slot: dict[str, int] = {}
+        self._slot: dict[str, int] = {}  # every resident adapter's slot, retired ones included
+        self._live: set[str] = set()  # those new requests may name
+        self._retired: list[str] = []  # resident for the rows still running under them, oldest first
         self._adapters: dict[str, LoraAdapter] = {}
         self._a: dict[str, torch.Tensor] = {}  # module -> (slots, R, in)
         self._b: dict[str, torch.Tensor] = {}  # module -> (slots, R, out)
@@ -61,16 +63,19 @@ class AdapterBank:
         self._local = threading.local()
 
     def __contains__(self, adapter_id: str) -> bool:
-        return adapter_id in self._slot
+        return adapter_id in self._live
 
     def ids(self) -> list[str]:
-        return sorted(self._slot)
+        return sorted(self._live)
 
     def add(self, adapter_id: str, adapter: LoraAdapter) -> None:
         """Make ``adapter`` resident as ``adapter_id`` (replacing one of that id in its slot)."""
         slot = self._slot.get(adapter_id)
         if slot is None:
             free = sorted(set(range(self.max_loras)) - set(self._slot.values()))
+            if not free and self._retired:  # the adapter retired longest ago gives its slot up
+                self.remove(self._retired[0])
+                free = sorted(set(range(self.max_loras)) - set(self._slot.values()))
             if not free:
                 raise AdapterLimitError(f"{self.max_loras} adapters are resident (ROLLOUT_MAX_LORAS); unload one "
                                         "first", errors={"limit": self.max_loras})
@@ -88,6 +93,19 @@ class AdapterBank:
             self._b[name][slot, :adapter.rank] = b.t().to(self.device)
         self._scale[slot] = adapter.scale
         self._slot[adapter_id], self._adapters[adapter_id] = slot, adapter
+        self._live.add(adapter_id)
+        if adapter_id in self._retired:
+            self._retired.remove(adapter_id)
+
+    def retire(self, adapter_id: str) -> bool:
+        """New requests may no longer name ``adapter_id``; it stays resident for the rows running
+        under it until its slot is needed (then the one retired longest ago goes). False when it was
+        not served."""
+        if adapter_id not in self._live:
+            return False
+        self._live.discard(adapter_id)
+        self._retired.append(adapter_id)
+        return True
 
     def remove(self, adapter_id: str) -> bool:
         """Free ``adapter_id``'s slot; False when it was not resident."""
@@ -95,6 +113,9 @@ class AdapterBank:
         if slot is None:
             return False
         del self._adapters[adapter_id]
+        self._live.discard(adapter_id)
+        if adapter_id in self._retired:
+            self._retired.remove(adapter_id)
         for name in self._a:
             self._a[name][slot].zero_()
             self._b[name][slot].zero_()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
 from engine.lora.adapter_files import WEIGHTS_FILE
-from engine.lora.errors import AdapterInvalidError, AdapterLimitError
+from engine.lora.errors import AdapterInvalidError, AdapterLimitError, AdapterNotFoundError
 from engine.sampling_params import SamplingParams
 
 
@@ -90,12 +90,28 @@ def test_the_directory_is_confined_under_the_root(served, adapter_a, adapters_ro
     assert served.adapter_ids == ["a@1"]
 
 
-def test_resident_adapters_are_bounded(served, adapter_b):
+def test_resident_adapters_are_bounded_and_an_unloaded_one_lets_its_rows_finish(served, adapter_b, prompts):
     served.load_adapter("b@1", adapter_b)
+    with pytest.raises(AdapterLimitError) as raised:
+        served.load_adapter("b@2", adapter_b)
+    assert raised.value.code == "adapter_limit_reached"
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    prompt = prompts.text("running while its adapter is unloaded")
+    [alone] = served.generate([GenerationRequest(prompt, params, adapter="b@1")])
+    scheduler = served.scheduler()
     try:
-        with pytest.raises(AdapterLimitError) as raised:
-            served.load_adapter("b@2", adapter_b)
-        assert raised.value.code == "adapter_limit_reached"
+        scheduler.submit(GenerationRequest(prompt, params, adapter="b@1"))
+        finished = scheduler.step()
+        assert served.unload_adapter("b@1")
+        with pytest.raises(AdapterNotFoundError):  # new requests may no longer name it
+            scheduler.check(GenerationRequest(prompt, params, adapter="b@1"))
+        while scheduler.has_work:
+            finished += scheduler.step()
     finally:
-        served.unload_adapter("b@1")
+        scheduler.close()
+    [done] = finished
+    assert done.error is None and done.result.choices[0].token_ids == alone.choices[0].token_ids
+    served.load_adapter("b@2", adapter_b)  # the retired one's slot is taken
+    assert served.adapter_ids == ["a@1", "b@2"]
+    assert served.unload_adapter("b@2")
     assert served.adapter_ids == ["a@1"]
