@@ -35,6 +35,7 @@ see each method.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from queue import Empty
 
@@ -46,6 +47,8 @@ from kombu.utils.json import loads
 
 log = logging.getLogger(__name__)
 
+# How often an unrecorded message given back is pushed again while Redis refuses it.
+RESTORE_RETRY_SECONDS = 1.0
 # The most one take pops when the window is unbounded (prefetch_count 0).
 UNBOUNDED_TAKE = 64
 
@@ -91,6 +94,12 @@ class BulkQoS(kombu_redis.QoS):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorded: set[str] = set()
+        # Messages delivered without a record in ``unacked`` (Redis refused it): their payload is
+        # only here, so one given back is pushed to its queue by this process, again until it lands.
+        self.unrecorded: dict[str, tuple] = {}
+        self._restoring: dict[str, tuple] = {}
+        self._restore_lock = threading.Lock()
+        self._retry: threading.Timer | None = None
 
     def append(self, message, delivery_tag):
         if delivery_tag in self.recorded:
@@ -104,13 +113,27 @@ class BulkQoS(kombu_redis.QoS):
             # dropped (kombu's own raise loses it). Its job is then found by the job reaper should
             # this worker die holding it (domain/jobs/reaper.py), as in kombu's BRPOP window.
             log.warning("Redis is at its maxmemory: message %s runs unrecorded", delivery_tag)
+            delivery = message.delivery_info
+            self.unrecorded[delivery_tag] = (message._raw, delivery["exchange"], delivery["routing_key"])
             virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag):
+        self.unrecorded.pop(delivery_tag, None)
+        super().ack(delivery_tag)
 
     def _remove_from_indices(self, delivery_tag, pipe=None):
         # Outside a MULTI: Redis runs ZREM and HDEL at its bound, which only free memory.
         return super()._remove_from_indices(delivery_tag, pipe or removal_pipeline(self))
 
     def reject(self, delivery_tag, requeue=False):
+        unrecorded = self.unrecorded.pop(delivery_tag, None)
+        if unrecorded is not None:
+            if requeue:
+                with self._restore_lock:
+                    self._restoring[delivery_tag] = unrecorded
+                self._restore_unrecorded()
+            virtual.QoS.ack(self, delivery_tag)
+            return
         try:
             super().reject(delivery_tag, requeue=requeue)
         except redis.exceptions.OutOfMemoryError:
@@ -119,6 +142,39 @@ class BulkQoS(kombu_redis.QoS):
             # has room (workers/held_messages.py).
             log.warning("Redis is at its maxmemory: message %s is left for the held-message sweep", delivery_tag)
             virtual.QoS.ack(self, delivery_tag)
+
+
+    def restore_visible(self, *args, **kwargs):
+        try:
+            return super().restore_visible(*args, **kwargs)
+        except redis.exceptions.OutOfMemoryError:
+            return None  # its lock is a write Redis refuses at its bound: the next round tries again
+
+    def _restore_unrecorded(self) -> None:
+        """Push the unrecorded messages given back to the head of their queues; what Redis still
+        refuses is tried again every ``RESTORE_RETRY_SECONDS`` from a timer thread. A process that
+        dies holding one leaves its job to the job reaper (domain/jobs/reaper.py)."""
+        with self._restore_lock:
+            for tag, (payload, exchange, routing_key) in list(self._restoring.items()):
+                try:
+                    with self.channel.conn_or_acquire() as client:
+                        pipe = client.pipeline(transaction=False)
+                        self.channel._do_restore_message(payload, exchange, routing_key, pipe, leftmost=True)
+                        pipe.execute()
+                except redis.RedisError as error:
+                    if self._retry is None:
+                        log.warning("message %s not given back yet (%s); trying again", tag, error.__class__.__name__)
+                        self._retry = threading.Timer(RESTORE_RETRY_SECONDS, self._retry_restore)
+                        self._retry.daemon = True
+                        self._retry.start()
+                    return
+                del self._restoring[tag]
+
+
+    def _retry_restore(self) -> None:
+        with self._restore_lock:
+            self._retry = None
+        self._restore_unrecorded()
 
 
 def removal_pipeline(qos: kombu_redis.QoS):

@@ -5,6 +5,8 @@ never left full: the wedge of issue #56, where refused acks stopped a GPU worker
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 from kombu import Connection, Consumer, Exchange, Producer, Queue
@@ -112,3 +114,22 @@ def test_a_message_popped_at_the_bound_is_delivered_not_lost(server, client):
         for message in messages:
             message.ack()
         assert connection.default_channel.qos.can_consume()
+
+
+def test_an_unrecorded_message_given_back_is_pushed_to_its_queue_once_redis_has_room(server, client):
+    publish(server.url, 2)
+    with Connection(server.url, transport=celery_transport.Transport) as connection:
+        messages, _ = consume(connection, prefetch=2, before_drain=lambda: fill(client))
+        assert len(messages) == 2 and client.hlen("unacked") == 0  # delivered, unrecorded
+        fill(client)  # the pops freed a little
+        for message in messages:
+            message.reject(requeue=True)  # Redis refuses the push: held in this process
+        assert connection.default_channel.qos.can_consume() and client.llen(QUEUE.name) == 0
+        free(client)
+        deadline = time.monotonic() + 10
+        while client.llen(QUEUE.name) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.llen(QUEUE.name) == 2
+    with Connection(server.url, transport=celery_transport.Transport) as connection:
+        again, _ = consume(connection, prefetch=2)
+        assert sorted(m.payload["n"] for m in again) == [0, 1]  # the very messages, whole
