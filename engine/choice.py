@@ -37,6 +37,10 @@ class Choice:
     # the new weights at every update it crossed (recompute_kv); False: it attended to the KV
     # the older weights computed.
     kv_recomputed: bool | None = None
+    # With routed_experts: the top-k expert ids of every MoE layer at every position fed to the
+    # model (prompt + output - 1), packed {dtype, shape: [tokens, layers, k], data: base64}
+    # (engine/routing/encoding.py); None unless asked.
+    routed_experts: dict | None = None
 
     @classmethod
     def from_record(cls, record: dict) -> Choice:

@@ -25,6 +25,7 @@ import torch
 
 from engine.detokenize import IncrementalText, decode_text, find_stop
 from engine.penalties import RowPenalties
+from engine.routing.rows import RowRouting
 from engine.row_versions import RowVersions
 from engine.sampling_mask import SamplingMasks
 from engine.sampling_params import SamplingParams
@@ -62,6 +63,8 @@ class RowDecoder:
         # engine.grammar.row_grammar.RowGrammar: the request's constraint, applied by the sampler
         # before everything else this row adjusts; None for a free row.
         self.grammar = grammar
+        # The experts each of its positions took (engine/routing/); None unless it asked.
+        self.routing = RowRouting() if params.routed_experts else None
 
     @property
     def done(self) -> bool:

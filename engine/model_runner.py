@@ -16,7 +16,7 @@ alone, cached by content).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,8 @@ from engine.lora.bank import lora_rows
 from engine.paged_kv import BlockPool, prefix_cache, write_prompts
 from engine.prefill_plan import chunk_end
 from engine.prompt_cache import PrefilledPrompt
+from engine.routing.capture import router_capture
+from engine.routing.forwards import after_decode, after_prefill, recording
 from engine.running_batch import RunningBatch
 from engine.scoring import teacher_forced
 from engine.step_runner import PromptInput
@@ -50,6 +52,7 @@ class ChunkedPrefill:
     rope_delta: int | None
     cache: Any = None
     done: int = 0
+    routing: list = field(default_factory=list)  # each chunk's routed experts, if the prompt asked
 
     @property
     def finished(self) -> bool:
@@ -66,6 +69,7 @@ class ModelRunner:
         self.loaded, self.pool, self.encoder_cache, self.stats = loaded, pool, encoder_cache, stats
         self.uses_encoder_outputs = supports_encoder_outputs(loaded.model)
         self._encoder_inputs = encoder_input_names(loaded.model) if self.uses_encoder_outputs else set()
+        self.routing = router_capture(loaded.model)  # None unless the model has MoE layers (engine/routing/)
 
     @property
     def attn_implementation(self) -> str | None:
@@ -77,8 +81,10 @@ class ModelRunner:
     def decode(self, batch: RunningBatch) -> torch.Tensor:
         """One decode forward over the running rows; each row's raw fp32 logits (rows, vocab)."""
         inputs = batch.decode_inputs()
-        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [job.adapter for job in batch.jobs]):
+        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [job.adapter for job in batch.jobs]), \
+                recording(self.routing, [row.routing is not None for row in batch.rows]):
             out = self.loaded.model(**inputs, use_cache=True, logits_to_keep=1)
+            after_decode(self.routing, batch)
         return out.logits[:, -1].float()
 
     def prefill(self, prompts: Sequence[PromptInput]) -> list[PrefilledPrompt]:
@@ -114,16 +120,18 @@ class ModelRunner:
             past["cache"] = prefix_cache(self.pool, [p.prefix for p in prompts], dtype=loaded.dtype)
             batch = rest
         kwargs = self._forward_inputs(batch, units)
-        with loaded.lock, torch.inference_mode(), lora_rows(loaded, [p.adapter for p in prompts]):
+        with loaded.lock, torch.inference_mode(), lora_rows(loaded, [p.adapter for p in prompts]), \
+                recording(self.routing, [p.routed for p in prompts]):
             out = loaded.model(**kwargs, **past, position_ids=positions, use_cache=True, logits_to_keep=1)
+            routing = after_prefill(self.routing, prompts, batch["input_ids"].shape[1])
         self.stats.prefill_forwards += 1
         prefixes = [p.prefix for p in prompts]
         for prompt in prompts:  # write_prompts takes them over, whatever happens
             prompt.prefix = []
         kvs = write_prompts(self.pool, _cache_of(out), [len(p.token_ids) for p in prompts], prefixes)
         logits = out.logits[:, -1].float()
-        return [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length)
-                for i, kv in enumerate(kvs)]
+        return [PrefilledPrompt(kv, logits[i].clone(), None if deltas is None else int(deltas[i]), kv.length,
+                                routing[i]) for i, kv in enumerate(kvs)]
 
     def start_chunked(self, prompt: PromptInput) -> ChunkedPrefill:
         batch = collate(self.loaded, [Row(prompt.token_ids, prompt.features)])
@@ -165,9 +173,12 @@ class ModelRunner:
             batch = {name: value for name, value in batch.items()
                      if name in ("input_ids", "attention_mask", "mm_token_type_ids")}
         kwargs = self._forward_inputs(batch, chunk_units)
-        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [prompt.adapter]):
+        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [prompt.adapter]), \
+                recording(self.routing, [prompt.routed]):
             out = self.loaded.model(**kwargs, position_ids=state.positions[..., start:end], cache=state.cache,
                                     use_cache=True, logits_to_keep=1)
+            if prompt.routed and self.routing is not None:
+                state.routing.append(self.routing.take())  # (end - start, layers, k)
         self.stats.prefill_forwards += 1
         state.cache = _cache_of(out)
         state.done = end
@@ -175,7 +186,19 @@ class ModelRunner:
             return None
         prefix, prompt.prefix = prompt.prefix, []  # write_prompts takes it over, whatever happens
         kv = write_prompts(self.pool, state.cache, [length], [prefix])[0]
-        return PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length)
+        return PrefilledPrompt(kv, out.logits[0, -1].float().clone(), state.rope_delta, length,
+                               torch.cat(state.routing) if state.routing else None)
+
+    def prompt_routing(self, token_ids, features: dict[str, torch.Tensor], adapter: str = "") -> torch.Tensor:
+        """The routed experts of a whole prompt, (len, layers, k), computed again by the model's
+        forward over it alone (no cache): for the part of a prompt found in the prefix cache, which
+        no forward of this request computed (engine/routing/)."""
+        batch = collate(self.loaded, [Row(token_ids, features, adapter)])
+        with self.loaded.lock, torch.inference_mode(), lora_rows(self.loaded, [adapter]), \
+                recording(self.routing, [True]):
+            positions, _ = prompt_positions(self.loaded, batch)
+            self.loaded.model(**batch, position_ids=positions, use_cache=False, logits_to_keep=1)
+            return self.routing.take()
 
     def prompt_logprobs(self, request, features: dict[str, torch.Tensor]) -> dict[str, Any]:
         """``{prompt_logprobs, prompt_top_logprobs}`` of one request by teacher-forced scoring (the

@@ -25,6 +25,9 @@ class PrefilledPrompt:
     logits: torch.Tensor  # (vocab,) fp32 raw logits after the prompt's last token
     rope_delta: int | None  # M-RoPE models: position offset of the tokens after the prompt
     length: int
+    # Routed experts (engine/routing/) of the prompt's last positions, (n, layers, k): those its
+    # forward computed when a request asked; None otherwise.
+    routing: torch.Tensor | None = None
 
     @property
     def finite(self) -> bool:

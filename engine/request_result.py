@@ -12,6 +12,7 @@ from engine.batch_inputs import placeholder_ranges
 from engine.choice import Choice
 from engine.generation_types import GenerationResult
 from engine.model_facts import ModelFacts
+from engine.routing.result import choice_routing
 
 
 def build_result(facts: ModelFacts, job: Any,
@@ -35,7 +36,8 @@ def build_result(facts: ModelFacts, job: Any,
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
                       top_logprobs=row.top_logprobs(), sampling_mask=row.packed_sampling_mask(),
                       weight_versions=row.versions.spans(len(row.token_ids)),
-                      kv_recomputed=row.versions.kv_recomputed())
+                      kv_recomputed=row.versions.kv_recomputed(),
+                      routed_experts=choice_routing(row, len(request.prompt_token_ids)))
                for row in job.rows]
     # The version at the end: the last span of the choice with the most (the rows of a request
     # start on one version); a request with no token, the weights serving now.

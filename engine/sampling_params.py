@@ -74,6 +74,9 @@ class SamplingParams:
     # A constraint every token obeys (engine/grammar/): the native ``structured_output`` object
     # (one of json_schema, json_object, regex, choice, grammar) or its GrammarSpec. None: free.
     structured_output: GrammarSpec | None = None
+    # Per prompt and output token, the top-k expert ids of every MoE layer (rollout routing replay:
+    # engine/routing/): Choice.routed_experts. Only for a model with MoE layers.
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         # Lists from JSON become a tuple so the params stay hashable and immutable.
@@ -99,7 +102,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             problems["ignore_eos"] = "must be a boolean"
         for name in ("logprobs", "include_stop_str_in_output", "detokenize", "skip_special_tokens",
-                     "spaces_between_special_tokens", "sampling_mask"):
+                     "spaces_between_special_tokens", "sampling_mask", "routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 problems[name] = "must be a boolean"
         if (len(self.stop) > MAX_STOP_STRINGS

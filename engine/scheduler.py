@@ -82,6 +82,7 @@ from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
 from engine.request_result import build_result
+from engine.routing.result import check_routed
 from engine.running_batch import RunningBatch
 from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job, rekey
 from engine.step_prefill import StepPrefill
@@ -131,6 +132,7 @@ class Scheduler:
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
         check_grammar(facts, params)
         check_adapter(facts, request)
+        check_routed(self.runner, params)
         return features
 
     def submit(self, request, *, tag: Any = None, time_limit: float | None = None,

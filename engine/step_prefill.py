@@ -45,7 +45,9 @@ class StepPrefill:
         admitted jobs left waiting. A long prompt being chunked goes first: nothing else is
         prefilled until its last chunk ran. ``hold``: prompts may wait for company (``hold_joins``)."""
         if self.chunking is not None:
-            return self._prefill_chunk(), admitted
+            joined = self._prefill_chunk()
+            self._give_routing(joined)
+            return joined, admitted
         plan = plan_prefill(admitted, self._find_cached, budget=self.limits.prefill_chunk_tokens if running_rows else None)
         if hold:
             plan = self._hold_lone_joins(plan, admitted, running_rows)
@@ -60,7 +62,26 @@ class StepPrefill:
             joined += self._compute_prompts(plan.groups)
         if self.chunking is not None and not joined:
             joined += self._prefill_chunk()
+        self._give_routing(joined)
         return joined, admitted
+
+    def _give_routing(self, joined: list[tuple[Job, PrefilledPrompt]]) -> None:
+        """Each row that asked for its routed experts gets its prompt's, before its first token.
+        A prompt's part found in the prefix cache was computed by no forward of this request: the
+        whole prompt's routing is computed again by a forward of its own (engine/routing/), under
+        the weights that made the cached blocks (a weight update renames every block)."""
+        for job, prompt in joined:
+            if not job.request.sampling.routed_experts or job.state == "done":
+                continue
+            try:
+                if prompt.routing is None or prompt.routing.shape[0] < prompt.length:
+                    prompt.routing = self.runner.prompt_routing(job.request.prompt_token_ids, job.features,
+                                                                job.adapter)
+            except Exception as error:
+                self._fail(job, error)
+                continue
+            for row in job.rows:
+                row.routing.add_positions(0, prompt.routing)
 
     def _hold_lone_joins(self, plan: PrefillPlan, admitted: list[Job], running_rows: int) -> PrefillPlan:
         """``plan`` without its prompts to compute while they wait for company (``hold_joins``);
@@ -119,7 +140,7 @@ class StepPrefill:
     def _prompt_input(self, job: Job) -> PromptInput:
         """What the runner prefills for ``job``; its cached prefix (and the references) go with it."""
         prompt = PromptInput(job.request.prompt_token_ids, job.features, job.units, job.prefix, job.prefix_tokens,
-                             job.adapter)
+                             job.adapter, routed=job.request.sampling.routed_experts)
         job.prefix, job.prefix_tokens = [], 0
         return prompt
 

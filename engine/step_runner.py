@@ -28,6 +28,7 @@ class PromptInput:
     prefix: list[int] = field(default_factory=list)
     start: int = 0
     adapter: str = ""  # the LoRA adapter it runs under (engine/lora/); "" is the base
+    routed: bool = False  # a request of it asked for its routed experts (engine/routing/)
 
 
 class StepRunner(Protocol):
@@ -54,6 +55,10 @@ class StepRunner(Protocol):
 
     def drop_chunked(self, state: Any) -> None:
         """A chunked prefill given up: its prefix goes back to the pool."""
+
+    def prompt_routing(self, token_ids: Sequence[int], features: dict[str, torch.Tensor],
+                       adapter: str = "") -> torch.Tensor:
+        """A whole prompt's routed experts, (len, layers, k), by a forward of its own."""
 
     def prompt_logprobs(self, request: Any, features: dict[str, torch.Tensor]) -> dict[str, Any]:
         """``{prompt_logprobs, prompt_top_logprobs}`` of a finished request that asked for them."""
