@@ -132,7 +132,7 @@ class Scheduler:
         check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
         check_grammar(facts, params)
         check_adapter(facts, request)
-        check_routed(self.runner, params)
+        check_routed(getattr(self.runner, "routing", None), params)
         return features
 
     def submit(self, request, *, tag: Any = None, time_limit: float | None = None,

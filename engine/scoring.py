@@ -36,6 +36,10 @@ from engine.errors import InvalidRequestError, check_token_ids
 from engine.items import MultimodalItem
 from engine.loading import LoadedModel
 from engine.lora.bank import check_adapter, lora_rows
+from engine.routing.capture import router_capture
+from engine.routing.encoding import pack
+from engine.routing.forwards import recording
+from engine.routing.result import check_routed
 
 
 @dataclass
@@ -45,6 +49,7 @@ class ScoreRequest:
     items: Sequence[MultimodalItem] = ()
     mm_kwargs: Mapping[str, torch.Tensor] | None = None
     adapter: str = ""  # the LoRA adapter scored under (engine/lora/); "" is the base
+    routed_experts: bool = False  # return every position's routed experts (engine/routing/)
 
 
 @dataclass
@@ -55,12 +60,16 @@ class ScoreResult:
     usage: dict[str, int]
     timings: dict[str, float]
     weight_version: str
+    # With routed_experts: every position's (prompt and completion) top-k expert ids per MoE
+    # layer, packed as engine/routing/encoding.py says; None unless asked.
+    routed_experts: dict | None = None
 
 
 def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreResult]:
     """Score every request in one forward pass; results in request order."""
     started = time.perf_counter()
     rows = []
+    capture = router_capture(loaded.model)
     for request in requests:
         if len(request.completion_token_ids) == 0:
             raise InvalidRequestError("completion_token_ids must not be empty")
@@ -69,6 +78,7 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
         features = request_features(request.items, request.mm_kwargs)
         check_placeholders(loaded, request.prompt_token_ids, features, request.completion_token_ids)
         check_adapter(loaded, request)
+        check_routed(capture, request)
         rows.append(Row(
             token_ids=[*request.prompt_token_ids, *request.completion_token_ids],
             features=features,
@@ -76,9 +86,10 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
         ))
     if not requests:
         return []
-    scored = teacher_forced(loaded, rows, [len(r.completion_token_ids) for r in requests])
+    routing = [r.routed_experts for r in requests]
+    scored = teacher_forced(loaded, rows, [len(r.completion_token_ids) for r in requests], routing=routing)
     results = []
-    for request, (logprobs, _) in zip(requests, scored, strict=True):
+    for request, (logprobs, _), routed in zip(requests, scored, routing, strict=True):
         n = len(request.completion_token_ids)
         results.append(
             ScoreResult(
@@ -88,6 +99,7 @@ def score(loaded: LoadedModel, requests: Sequence[ScoreRequest]) -> list[ScoreRe
                 usage={"prompt_tokens": len(request.prompt_token_ids), "completion_tokens": n},
                 timings={},
                 weight_version=loaded.weight_version,
+                routed_experts=pack(routed.cpu().numpy()) if request.routed_experts else None,
             )
         )
     elapsed = time.perf_counter() - started
@@ -101,19 +113,28 @@ _LOGPROB_ELEMENTS = 2**26
 
 
 def teacher_forced(
-    loaded: LoadedModel, rows: Sequence[Row], scored: Sequence[int], *, top_k: int = 0
+    loaded: LoadedModel, rows: Sequence[Row], scored: Sequence[int], *, top_k: int = 0,
+    routing: list | None = None,
 ) -> list[tuple[list[float], list[list[list]] | None]]:
     """For each row, the raw-distribution logprobs of its last ``scored[i]`` tokens given all
     before them, in one forward pass; with ``top_k``, also ``[[token_id, logprob], ...]`` of
-    the k most likely tokens at each of those positions. Rows are checked by the caller."""
+    the k most likely tokens at each of those positions. Rows are checked by the caller.
+    ``routing``: a flag per row; each true one is replaced by the row's routed experts over all
+    its tokens, (len, layers, k) on the device (engine/routing/)."""
     batch = collate(loaded, rows)
     keep = max(scored) + 1
-    with loaded.lock, torch.inference_mode(), lora_rows(loaded, [row.adapter for row in rows]):
+    capture = router_capture(loaded.model) if routing else None
+    with loaded.lock, torch.inference_mode(), lora_rows(loaded, [row.adapter for row in rows]), \
+            recording(capture, routing or []):
         # The positions generation's prefill uses (transformers' own, M-RoPE with media included):
         # left to the model, a padded row would be numbered from the padding, and Qwen2.5-Omni's
         # thinker, which takes no mm_token_type_ids, would get 1-D text positions over its media.
         positions, _ = prompt_positions(loaded, batch)
         logits = loaded.model(**batch, position_ids=positions, use_cache=False, logits_to_keep=keep).logits
+        if capture is not None and any(routing):
+            ids = capture.take().reshape(len(rows), batch["input_ids"].shape[1], capture.layers, capture.top_k)
+            routing[:] = [ids[i, -len(row.token_ids):] if want else None
+                          for i, (row, want) in enumerate(zip(rows, routing, strict=True))]
     # logits_to_keep is optional: Qwen2.5-Omni's thinker and Qwen2-Audio take it in **kwargs and
     # return every position. Take the last ``keep`` columns of whatever came back.
     if logits.shape[1] < keep:

@@ -7,9 +7,11 @@ from engine.errors import InvalidRequestError
 from engine.routing.encoding import pack
 
 
-def check_routed(runner, params) -> None:
-    """``routed_experts`` on a model without MoE layers is refused (a 4xx, before it runs)."""
-    if params.routed_experts and getattr(runner, "routing", None) is None:
+def check_routed(capture, params) -> None:
+    """``routed_experts`` on a model without MoE layers is refused (a 4xx, before it runs).
+    ``capture``: the model's (engine.routing.capture.router_capture); ``params``: anything with a
+    ``routed_experts`` flag."""
+    if params.routed_experts and capture is None:
         raise InvalidRequestError("routed_experts needs a mixture-of-experts model; this one has no MoE layers",
                                   errors={"routed_experts": ["this model has no MoE layers"]})
 

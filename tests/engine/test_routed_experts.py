@@ -166,3 +166,17 @@ def test_a_row_across_an_update_keeps_each_positions_weights(moe_dir, tmp_path, 
     np.testing.assert_array_equal(got[:cut], old[:cut])
     np.testing.assert_array_equal(got[cut:], new[cut:])
     assert not np.array_equal(old[cut:], new[cut:])  # the two weights route differently there
+
+
+def test_scoring_routing_covers_every_position(engine, reference):
+    from engine.scoring import ScoreRequest
+
+    prompt = _ids(engine, "What colour is the square in the picture?")
+    completion = _ids(engine, " a red square on a blue background")
+    short = _ids(engine, "Yes.")
+    scored = engine.score([ScoreRequest(prompt, completion, routed_experts=True),
+                           ScoreRequest(short, _ids(engine, " No."))])
+    packed = scored[0].routed_experts
+    assert packed["shape"] == [len(prompt) + len(completion), LAYERS, TOP_K]
+    np.testing.assert_array_equal(unpack(packed), reference([*prompt, *completion]))
+    assert scored[1].routed_experts is None
