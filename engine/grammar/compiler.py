@@ -76,9 +76,11 @@ class PendingGrammar:
     def extra_mask(self) -> torch.Tensor | None:
         """Words (int32, one bit a token) to AND into every step's bitmask, or None: the ids this
         constraint's output can never hold beyond what xgrammar masks (JSON's raw control characters)."""
-        if self.owner is None or self.spec.kind not in ("json_schema", "json_object"):
+        if self.owner is None:
             return None
-        return self.owner.no_control_words
+        if self.spec.kind == "tool_calls":
+            return self.owner.no_control_but_space_words
+        return self.owner.no_control_words if self.spec.kind in ("json_schema", "json_object") else None
 
     def _too_slow(self) -> GrammarTooComplexError:
         return GrammarTooComplexError(
@@ -103,8 +105,11 @@ class ModelGrammars:
         self._compiling: dict[GrammarSpec, Future] = {}
         # xgrammar 0.2.9 lets a string with maxLength take raw control characters (its rule is
         # [^"\\\r\n], where an unbounded string's is [^\0-\x1f"\\\r\n]), which JSON forbids; and
-        # compact JSON has no other place for one. So JSON rows also mask every token holding one.
+        # compact JSON has no other place for one. So JSON rows also mask every token holding one;
+        # tool calls keep newline and carriage return (their formats and JSON whitespace use them;
+        # xgrammar keeps both out of a string, not a tab).
         self.no_control_words: torch.Tensor | None = None
+        self.no_control_but_space_words: torch.Tensor | None = None
 
     def start(self, spec: GrammarSpec) -> PendingGrammar:
         """``spec``'s grammar: at once from the cache, else compiling on the pool."""
@@ -149,17 +154,22 @@ class ModelGrammars:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=list(self.stop_token_ids))
                 self.no_control_words = _words_without(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
+                self.no_control_but_space_words = _words_without(info.decoded_vocab, self.vocab_size,
+                                                                 self.stop_token_ids, spaces=True)
                 # Our LRU keeps the compiled grammars; xgrammar's own cache would hold them twice.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
 
-def _words_without(decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int]) -> torch.Tensor:
+def _words_without(decoded_vocab: Sequence[bytes], vocab_size: int, keep: Sequence[int], *,
+                   spaces: bool = False) -> torch.Tensor:
     """xgrammar's bitmask words (int32, bit t of word t // 32 for token t) allowing every token
-    but those whose bytes hold a control character (stop tokens kept)."""
+    but those whose bytes hold a control character (stop tokens kept; with ``spaces``, newline
+    and carriage return are none)."""
+    control = set(range(0x20)) - ({0x0A, 0x0D} if spaces else set())
     allowed = np.ones(xgr.get_bitmask_shape(1, vocab_size)[1] * 32, dtype=bool)
     for token, piece in enumerate(decoded_vocab[:vocab_size]):
-        if any(byte < 0x20 for byte in piece):
+        if any(byte in control for byte in piece):
             allowed[token] = False
     allowed[list(keep)] = True
     return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").copy())
@@ -172,6 +182,13 @@ def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> Any:
         return compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
     if spec.kind == "regex":
         return compiler.compile_regex(spec.text)
+    if spec.kind == "tool_calls":
+        calls = json.loads(spec.text)
+        # Whitespace inside the arguments' JSON bounded to one character a place: no loops.
+        tag = xgr.get_model_structural_tag(calls["format"], tools=calls["tools"], tool_choice=calls["tool_choice"],
+                                           reasoning=calls["reasoning"], max_whitespace_cnt=1,
+                                           parallel_tool_calls=calls["parallel_tool_calls"])
+        return compiler.compile_structural_tag(tag)
     if spec.kind == "choice":
         choices = json.loads(spec.text)
         return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))

@@ -2,8 +2,9 @@
 torch (the API checks it with the rest of the sampling parameters; the job record stores it as
 the request gave it and the GPU worker compiles it, ``engine.grammar.compiler``).
 
-The native shape is one key of ``{json_schema, json_object, regex, choice, grammar}`` (vLLM's
-``structured_outputs`` names its ``json`` ``json_schema`` here); every dialect maps onto it.
+The native shape is one key of ``{json_schema, json_object, regex, choice, grammar, tool_calls}``
+(vLLM's ``structured_outputs`` names its ``json`` ``json_schema`` here); every dialect maps onto
+it; chat's ``tool_choice`` required or named makes a ``tool_calls`` one (web/dialects/openai/tools.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from typing import Any
 
 from engine.grammar.errors import GrammarTooComplexError, InvalidGrammarError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+# tool_calls: calls in a model family's own format (xgrammar's structural tags: ``format`` is one of
+# its model keys, e.g. qwen_3 for Hermes' <tool_call> JSON), for tool_choice required or named.
+TOOL_CALL_KEYS = {"format", "tools", "tool_choice", "parallel_tool_calls", "reasoning"}
 # Bounds on what a request may ask to compile: a constraint's canonical text, and a choice list.
 # xgrammar's compile time grows with the grammar; these keep one request's compile in the
 # hundreds of milliseconds on a 150k vocabulary (bench/structured_output.py), the compile
@@ -53,7 +57,7 @@ class GrammarSpec:
         """The native object this spec reads back from (what a job record stores)."""
         if self.kind == "json_object":
             return {"json_object": True}
-        if self.kind in ("json_schema", "choice"):
+        if self.kind in ("json_schema", "choice", "tool_calls"):
             return {self.kind: json.loads(self.text)}
         return {self.kind: self.text}
 
@@ -67,6 +71,11 @@ def _text(kind: str, given: Any) -> str:
         if given is not True:
             raise _invalid("json_object must be true")
         return ""
+    if kind == "tool_calls":
+        if (not isinstance(given, dict) or set(given) != TOOL_CALL_KEYS or not isinstance(given["format"], str)
+                or not isinstance(given["tools"], list) or not given["tools"]):
+            raise _invalid(f"tool_calls must be an object of {', '.join(sorted(TOOL_CALL_KEYS))} with tools")
+        return json.dumps(given, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     if kind == "choice":
         if (not isinstance(given, list) or not 0 < len(given) <= MAX_CHOICES
                 or not all(isinstance(item, str) and item for item in given)):

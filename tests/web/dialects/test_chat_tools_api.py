@@ -96,8 +96,10 @@ def test_a_chat_job_prompt_holds_the_tools_and_the_history_of_calls(client):
 
 
 @pytest.mark.parametrize(("extra", "code"), [
-    ({"tool_choice": "required"}, "tool_choice_unsupported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice_unsupported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "not_a_tool"}}}, "invalid_request"),
+    ({"tool_choice": {"type": "function"}}, "invalid_request"),
+    ({"tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False},
+      "response_format": {"type": "json_object"}}, "invalid_grammar"),
     ({"tool_choice": "sometimes"}, "invalid_request"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "invalid_request"),
     ({"tools": [{"type": "retrieval"}]}, "invalid_request"),

@@ -9,6 +9,7 @@ from typing import Any
 from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
+from engine.grammar.errors import InvalidGrammarError
 from web.dialects import chat_template
 from web.dialects.common import (
     TokenTexts,
@@ -23,7 +24,7 @@ from web.dialects.common import (
     vocab_size,
 )
 from web.dialects.openai.request import check_model, native_params, speller, stop_reason
-from web.dialects.openai.tools import checked_tools, reply_parsers, template_tool_calls
+from web.dialects.openai.tools import checked_tools, forced_tool_calls, reply_parsers, template_tool_calls
 from web.dialects.sampling import RENAMED
 from web.parsers.message import finish_reason, parsed_message
 from web.services import services
@@ -82,6 +83,11 @@ def chat_job_request(prompt: ChatPrompt, ids: list[int], *, ids_field: str = "me
     params = native_params({**body, **({"max_tokens": body["max_completion_tokens"]}
                                  if "max_completion_tokens" in body else {})})
     params["logprobs"] = bool(body.get("logprobs"))
+    if (calls := forced_tool_calls(body)) is not None:  # tool_choice required or named
+        if "structured_output" in params:
+            raise InvalidGrammarError("tool_choice required or named writes calls: give no other constraint",
+                                      errors={"tool_choice": ["give no response_format or structured_outputs"]})
+        params["structured_output"] = calls
     if body.get("logprobs") and body.get("top_logprobs"):
         params["top_logprobs"] = body["top_logprobs"]
     native: dict[str, Any] = {"token_ids": ids, "sampling_params": params}

@@ -3,9 +3,10 @@
 ``tool_choice`` and ``parallel_tool_calls``, the history's assistant ``tool_calls`` as templates
 read them, and the parsers that read the reply (``web/parsers``).
 
-``tool_choice`` ``required`` or a named function would need the call's JSON constrained to the
-tools' schemas while sampling; until that grammar is served they are a 422
-``tool_choice_unsupported``, never a turn that silently may not call.
+``tool_choice`` ``required`` or a named function constrains the reply to calls in the model's own
+format with arguments valid against the tools' schemas (:func:`forced_tool_calls`: a
+``tool_calls`` structured output, engine/grammar/, read back by the same parser); where no grammar
+writes the model's format, a 422 ``tool_choice_unsupported``, never a turn that may not call.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from web.dialects import chat_template
 from web.dialects.common import tokenizer
 from web.parsers import select
 from web.parsers.message import MessageParsers
+from web.parsers.reasoning import REASONING_PARSERS
 from web.services import services
 
 MAX_TOOLS = 128  # OpenAI's own bound
@@ -81,10 +83,16 @@ def _check_choice(body: dict[str, Any], has_tools: bool) -> None:
     if choice in (None, "none", "auto"):
         if choice == "auto" and not has_tools:
             raise _bad("tool_choice", "auto needs tools")
-    elif choice == "required" or isinstance(choice, dict):
-        raise ToolChoiceUnsupportedError(
-            "tool_choice: required and named functions are not served yet (they need the call constrained "
-            "to the tools' schemas); send auto or none", errors={"tool_choice": ["send auto or none"]})
+    elif choice == "required":
+        if not has_tools:
+            raise _bad("tool_choice", "required needs tools")
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad("tool_choice", 'a named function is {"type": "function", "function": {"name": ...}}')
+        if function["name"] not in {tool.get("function", {}).get("name") for tool in body.get("tools") or []
+                                    if isinstance(tool, dict)}:
+            raise _bad("tool_choice.function.name", f"{function['name']!r} is not one of the tools")
     else:
         raise _bad("tool_choice", "must be none, auto, required or {type: function, function: {name}}")
     if body.get("parallel_tool_calls") not in (None, True, False):
@@ -123,3 +131,27 @@ def reply_parsers(body: dict[str, Any]) -> MessageParsers:
     if body.get("tools") and body.get("tool_choice") != "none":
         tools = select.tool_parser(tok, settings.tool_call_parser)
     return MessageParsers(reasoning, tools, body.get("parallel_tool_calls") is not False)
+
+
+# Tool-call parsers whose format xgrammar's structural tags write (its model keys): Hermes'
+# <tool_call>{"name", "arguments"}</tool_call> is Qwen3's.
+GRAMMAR_FORMATS = {"hermes": "qwen_3"}
+
+
+def forced_tool_calls(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``structured_output`` that makes a reply call a tool (``tool_choice`` required: at least
+    one of the tools; named: that one), or None. A model whose call format or reasoning no grammar
+    writes is a 422 ``tool_choice_unsupported``."""
+    choice = body.get("tool_choice")
+    if choice != "required" and not isinstance(choice, dict):
+        return None
+    settings, tok = services().settings, tokenizer()
+    form = GRAMMAR_FORMATS.get(select.tool_parser_name(tok, settings.tool_call_parser) or "")
+    reasoning = select.reasoning_parser(tok, settings.reasoning_parser, body.get("chat_template_kwargs") or {})
+    if form is None or (reasoning is not None and type(reasoning) is not REASONING_PARSERS["qwen3"]):
+        raise ToolChoiceUnsupportedError(
+            "tool_choice required or named: no grammar writes this model's tool calls; send auto or none",
+            errors={"tool_choice": [f"served for the {', '.join(GRAMMAR_FORMATS)} tool-call parser"]})
+    return {"tool_calls": {"format": form, "tools": body["tools"], "tool_choice": choice,
+                           "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
+                           "reasoning": "disabled" if reasoning is None else "enabled"}}
