@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from bench.rows import print_rows  # noqa: E402
 from domain.infra.redis_server import EmbeddedRedis  # noqa: E402
+from domain.infra.transport_acks import RedisAckChannel  # noqa: E402
 from engine.demo_model import SERVED_ARCH, build_demo_model  # noqa: E402
 from engine.limits import Limits  # noqa: E402
 from engine.transport import acknowledge, make_transport  # noqa: E402
@@ -82,7 +83,8 @@ def run() -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis", persistent=False).start()
         client = redis.Redis.from_url(server.url)
-        transport = make_transport("shm", client=client, capacity_bytes=512 << 20)
+        acks = RedisAckChannel(client)
+        transport = make_transport("shm", acks=acks, capacity_bytes=512 << 20)
         try:
             processor = load_processor(build_demo_model(Path(tmp) / "model", arch=SERVED_ARCH))
             fetcher = GuardedFetcher(FetchPolicy(max_bytes=64 << 20))
@@ -96,7 +98,7 @@ def run() -> list[dict]:
                 result = preprocess(request, processor=processor, fetcher=fetcher, cache=cache, transport=transport,
                                     limits=Limits(), owner="bench-key")
                 elapsed = time.perf_counter() - started
-                acknowledge(client, [f for item in result.items for f in item.features.values()])
+                acknowledge(acks, [f for item in result.items for f in item.features.values()])
                 transport.reap()
                 return elapsed
 

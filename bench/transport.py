@@ -124,13 +124,15 @@ def _producer(url: str, sizes_mib: list[int], repeats: int) -> None:
     import torch
     from safetensors.torch import save
 
+    from domain.infra.transport_acks import RedisAckChannel
     from engine.transport import CudaIpcPool, ShmPool
 
     torch.set_num_threads(1)
     client = redis.Redis.from_url(url)
-    pools = {"shm": ShmPool(client, capacity_bytes=128 << 20)}
+    acks = RedisAckChannel(client)
+    pools = {"shm": ShmPool(acks, capacity_bytes=128 << 20)}
     if torch.cuda.is_available():
-        pools["cuda_ipc"] = CudaIpcPool(client, capacity_bytes=128 << 20)
+        pools["cuda_ipc"] = CudaIpcPool(acks, capacity_bytes=128 << 20)
 
     def round_trip(send) -> tuple[float, float]:
         start = time.perf_counter()
@@ -177,10 +179,12 @@ def _consumer(url: str) -> None:
     import torch
     from safetensors.torch import load
 
+    from domain.infra.transport_acks import RedisAckChannel
     from engine.transport import acknowledge, close_consumer_mappings, open_feature, opened
 
     torch.set_num_threads(1)
     client = redis.Redis.from_url(url)
+    acks = RedisAckChannel(client)
     while True:
         message = json.loads(client.blpop([_QUEUE])[1])
         if message["mode"] == "stop":
@@ -191,12 +195,12 @@ def _consumer(url: str) -> None:
             tensor = load(client.get(_BLOB))["t"]
             open_ms = (time.perf_counter() - start) * 1e3
         elif message["mode"] == "held":
-            with opened(client, [message["handle"]]) as [tensor]:
+            with opened(acks, [message["handle"]]) as [tensor]:
                 open_ms = (time.perf_counter() - start) * 1e3
         else:
             tensor = open_feature(message["handle"])
             open_ms = (time.perf_counter() - start) * 1e3
-            acknowledge(client, [message["handle"]])
+            acknowledge(acks, [message["handle"]])
         del tensor
         client.rpush(_DONE, json.dumps({"open_ms": open_ms}))
 

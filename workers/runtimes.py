@@ -65,10 +65,11 @@ class CpuRuntime(Runtime):
     @cached_property
     def transport(self):
         """The producer side of feature transport (CPU workers), of ``transport_kind``."""
+        from domain.infra.transport_acks import RedisAckChannel
         from engine.transport import make_transport
 
-        return make_transport(self.transport_kind, client=self.redis, capacity_bytes=self.settings.shm_pool_bytes,
-                              ack_timeout=self.settings.handle_ack_timeout)
+        return make_transport(self.transport_kind, acks=RedisAckChannel(self.redis),
+                              capacity_bytes=self.settings.shm_pool_bytes, ack_timeout=self.settings.handle_ack_timeout)
 
 
 

@@ -3,4 +3,5 @@
 (``redis_memory``), strict JSON (``finite_json``), waking a record's waiters (``wakeups``,
 ``wakeup_hub``), Prometheus metrics (``metrics``), heartbeats (``heartbeats``), the lost-message
 sweeps' common parts (``lost_messages``), which GPU worker a prompt goes to (``gpu_affinity``),
-per-key fair shares of worker slots (``fair_share``) and log setup (``logs``)."""
+per-key fair shares of worker slots (``fair_share``), the feature transport's acknowledgements
+(``transport_acks``) and log setup (``logs``)."""

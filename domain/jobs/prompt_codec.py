@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from domain.infra.transport_acks import RedisAckChannel
+
 if TYPE_CHECKING:
     from engine.items import MultimodalItem
 
@@ -81,8 +83,12 @@ def open_prompt(payload: dict[str, Any], *, device=None) -> OpenedPrompt:
 
 def release_prompts(client, prompts: Iterable[OpenedPrompt]) -> None:
     """Tell the producers they may free these prompts' feature memory: one round trip for all."""
+    release_handles(client, [handle for prompt in prompts for handle in prompt.handles])
+
+
+def release_handles(client, handles: list[dict]) -> None:
+    """Acknowledge feature handles through Redis (``domain/infra/transport_acks.py``)."""
     from engine.transport import acknowledge
 
-    handles = [handle for prompt in prompts for handle in prompt.handles]
     if handles:
-        acknowledge(client, handles)
+        acknowledge(RedisAckChannel(client), handles)

@@ -7,7 +7,7 @@ opens handles with :func:`open_feature` and acknowledges them with :func:`acknow
 Producer::
 
     kind = choose_transport(settings_value, cuda_available=torch.cuda.is_available())
-    transport = make_transport(kind, client=redis_client, capacity_bytes=..., ack_timeout=...)
+    transport = make_transport(kind, acks=ack_channel, capacity_bytes=..., ack_timeout=...)
     item.features = {name: transport.wrap(t) for name, t in item.features.items()}
     ...
     transport.close()  # worker shutdown: unlinks / frees everything the pool owns
@@ -16,10 +16,10 @@ Consumer::
 
     tensors = {name: open_feature(wf.handle) for name, wf in item.features.items()}
     ...  # use them (cuda_ipc: zero-copy views, valid until acknowledged)
-    acknowledge(redis_client, item.features.values())
+    acknowledge(ack_channel, item.features.values())
 
     # or zero-copy while held (shm too), acknowledged when the block ends:
-    with opened(redis_client, item.features.values()) as tensors:
+    with opened(ack_channel, item.features.values()) as tensors:
         ...
 
 Kinds:
@@ -36,8 +36,12 @@ Handles (every kind: ``kind``, ``v`` = 1, ``dtype`` like ``"bfloat16"``, ``shape
     cuda_ipc + pool, id, offset, pid, ipc: {device, numel, handle, storage_cls, storage_bytes,
                storage_offset, ref_counter, ref_counter_offset, event, event_sync}  (bytes base64)
 
+Acknowledgements travel on an :class:`AckChannel` (``ack_channel.py``), a protocol the engine
+defines and the domain implements with Redis (``domain/infra/transport_acks.py``); the engine
+knows no broker.
+
 Lifetimes: a pool owns a fixed buffer of ``capacity_bytes``; a region is freed by the
-consumer's ack (Redis list ``rq:transport:acks:<pool>``) or after ``ack_timeout``. A handle
+consumer's ack or after ``ack_timeout``. A handle
 whose memory is gone raises :class:`~engine.errors.HandleUnavailableError` (retryable:
 re-preprocess); touching a wrapped feature like a tensor raises
 :class:`~engine.errors.WrappedFeatureAccessError`.
@@ -45,7 +49,8 @@ re-preprocess); touching a wrapped feature like a tensor raises
 
 from engine.errors import HandleUnavailableError, TransportError, WrappedFeatureAccessError
 
-from .acks import ack_key, acknowledge
+from .ack_channel import AckChannel
+from .acks import acknowledge
 from .choose import KINDS, FeatureTransport, choose_transport, make_transport
 from .consumer import close_consumer_mappings, open_feature, opened
 from .cuda_ipc import CudaIpcPool
@@ -56,6 +61,7 @@ from .wrapped import WrappedFeature
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
+    "AckChannel",
     "KINDS",
     "SEGMENT_PREFIX",
     "CudaIpcPool",
@@ -67,7 +73,6 @@ __all__ = [
     "TransportError",
     "WrappedFeature",
     "WrappedFeatureAccessError",
-    "ack_key",
     "acknowledge",
     "choose_transport",
     "close_consumer_mappings",

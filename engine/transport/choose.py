@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import redis
 import torch
 
+from .ack_channel import AckChannel
 from .cuda_ipc import CudaIpcPool
 from .inline import InlineTransport
 from .pool import DEFAULT_INLINE_THRESHOLD
@@ -51,20 +51,20 @@ def choose_transport(preferred: str, *, cuda_available: bool, same_node: bool = 
 def make_transport(
     kind: str,
     *,
-    client: redis.Redis | None = None,
+    acks: AckChannel | None = None,
     capacity_bytes: int = 256 << 20,
     ack_timeout: float = 60.0,
     wait_timeout: float = 1.0,
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
     device: Any = None,
 ) -> FeatureTransport:
-    """Build the producer's transport of a kind from ``choose_transport``; pools need ``client``."""
+    """Build the producer's transport of a kind from ``choose_transport``; pools need ``acks``."""
     if kind == "inline":
         return InlineTransport()
     if kind not in KINDS:
         raise ValueError(f"unknown feature transport {kind!r}")
-    if client is None:
-        raise ValueError(f"the {kind} transport needs a Redis client for acknowledgements")
+    if acks is None:
+        raise ValueError(f"the {kind} transport needs an AckChannel for acknowledgements")
     options = {
         "capacity_bytes": capacity_bytes,
         "ack_timeout": ack_timeout,
@@ -72,5 +72,5 @@ def make_transport(
         "inline_threshold": inline_threshold,
     }
     if kind == "shm":
-        return ShmPool(client, **options)
-    return CudaIpcPool(client, device=device, **options)
+        return ShmPool(acks, **options)
+    return CudaIpcPool(acks, device=device, **options)

@@ -6,12 +6,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import redis
 import torch
 
 from engine.errors import TransportError
 
 from . import cuda_ipc, shm
+from .ack_channel import AckChannel
 from .acks import acknowledge
 from .inline import open_inline
 from .wrapped import WrappedFeature
@@ -39,7 +39,7 @@ def open_feature(
 
 @contextmanager
 def opened(
-    client: redis.Redis, handles: Iterable[dict[str, Any] | WrappedFeature], *, device: Any = None
+    acks: AckChannel, handles: Iterable[dict[str, Any] | WrappedFeature], *, device: Any = None
 ) -> Iterator[list[torch.Tensor]]:
     """Use features while held: tensors valid inside the block, zero-copy wherever the memory
     allows (shm on CPU, cuda_ipc on its own device), acknowledged when the block ends (also on
@@ -49,7 +49,7 @@ def opened(
     try:
         yield [_opener(h)(h, device=device, hold=True) for h in handles]
     finally:
-        acknowledge(client, handles)
+        acknowledge(acks, handles)
 
 
 def _unwrap(handle: dict[str, Any] | WrappedFeature) -> dict[str, Any]:

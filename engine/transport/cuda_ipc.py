@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from engine.errors import HandleUnavailableError, TransportError
 
+from .ack_channel import AckChannel
 from .codec import field, layout, nbytes_of
 from .pool import HEADER_BYTES, ID_BYTES, RegionPool, _Lease
 
@@ -55,10 +56,10 @@ class CudaIpcPool(RegionPool):
     kind = "cuda_ipc"
     align = _ALIGN
 
-    def __init__(self, client, *, capacity_bytes: int, device: Any = None, **options: Any):
+    def __init__(self, acks: AckChannel, *, capacity_bytes: int, device: Any = None, **options: Any):
         if not torch.cuda.is_available():
             raise TransportError("the cuda_ipc transport needs CUDA, which is not available here")
-        super().__init__(client, capacity_bytes=capacity_bytes, **options)
+        super().__init__(acks, capacity_bytes=capacity_bytes, **options)
         self.device = _cuda_device(device)
         self._buffer: torch.Tensor | None = torch.empty(
             self._alloc.capacity, dtype=torch.uint8, device=self.device

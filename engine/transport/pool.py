@@ -6,9 +6,9 @@ feature id (8 random bytes; zero once freed), then the tensor's bytes. Consumers
 header with the id in their handle, so a handle whose region was reclaimed and reused is
 reported as unavailable instead of silently yielding another feature's data.
 
-Lifetimes: a region is live from ``wrap`` until the consumer's ack (drained from Redis on every
-wrap and in ``reap``) or until ``ack_timeout`` seconds pass, whichever comes first. A full pool
-makes ``wrap`` wait up to ``wait_timeout`` seconds for regions to come back, then fall back to
+Lifetimes: a region is live from ``wrap`` until the consumer's ack (drained from the pool's
+``AckChannel`` on every wrap and in ``reap``) or until ``ack_timeout`` seconds pass, whichever
+comes first. A full pool makes ``wrap`` wait up to ``wait_timeout`` seconds for regions to come back, then fall back to
 an inline handle: wrap never raises for lack of room and the pool never grows.
 """
 
@@ -24,10 +24,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import redis
 import torch
 
-from . import acks
+from .ack_channel import AckChannel
 from .codec import base_fields, encode_inline, nbytes_of
 from .regions import RegionAllocator
 from .wrapped import WrappedFeature
@@ -39,7 +38,7 @@ ID_BYTES = 8
 DEFAULT_INLINE_THRESHOLD = 64 * 1024
 # How long a wrap waiting for room sleeps between drains of the ack list.
 _POLL_INTERVAL_S = 0.01
-# After Redis failed, acks are not drained for this long (regions still come back by timeout).
+# After the ack channel failed, acks are not drained for this long (regions still come back by timeout).
 _DRAIN_PAUSE_AFTER_ERROR_S = 1.0
 # close() waits this long for wraps that are copying into the buffer before unmapping it.
 _CLOSE_WAIT_S = 10.0
@@ -67,7 +66,7 @@ class RegionPool(ABC):
 
     def __init__(
         self,
-        client: redis.Redis,
+        acks: AckChannel,
         *,
         capacity_bytes: int,
         ack_timeout: float = 60.0,
@@ -82,7 +81,7 @@ class RegionPool(ABC):
         self.ack_timeout = ack_timeout
         self.wait_timeout = wait_timeout
         self.inline_threshold = inline_threshold
-        self._redis = client
+        self._acks = acks
         self._alloc = RegionAllocator(capacity_bytes, self.align)
         self._cond = threading.Condition()
         self._live: dict[str, _Lease] = {}  # insertion order == deadline order
@@ -172,7 +171,7 @@ class RegionPool(ABC):
                 self._invalidate(lease)
             self._live.clear()
             self._release()
-        acks.discard(self._redis, self.pool_id)
+        self._acks.discard(self.pool_id)
 
     def __enter__(self):
         return self
@@ -224,7 +223,7 @@ class RegionPool(ABC):
                 self._cond.wait(min(remaining, _POLL_INTERVAL_S))
 
     def _drain_acks(self, *, force: bool) -> int:
-        """Free the regions consumers acknowledged. Redis is never called under the pool lock,
+        """Free the regions consumers acknowledged. The channel is never called under the pool lock,
         by one thread at a time (the others go on without), at most every poll interval
         unless forced, and not at all for a while after it failed, so an outage costs one
         client timeout now and then instead of stalling every wrap."""
@@ -235,7 +234,7 @@ class RegionPool(ABC):
             return 0
         try:
             self._last_drain = now
-            ids = acks.drain(self._redis, self.pool_id)
+            ids = self._acks.drain(self.pool_id)
             if ids is None:
                 self._drain_paused_until = time.monotonic() + _DRAIN_PAUSE_AFTER_ERROR_S
                 return 0

@@ -35,6 +35,7 @@ import torch
 
 from engine.errors import HandleUnavailableError, TransportError
 
+from .ack_channel import AckChannel
 from .codec import field, layout, nbytes_of
 from .pool import HEADER_BYTES, ID_BYTES, RegionPool, _Lease
 
@@ -57,8 +58,8 @@ class ShmPool(RegionPool):
 
     kind = "shm"
 
-    def __init__(self, client, *, capacity_bytes: int, **options: Any):
-        super().__init__(client, capacity_bytes=capacity_bytes, **options)
+    def __init__(self, acks: AckChannel, *, capacity_bytes: int, **options: Any):
+        super().__init__(acks, capacity_bytes=capacity_bytes, **options)
         self.segment_name = f"{SEGMENT_PREFIX}{os.getpid()}_{self.pool_id}"
         size = self._alloc.capacity
         if _HAS_SHM_DIR and (free := _free_shm_bytes()) < size:

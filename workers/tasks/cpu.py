@@ -33,7 +33,7 @@ from celery.worker.request import Request
 from domain.infra.logs import job_context
 from domain.infra.metrics import count, observe_stage
 from domain.infra.redis_client import REDIS_DOWN
-from domain.jobs.prompt_codec import encode_prompt
+from domain.jobs.prompt_codec import encode_prompt, release_handles
 from domain.jobs.request import JobRequest
 from domain.jobs.store import TERMINAL
 from domain.jobs.submission import placement, send_placed
@@ -128,10 +128,8 @@ def _run_job(app, rt, job_id: str, job: dict, retry_handles: bool) -> None:
     if not rt.jobs.save_prompt_fenced(job_id, json.dumps(payload), fence, generating_ok=retry_handles):
         # A newer run of this job started (this worker seemed dead for a while), or the job moved on:
         # that run's prompt is the job's. Nobody opens these handles: free them now.
-        from engine.transport import acknowledge
-
         log.warning("job %s: preprocessing run %d is late; its prompt is dropped", job_id, fence.number)
-        acknowledge(rt.redis, [handle for item in payload["items"] for handle in item["features"].values()])
+        release_handles(rt.redis, [handle for item in payload["items"] for handle in item["features"].values()])
         return
     # To the GPU worker that holds its prefix; handles name memory on this node, so only this
     # node's GPU workers may open them.

@@ -17,6 +17,7 @@ import redis
 import torch
 from transport_support import digest, make_tensor
 
+from domain.infra.transport_acks import RedisAckChannel
 from engine.errors import RolloutError
 from engine.transport import acknowledge, make_transport, open_feature, sweep_orphaned_segments
 
@@ -24,6 +25,7 @@ from engine.transport import acknowledge, make_transport, open_feature, sweep_or
 class Agent:
     def __init__(self, client: redis.Redis):
         self.redis = client
+        self.acks = RedisAckChannel(client)
         self.pool = None
 
     def info(self):
@@ -33,7 +35,7 @@ class Agent:
     def pool_(self, kind, **options):
         if self.pool is not None:
             self.pool.close()
-        self.pool = make_transport(kind, client=self.redis, **options)
+        self.pool = make_transport(kind, acks=self.acks, **options)
         return {
             "pool_id": getattr(self.pool, "pool_id", None),
             "segment": getattr(self.pool, "segment_name", None),
@@ -74,7 +76,7 @@ class Agent:
         }
         del tensor
         if ack:
-            acknowledge(self.redis, [handle])
+            acknowledge(self.acks, [handle])
         return result
 
     def stats(self):

@@ -6,6 +6,7 @@ import pytest
 import redis
 from transport_support import Agent
 
+from domain.infra.transport_acks import RedisAckChannel
 from engine.transport import close_consumer_mappings
 from tests.conftest import db_url
 
@@ -21,6 +22,12 @@ def redis_client(rq_redis_url):
     client = redis.Redis.from_url(rq_redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def acks(redis_client):
+    """The pools' acknowledgements on the real Redis channel the workers use."""
+    return RedisAckChannel(redis_client)
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,9 @@ MIB = 1 << 20
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
-def test_cuda_pool_is_refused_cleanly_without_cuda(redis_client):
+def test_cuda_pool_is_refused_cleanly_without_cuda(acks):
     with pytest.raises(TransportError, match="CUDA"):
-        CudaIpcPool(redis_client, capacity_bytes=MIB)
+        CudaIpcPool(acks, capacity_bytes=MIB)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only behaviour")
@@ -86,16 +86,16 @@ def test_cuda_ipc_round_trip_22mib_between_unrelated_processes(agents):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_ipc_pool_in_one_process(redis_client):
+def test_cuda_ipc_pool_in_one_process(acks):
     x = make_tensor({"dtype": "bfloat16", "shape": [512, 1024], "seed": 4})
-    with CudaIpcPool(redis_client, capacity_bytes=8 * MIB, ack_timeout=60) as pool:
+    with CudaIpcPool(acks, capacity_bytes=8 * MIB, ack_timeout=60) as pool:
         wrapped = pool.wrap(x)
         assert wrapped.kind == "cuda_ipc"
         opened = open_feature(wrapped.handle)
         assert opened.is_cuda and torch.equal(opened.cpu(), x)
         assert torch.equal(open_feature(wrapped.handle, device="cpu"), x)
         del opened
-        acknowledge(redis_client, [wrapped])
+        acknowledge(acks, [wrapped])
         assert pool.reap() == 1
         with pytest.raises(HandleUnavailableError):
             open_feature(wrapped.handle)

@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from transport_support import digest, make_tensor, shm_names
 
+from domain.infra.transport_acks import RedisAckChannel
 from engine.transport import (
     HandleUnavailableError,
     InlineTransport,
@@ -35,26 +36,26 @@ def _tensor(kib: int, seed: int = 0) -> torch.Tensor:
     return make_tensor({"dtype": "float32", "shape": [kib * KIB // 4], "seed": seed})
 
 
-def _pool_for(client, regions: int, kib: int, **options) -> ShmPool:
+def _pool_for(acks, regions: int, kib: int, **options) -> ShmPool:
     """A pool with room for exactly ``regions`` tensors of ``kib`` KiB."""
-    return ShmPool(client, capacity_bytes=regions * (HEADER_BYTES + kib * KIB), **options)
+    return ShmPool(acks, capacity_bytes=regions * (HEADER_BYTES + kib * KIB), **options)
 
 
-def test_round_trip_ack_and_reuse(redis_client):
-    with _pool_for(redis_client, 2, 256) as pool:
+def test_round_trip_ack_and_reuse(acks):
+    with _pool_for(acks, 2, 256) as pool:
         x = _tensor(256)
         wrapped = pool.wrap(x)
         assert wrapped.kind == "shm" and len(json.dumps(wrapped.handle)) < 300
         assert torch.equal(open_feature(wrapped.handle), x)
-        assert acknowledge(redis_client, [wrapped])
+        assert acknowledge(acks, [wrapped])
         assert pool.reap() == 1
         assert pool.stats()["used_bytes"] == 0
         with pytest.raises(HandleUnavailableError):
             open_feature(wrapped.handle)  # released: its region no longer holds this feature
 
 
-def test_small_tensors_always_go_inline(redis_client):
-    with _pool_for(redis_client, 2, 256) as pool:
+def test_small_tensors_always_go_inline(acks):
+    with _pool_for(acks, 2, 256) as pool:
         small = _tensor(16)
         wrapped = pool.wrap(small)
         assert wrapped.kind == "inline"
@@ -62,8 +63,8 @@ def test_small_tensors_always_go_inline(redis_client):
         assert pool.stats()["used_bytes"] == 0 and pool.stats()["inline_fallbacks"] == 0
 
 
-def test_full_pool_waits_then_falls_back_to_inline(redis_client):
-    with _pool_for(redis_client, 1, 128, wait_timeout=0.2) as pool:
+def test_full_pool_waits_then_falls_back_to_inline(acks):
+    with _pool_for(acks, 1, 128, wait_timeout=0.2) as pool:
         x = _tensor(128)
         first = pool.wrap(x)
         assert first.kind == "shm"
@@ -74,7 +75,7 @@ def test_full_pool_waits_then_falls_back_to_inline(redis_client):
         assert pool.stats()["inline_fallbacks"] == 1
 
         pool.wait_timeout = 5.0
-        timer = threading.Timer(0.1, acknowledge, args=(redis_client, [first]))
+        timer = threading.Timer(0.1, acknowledge, args=(acks, [first]))
         timer.start()
         start = time.monotonic()
         third = pool.wrap(x)  # the ack arrives while waiting: backpressure, not fallback
@@ -83,15 +84,15 @@ def test_full_pool_waits_then_falls_back_to_inline(redis_client):
         assert torch.equal(open_feature(third.handle), x)
 
 
-def test_oversized_tensor_goes_inline_without_waiting(redis_client):
-    with _pool_for(redis_client, 1, 128, wait_timeout=5) as pool:
+def test_oversized_tensor_goes_inline_without_waiting(acks):
+    with _pool_for(acks, 1, 128, wait_timeout=5) as pool:
         start = time.monotonic()
         assert pool.wrap(_tensor(512)).kind == "inline"
         assert time.monotonic() - start < 1.0
 
 
-def test_unacknowledged_region_is_reclaimed_and_stale_handle_fails(redis_client):
-    with _pool_for(redis_client, 1, 128, ack_timeout=0.2) as pool:
+def test_unacknowledged_region_is_reclaimed_and_stale_handle_fails(acks):
+    with _pool_for(acks, 1, 128, ack_timeout=0.2) as pool:
         old = pool.wrap(_tensor(128, seed=1))
         time.sleep(0.3)
         assert pool.reap() == 1 and pool.stats()["reclaimed"] == 1
@@ -104,9 +105,9 @@ def test_unacknowledged_region_is_reclaimed_and_stale_handle_fails(redis_client)
         assert torch.equal(open_feature(new.handle), _tensor(128, seed=2))
 
 
-def test_close_unlinks_the_segment(redis_client):
+def test_close_unlinks_the_segment(acks, redis_client):
     before = shm_names(os.getpid())
-    pool = _pool_for(redis_client, 4, 128)
+    pool = _pool_for(acks, 4, 128)
     handles = [pool.wrap(_tensor(128, seed=i)).handle for i in range(3)]
     assert shm_names(os.getpid()) - before == {pool.segment_name}
     assert torch.equal(open_feature(handles[0]), _tensor(128, seed=0))
@@ -119,12 +120,12 @@ def test_close_unlinks_the_segment(redis_client):
     assert not redis_client.exists(f"rq:transport:acks:{pool.pool_id}")
 
 
-def test_pool_never_exceeds_its_cap_under_200_concurrent_wraps(redis_client):
+def test_pool_never_exceeds_its_cap_under_200_concurrent_wraps(acks, redis_client):
     """200 threads wrap at once; a slow consumer acks through Redis; the pool stays in bounds."""
     queue = f"rqt-test:concurrent:{uuid.uuid4().hex}"
     tensors = [_tensor(128, seed=i) for i in range(200)]
     expected = {i: digest(t) for i, t in enumerate(tensors)}
-    pool = _pool_for(redis_client, 3, 128, wait_timeout=0.3, ack_timeout=30)
+    pool = _pool_for(acks, 3, 128, wait_timeout=0.3, ack_timeout=30)
     segment_size = os.stat(f"/dev/shm/{pool.segment_name}").st_size
     consumed: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -137,7 +138,7 @@ def test_pool_never_exceeds_its_cap_under_200_concurrent_wraps(redis_client):
                 return
             time.sleep(0.005)  # slow consumer
             consumed[message["i"]] = digest(open_feature(message["handle"]))
-            acknowledge(redis_client, [message["handle"]])
+            acknowledge(acks, [message["handle"]])
 
     used_samples: list[int] = []
     stop = threading.Event()
@@ -189,16 +190,16 @@ def test_pool_never_exceeds_its_cap_under_200_concurrent_wraps(redis_client):
             assert digest(open_feature(results[i].handle)) == expected[i]
 
 
-def test_pool_larger_than_dev_shm_is_refused_up_front(redis_client):
+def test_pool_larger_than_dev_shm_is_refused_up_front(acks):
     before = shm_names(os.getpid())
     with pytest.raises(TransportError, match="/dev/shm"):
-        ShmPool(redis_client, capacity_bytes=1 << 50)
+        ShmPool(acks, capacity_bytes=1 << 50)
     assert shm_names(os.getpid()) == before
 
 
 def test_redis_outage_never_fails_wrap_or_ack():
     # Nothing listens on port 1; no client retries, so the test measures the pool, not redis-py.
-    unreachable = redis.Redis(port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    unreachable = RedisAckChannel(redis.Redis(port=1, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0)))
     start = time.monotonic()
     with _pool_for(unreachable, 1, 128, wait_timeout=0.1) as pool:
         x = _tensor(128)
@@ -210,11 +211,11 @@ def test_redis_outage_never_fails_wrap_or_ack():
     assert time.monotonic() - start < 3.0  # failed drains pause instead of retrying on every poll
 
 
-def test_opened_gives_zero_copy_views_and_acks_on_exit(redis_client):
-    with _pool_for(redis_client, 2, 256) as pool:
+def test_opened_gives_zero_copy_views_and_acks_on_exit(acks):
+    with _pool_for(acks, 2, 256) as pool:
         x, y = _tensor(256, seed=1), _tensor(256, seed=2)
         wrapped = [pool.wrap(x), pool.wrap(y)]
-        with opened(redis_client, wrapped) as (a, b):
+        with opened(acks, wrapped) as (a, b):
             assert torch.equal(a, x) and torch.equal(b, y)
             # Zero-copy: the view reads the segment, so it sees what the producer wrote.
             assert a.untyped_storage().nbytes() == pool.stats()["capacity_bytes"]
@@ -224,20 +225,20 @@ def test_opened_gives_zero_copy_views_and_acks_on_exit(redis_client):
         view = open_feature(held.handle, hold=True)
         assert torch.equal(view, x) and view.untyped_storage().nbytes() == pool.stats()["capacity_bytes"]
         del view
-        acknowledge(redis_client, [held])
+        acknowledge(acks, [held])
         assert pool.reap() == 1
 
         again = pool.wrap(x)
-        with pytest.raises(RuntimeError, match="boom"), opened(redis_client, [again]):
+        with pytest.raises(RuntimeError, match="boom"), opened(acks, [again]):
             raise RuntimeError("boom")
         assert pool.reap() == 1  # acknowledged even though the block failed
 
 
-def test_unmapping_waits_for_live_views(redis_client):
-    with _pool_for(redis_client, 1, 256) as pool:
+def test_unmapping_waits_for_live_views(acks):
+    with _pool_for(acks, 1, 256) as pool:
         x = _tensor(256)
         wrapped = pool.wrap(x)
-        with opened(redis_client, [wrapped]) as [view]:
+        with opened(acks, [wrapped]) as [view]:
             close_consumer_mappings()  # must not unmap under a live view
             assert torch.equal(view, x)
         del view

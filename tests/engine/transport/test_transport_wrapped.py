@@ -149,7 +149,7 @@ def test_choose_transport_rejects_impossible_choices():
     with pytest.raises(ValueError):
         choose_transport("smoke-signals", cuda_available=True)
     with pytest.raises(ValueError):
-        make_transport("shm")  # a pool needs a Redis client for acks
+        make_transport("shm")  # a pool needs an AckChannel
 
 
 def test_region_allocator_never_overlaps_and_coalesces():
