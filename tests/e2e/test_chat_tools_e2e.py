@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -91,8 +92,40 @@ def test_enable_thinking_false_closes_the_think_block_and_the_reply_is_content(c
     assert choice.message.model_extra["reasoning_content"] is None and choice.message.content
 
 
-def test_refused_tool_choice_is_an_openai_error(client):
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_forced_tool_choice_calls_with_arguments_valid_against_the_schema(client, tool_choice):
+    """#57 item 2: the call is constrained by a grammar, so even the random model calls, and its
+    stream assembles to the same call."""
+    model = client.models.list().data[0].id
+    args = {"model": model, "messages": HISTORY[:1], "tools": [CITY, ADD], "tool_choice": tool_choice,
+            "parallel_tool_calls": False, "max_tokens": 300, "seed": 4,
+            "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    [choice] = client.chat.completions.create(**args).choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    schema = {"add": ADD, "get_weather": CITY}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "add"
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**args, stream=True):
+        state.handle_chunk(chunk)
+    [streamed] = state.get_final_completion().choices
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_a_named_tool_not_in_tools_is_an_openai_error(client):
     model = client.models.list().data[0].id
     with pytest.raises(openai.UnprocessableEntityError) as refused:
-        client.chat.completions.create(model=model, messages=HISTORY[:1], tools=[WEATHER], tool_choice="required")
-    assert refused.value.body["code"] == "tool_choice_unsupported"
+        client.chat.completions.create(model=model, messages=HISTORY[:1], tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "nope" in refused.value.message
