@@ -7,6 +7,7 @@ from pathlib import Path
 
 from domain.settings import Settings
 from engine.errors import ModelLoadError
+from engine.routing.shape import routing_shape
 
 # A tiny Qwen2.5-Omni thinker: it takes image, video and audio, so every content part can be tried.
 DEMO_MODEL_NAME = "demo-qwen2.5-omni"
@@ -46,6 +47,9 @@ class ModelFacts:
     # The ids that stand for one media item's slots (image, video and audio placeholders): a prompt
     # holding one needs that item's media.
     placeholder_token_ids: frozenset[int] = frozenset()
+    # One position's packed routed experts (engine/routing/shape.py): what routed_experts adds to a
+    # result per token; 0 for a model without MoE layers.
+    routed_bytes_per_token: int = 0
 
     def is_plain_text(self, token_ids: list[int]) -> bool:
         """True when these ids need no preprocessing: in the vocabulary and no media tokens."""
@@ -75,5 +79,7 @@ def model_facts(model_path: str) -> ModelFacts:
                   if isinstance(getattr(c, name, None), int)), None)
     placeholders = {getattr(c, name) for c in (config, text_config) for name in _PLACEHOLDER_ATTRS
                     if isinstance(getattr(c, name, None), int)}
+    routing = routing_shape(config)
     return ModelFacts(getattr(text_config, "max_position_embeddings", None), getattr(text_config, "vocab_size", None),
-                      frozenset(media), image, frozenset(placeholders))
+                      frozenset(media), image, frozenset(placeholders),
+                      routing.bytes_per_token if routing is not None else 0)

@@ -1,6 +1,7 @@
 """The most bytes a job's stored result can take, known before it runs: from ``n``, ``max_tokens``,
 ``top_logprobs``, prompt logprobs (over the prompt's length), the sampling mask (``n`` ×
-``max_tokens`` × the ids its truncation lets through) and what else a result stores per token (its
+``max_tokens`` × the ids its truncation lets through), routed experts (every position × the
+model's MoE layers × top-k, packed: engine/routing/) and what else a result stores per token (its
 text, its ``weight_versions`` spans). The API refuses a job whose bound passes the limit
 (``ROLLOUT_MAX_RESULT_BYTES``: 422 ``result_too_large``), and reserves the bound against Redis'
 headroom while the job runs (``domain/infra/redis_reservations.py``).
@@ -42,21 +43,25 @@ class ResultTooLargeError(InvalidRequestError):
 
 
 def result_bytes_bound(params: Mapping[str, Any], *, kind: str = "generate", prompt_tokens: int,
-                       completion_tokens: int = 0, media_items: int = 0, vocab_size: int | None) -> int:
+                       completion_tokens: int = 0, media_items: int = 0, vocab_size: int | None,
+                       routed_bytes_per_token: int = 0) -> int:
     """The most bytes the stored result of a request can take. ``params``: its ``sampling_params``
     as the API validated them (API names, defaults filled); ``prompt_tokens``: its prompt's length
     (an upper bound where media or text are still to be tokenized); ``completion_tokens``: a score
-    job's completion."""
+    job's completion; ``routed_bytes_per_token``: one position's packed routed experts
+    (engine/routing/shape.py; 0 for a model without experts)."""
     int_bytes = _digits(vocab_size - 1 if vocab_size else 2**32) + 1
     total = FIXED_BYTES + prompt_tokens * int_bytes + media_items * PLACEHOLDER_RANGE_BYTES
+    routed = routed_bytes_per_token if params.get("routed_experts") else 0
     if kind == "score":
-        return total + completion_tokens * FLOAT_BYTES
+        return total + completion_tokens * FLOAT_BYTES + _routed_bytes(routed, prompt_tokens + completion_tokens)
     tokens = params["max_tokens"]
     top = params.get("top_logprobs") or 0
     per_token = int_bytes + TEXT_BYTES_PER_TOKEN + FLOAT_BYTES  # the id, its text, its logprob
     per_token += 3 + top * _entry_bytes(int_bytes) if top else 0  # [[id,logprob],...] per token
     spans = min(tokens, SPANS_PER_CHOICE) * (40 + VERSION_BYTES + 2 * _digits(tokens))
-    per_choice = CHOICE_FIXED_BYTES + tokens * per_token + spans + _mask_bytes(params, tokens, vocab_size)
+    per_choice = (CHOICE_FIXED_BYTES + tokens * per_token + spans + _mask_bytes(params, tokens, vocab_size)
+                  + _routed_bytes(routed, prompt_tokens + tokens))
     total += params.get("n", 1) * per_choice
     if params.get("prompt_logprobs") is not None:  # a logprob and its top-k per prompt token
         total += prompt_tokens * (FLOAT_BYTES + 3 + params["prompt_logprobs"] * _entry_bytes(int_bytes))
@@ -91,6 +96,11 @@ def _mask_bytes(params: Mapping[str, Any], tokens: int, vocab_size: int | None) 
     return 64 + packed_bytes(ids * width) + packed_bytes((tokens + 1) * width)
 
 
+def _routed_bytes(per_token: int, positions: int) -> int:
+    """A choice's packed routed experts: base64 of ``positions`` × ``per_token`` bytes, and its keys."""
+    return 96 + packed_bytes(positions * per_token) if per_token else 0
+
+
 def _entry_bytes(int_bytes: int) -> int:
     return 3 + int_bytes + FLOAT_BYTES  # [id,logprob], with its comma
 
@@ -99,7 +109,8 @@ def _digits(value: int) -> int:
     return len(str(max(value, 0)))
 
 
-def request_result_bound(request: Mapping[str, Any], *, context_tokens: int | None, vocab_size: int | None) -> int:
+def request_result_bound(request: Mapping[str, Any], *, context_tokens: int | None, vocab_size: int | None,
+                         routed_bytes_per_token: int = 0) -> int:
     """:func:`result_bytes_bound` of a validated request (the API's dict: ``sampling_params`` with
     ``max_tokens`` filled). Its prompt's length where it is not known yet: a text prompt at most a
     token per UTF-8 byte (byte-level vocabularies) plus a template's few, media at most the context
@@ -118,4 +129,4 @@ def request_result_bound(request: Mapping[str, Any], *, context_tokens: int | No
     else:
         prompt = room if room is not None else len(request.get("token_ids") or ()) + 64
     return result_bytes_bound(params, kind=kind, prompt_tokens=prompt, completion_tokens=completion,
-                              media_items=media, vocab_size=vocab_size)
+                              media_items=media, vocab_size=vocab_size, routed_bytes_per_token=routed_bytes_per_token)

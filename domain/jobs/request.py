@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 _SAMPLING_KNOBS = ("stop", "include_stop_str_in_output", "min_tokens", "repetition_penalty", "frequency_penalty",
                    "presence_penalty", "top_logprobs", "prompt_logprobs", "detokenize", "skip_special_tokens",
                    "spaces_between_special_tokens", "max_policy_lag", "logprobs_mode", "sampling_mask",
-                   "structured_output")
+                   "structured_output", "routed_experts")
 
 
 @dataclass(frozen=True)

@@ -119,12 +119,13 @@ def new_job_ids(count: int) -> list[str]:
 
 
 def result_reservations(job_ids: Sequence[str], requests: Sequence[JobRequest], *, limits: Limits,
-                        vocab_size: int | None, watched: bool = False) -> list[tuple[str, int]]:
+                        vocab_size: int | None, watched: bool = False,
+                        routed_bytes_per_token: int = 0) -> list[tuple[str, int]]:
     """``(job id, bytes)`` of each job's result bound (engine/result_bound.py) as admission reserves
     it (domain/infra/redis_reservations.py): twice for a streamed job, whose tokens its events hold too."""
     times = 2 if watched else 1
     return [(job_id, times * request_result_bound(request.to_record(), context_tokens=limits.context_tokens,
-                                                  vocab_size=vocab_size))
+                                                  vocab_size=vocab_size, routed_bytes_per_token=routed_bytes_per_token))
             for job_id, request in zip(job_ids, requests, strict=True)]
 
 

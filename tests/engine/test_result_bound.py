@@ -87,3 +87,31 @@ def test_a_prompt_not_tokenized_yet_is_counted_at_its_most():
     media = {"token_ids": [1], "content_parts": [{"type": "image_url"}], "sampling_params": params}
     assert (request_result_bound(media, context_tokens=4096, vocab_size=640)
             > request_result_bound({**media, "content_parts": []}, context_tokens=4096, vocab_size=640))
+
+
+def test_routed_experts_count_in_the_bound(tmp_path):
+    """#59: a result with routed experts never passes its bound (every position × MoE layers × k,
+    packed), and a long MoE rollout asking for them is counted for them."""
+    from transformers import AutoConfig
+
+    from engine.demo_model import build_demo_model
+    from engine.generation import Engine
+    from engine.loading import load_model
+    from engine.routing.shape import routing_shape
+
+    directory = build_demo_model(tmp_path / "qwen3_moe", arch="qwen3_moe")
+    engine = Engine(load_model(str(directory), device="cpu"))
+    shape = routing_shape(AutoConfig.from_pretrained(directory))
+    assert (shape.layers, shape.top_k, shape.num_experts, shape.bytes_per_token) == (2, 2, 8, 4)
+    params = {**API_DEFAULTS, "max_tokens": 24, "n": 2, "routed_experts": True}
+    stored = stored_bytes(engine, params)
+    bound = result_bytes_bound(params, prompt_tokens=len(PROMPT), vocab_size=engine.loaded.vocab_size,
+                               routed_bytes_per_token=shape.bytes_per_token)
+    plain = result_bytes_bound({**params, "routed_experts": False}, prompt_tokens=len(PROMPT),
+                               vocab_size=engine.loaded.vocab_size, routed_bytes_per_token=shape.bytes_per_token)
+    assert stored <= bound and bound - plain >= 2 * (len(PROMPT) + 23) * 4 * 4 // 3
+    # Qwen3-30B-A3B: 48 MoE layers, top 8 of 128: 384 bytes a position, 32k positions of 8 choices.
+    big = {**API_DEFAULTS, "max_tokens": 30_000, "n": 8, "routed_experts": True}
+    with pytest.raises(ResultTooLargeError):
+        check_result_size(result_bytes_bound(big, prompt_tokens=2000, vocab_size=152_000,
+                                             routed_bytes_per_token=384), 32 * 1024 * 1024)

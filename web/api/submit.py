@@ -62,7 +62,8 @@ def result_bound(request: dict[str, Any]) -> int:
     """The most bytes ``request``'s result can take (engine/result_bound.py), as admission counts it."""
     svc = services()
     return request_result_bound(request, context_tokens=svc.limits.context_tokens,
-                                vocab_size=svc.model_facts.vocab_size)
+                                vocab_size=svc.model_facts.vocab_size,
+                                routed_bytes_per_token=svc.model_facts.routed_bytes_per_token)
 
 
 def check_placeholders_have_media(request: dict[str, Any], placeholder_ids: frozenset[int]) -> None:
@@ -124,7 +125,8 @@ def reserved(job_ids: list[str], requests: list[JobRequest], *, watched: bool = 
         yield
         return
     svc.reservations.reserve(result_reservations(job_ids, requests, limits=svc.limits,
-                                                 vocab_size=svc.model_facts.vocab_size, watched=watched))
+                                                 vocab_size=svc.model_facts.vocab_size, watched=watched,
+                                                 routed_bytes_per_token=svc.model_facts.routed_bytes_per_token))
     try:
         yield
     except BaseException:

@@ -163,7 +163,8 @@ def _reserve(rt, requests: list[JobRequest]) -> list[str]:
     job_ids = new_job_ids(len(requests))
     if requests and read_memory(rt.redis).bounded:
         Reservations(rt.redis).reserve(result_reservations(job_ids, requests, limits=rt.limits,
-                                                           vocab_size=rt.model_facts.vocab_size))
+                                                           vocab_size=rt.model_facts.vocab_size,
+                                                           routed_bytes_per_token=rt.model_facts.routed_bytes_per_token))
     return job_ids
 
 
