@@ -186,3 +186,22 @@ def test_a_compiling_grammar_holds_back_its_job_only(engine):
     spec = GrammarSpec.from_request({"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}})
     first = grammars.compile(spec)
     assert grammars.start(spec).poll() is first  # the cache: no second compile
+
+
+@pytest.mark.gpu
+def test_constrained_rows_on_cuda_obey_their_schema(demo_model_dir):
+    """The bitmask applied on the device (xgrammar's CUDA kernel), beside a free row."""
+    from engine.generation import Engine
+    from engine.loading import load_model
+
+    engine = Engine(load_model(str(demo_model_dir), device="cuda"))
+    prompt = engine.loaded.tokenizer("Describe the image.", add_special_tokens=False)["input_ids"]
+    requests = [GenerationRequest(prompt, SamplingParams(max_tokens=300, seed=seed,
+                                                         structured_output={"json_schema": SCHEMA}))
+                for seed in range(8)] + [GenerationRequest(prompt, SamplingParams(max_tokens=8, seed=1))]
+    results = engine.generate(requests)
+    for result in results[:-1]:
+        choice = result.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(grammar_text(engine, choice.token_ids)), SCHEMA)
+    assert len(results[-1].choices[0].token_ids) >= 1
