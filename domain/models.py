@@ -37,7 +37,7 @@ def model_id(settings: Settings) -> str:
 class ModelFacts:
     """What the API and the submit path need to know of the model, read from its config only."""
 
-    context_length: int | None
+    context_tokens: int | None  # the model's own context (max_position_embeddings)
     vocab_size: int | None
     # Token ids that stand for media (placeholders, vision start/end): a prompt holding any of them
     # needs the processor.

@@ -49,7 +49,7 @@ def check_prompt(facts: ModelFacts, prompt_token_ids: Sequence[int], new_tokens:
     if len(prompt_token_ids) == 0:
         raise InvalidRequestError("prompt_token_ids must not be empty")
     check_token_ids(prompt_token_ids, facts.vocab_size, "prompt_token_ids")
-    check_context(len(prompt_token_ids), new_tokens, facts.max_context_length)
+    check_context(len(prompt_token_ids), new_tokens, facts.context_tokens)
 
 
 def check_placeholders(

@@ -35,7 +35,8 @@ class LoadedModel:
     weight_version: str
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
-    max_context_length: int | None
+    # The model's own context; the GPU worker sets it to Limits.context_tokens (workers/runtimes.py).
+    context_tokens: int | None
     # modality -> placeholder token id, e.g. {"image": 151655, "video": 151656}
     media_token_ids: dict[str, int] = field(default_factory=dict)
     # The model's forward takes ``mm_token_type_ids`` (Qwen-VL M-RoPE in transformers 5.x).
@@ -131,7 +132,7 @@ def load_model(
         weight_version=weight_version or _weight_version(model_path, local, config),
         eos_token_ids=_as_ids(eos),
         pad_token_id=pad,
-        max_context_length=getattr(text_config, "max_position_embeddings", None),
+        context_tokens=getattr(text_config, "max_position_embeddings", None),
         media_token_ids=_media_token_ids(config),
         uses_mm_token_type_ids="mm_token_type_ids" in inspect.signature(model.forward).parameters,
         source_generation_config=source_generation_config,

@@ -12,7 +12,7 @@ import torch
 class ModelFacts(Protocol):
     weight_version: str  # changes with every weight swap: read it, never copy it
     eos_token_ids: tuple[int, ...]
-    max_context_length: int | None
+    context_tokens: int | None  # the context a prompt and its new tokens must fit: Limits.context_tokens
     media_token_ids: dict[str, int]  # modality -> placeholder token id
     tokenizer: Any  # detokenizes and matches stop strings; None: results carry no text
     device: torch.device

@@ -144,7 +144,7 @@ class Runtime:
     def limits(self) -> Limits:
         """Every limit a request meets here, built once (engine/limits.py): the API checks it, the
         CPU worker's pipeline and the GPU worker's engine take it."""
-        return build_limits(self.settings, self.model_facts.context_length)
+        return build_limits(self.settings, self.model_facts.context_tokens)
 
     def share(self, kind: str):
         """The per-key slot limit for ``kind`` (``cpu``: jobs and renders; ``webhooks``: attempts)."""

@@ -50,3 +50,7 @@ def test_a_cached_probe_of_an_older_build_is_probed_again(demo_model_dir, tmp_pa
     del older["facts"]["placeholder_token_ids"]  # written before the field existed
     with pytest.raises(KeyError):
         _from_json(older)
+    renamed = _to_json(found)
+    renamed["facts"]["context_length"] = renamed["facts"].pop("context_tokens")  # the context's name before #60
+    with pytest.raises(KeyError):
+        _from_json(renamed)

@@ -206,7 +206,7 @@ def test_abort_before_start_skips_the_request(engine, prompts):
 
 
 def test_context_length_is_checked_before_running(engine, loaded, prompts):
-    too_long = [7] * (loaded.max_context_length - 4)
+    too_long = [7] * (loaded.context_tokens - 4)
     with pytest.raises(ContextLengthError) as info:
         engine.generate([
             GenerationRequest(prompts.text("fine"), GREEDY),

@@ -20,7 +20,7 @@ def test_loaded_model_describes_the_demo_qwen2_vl(loaded):
     assert loaded.device == torch.device("cpu") and loaded.dtype == torch.float32
     assert loaded.eos_token_ids == (loaded.model.config.text_config.eos_token_id,)
     assert loaded.pad_token_id == loaded.model.config.text_config.pad_token_id
-    assert loaded.max_context_length == 4096
+    assert loaded.context_tokens == 4096
     config = loaded.model.config
     assert loaded.media_token_ids == {"image": config.image_token_id, "video": config.video_token_id}
     assert loaded.uses_mm_token_type_ids
@@ -87,7 +87,7 @@ def test_text_only_model_falls_back_to_causal_lm(tmp_path):
     loaded = load_model(str(tmp_path), device="cpu")
     assert loaded.architecture == "Qwen2ForCausalLM"
     assert loaded.media_token_ids == {} and not loaded.uses_mm_token_type_ids
-    assert loaded.eos_token_ids == (1,) and loaded.max_context_length == 64
+    assert loaded.eos_token_ids == (1,) and loaded.context_tokens == 64
     result = Engine(loaded).generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=4, temperature=0,
                                                                                    ignore_eos=True))])[0]
     assert len(result.choices[0].token_ids) == 4

@@ -28,7 +28,7 @@ VOCAB = 64
 class TableFacts:
     weight_version: str = "v1"
     eos_token_ids: tuple[int, ...] = (VOCAB - 1,)
-    max_context_length: int | None = 1024
+    context_tokens: int | None = 1024
     media_token_ids: dict[str, int] = field(default_factory=dict)
     tokenizer: Any = None
     device: torch.device = torch.device("cpu")

@@ -71,7 +71,7 @@ def test_scoring_validates_before_running(engine, loaded, prompts):
     with pytest.raises(InvalidRequestError):
         engine.score([ScoreRequest(prompts.text("Hi"), [])])
     with pytest.raises(ContextLengthError):
-        engine.score([ScoreRequest([9] * loaded.max_context_length, [9])])
+        engine.score([ScoreRequest([9] * loaded.context_tokens, [9])])
     assert engine.score([]) == []
 
 

@@ -221,10 +221,10 @@ def test_one_context_limit_for_the_api_the_cpu_worker_and_the_engine(make_app, r
     assert too_long.status_code == 422 and too_long.get_json()["code"] == "context_length_exceeded"
     rt = GpuRuntime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=100), redis_url)
     assert rt.limits.context_tokens == 100
-    assert rt.engine.loaded.max_context_length == 100
+    assert rt.engine.loaded.context_tokens == 100
     # Never past the model's own context.
     huge = GpuRuntime(Settings(model=str(demo_model_dir), state_dir=tmp_path, max_model_len=10**7), redis_url)
-    assert huge.engine.loaded.max_context_length == huge.model_facts.context_length < 10**7
+    assert huge.engine.loaded.context_tokens == huge.model_facts.context_tokens < 10**7
 
 
 def test_a_long_poll_answers_when_the_job_ends_and_wakes_every_waiter(make_app):
