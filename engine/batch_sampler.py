@@ -1,6 +1,7 @@
 """One step's tokens for every row at once: the raw distribution's logprobs and top-k for all rows
-in one pass, the per-row adjustments (min_tokens mask, penalties) only for the rows that have
-them, one batched argmax for the greedy rows, one batched draw for the sampled ones
+in one pass, the structured-output masks of the constrained rows in one pass over them
+(engine/grammar/row_grammar.py), the per-row adjustments (min_tokens mask, penalties) only for
+the rows that have them, one batched argmax for the greedy rows, one batched draw for the sampled ones
 (:func:`engine.sampling.sample_rows`), and one device-to-host copy of the tokens and their
 logprobs together.
 

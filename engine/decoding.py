@@ -5,8 +5,9 @@ counts, text, logprobs, finish): nothing assumes the rows of a batch start or en
 the scheduler (:mod:`engine.scheduler`) drives these objects while rows join and leave between
 decode steps.
 
-Per step and row, in vLLM's order: the min-tokens mask (eos and stop ids to -inf) and the
-penalties (:mod:`engine.penalties`), both :meth:`RowDecoder.adjust`, then temperature and
+Per step and row, in vLLM's order: a structured output's grammar mask (engine/grammar/), the
+min-tokens mask (eos and stop ids to -inf) and the penalties (:mod:`engine.penalties`), both
+:meth:`RowDecoder.adjust`, then temperature and
 truncation, batched over the step's rows (:func:`engine.sampling.sample_rows`).
 Logprobs, the sampled token's and the top-k alternatives, are of the raw logits before all of it,
 or, under ``logprobs_mode`` "processed", of the distribution the token was drawn from after all of
