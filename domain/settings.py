@@ -89,6 +89,11 @@ class Settings:
     weights_root: Path | None = None
     # How long POST /v1/weights waits for every live GPU worker to serve the new weights.
     weights_update_timeout: float = between(300.0, 0, 3600)
+    # LoRA adapters (engine/lora/, README "Adapters"): resident on each GPU worker at most, their
+    # largest rank, and loaded per key (an admin key's are shared and not counted).
+    max_loras: int = between(8, 1, 256)
+    max_lora_rank: int = between(64, 1, 1024)
+    max_loras_per_key: int = between(4, 0, 256)
     host: str = "127.0.0.1"
     port: int = between(8000, 1, 65535)
     api_workers: int = between(2, 1, 64)

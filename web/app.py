@@ -9,10 +9,12 @@ from flask import Flask, g, request
 from domain.settings import Settings, load_settings
 from engine.errors import PayloadTooLargeError
 from web import health, metrics
-from web.api import batches, deliveries, files, generate, jobs, render, sessions, weights
+from web.api import adapters, batches, deliveries, files, generate, jobs, render, sessions, weights
 from web.api.batch_upload import MULTIPART_OVERHEAD
 from web.dialects.openai import views as openai_views
+from web.dialects.sglang import lora as sglang_lora
 from web.dialects.sglang import views as sglang_views
+from web.dialects.vllm import lora as vllm_lora
 from web.dialects.vllm import views as vllm_views
 from web.errors import ServiceApi, register_error_handlers
 from web.services import Services
@@ -49,7 +51,8 @@ def create_app(settings: Settings | None = None, redis_url: str | None = None) -
         "security": [{"bearer": []}],
     })
     for blueprint in (jobs.blp, batches.blp, files.blp, deliveries.blp, generate.blp, render.blp, health.blp, weights.blp, sessions.blp,
-                      sglang_views.blp, openai_views.blp, vllm_views.blp):
+                      sglang_views.blp, openai_views.blp, vllm_views.blp, adapters.blp, vllm_lora.blp,
+                      sglang_lora.blp):
         api.register_blueprint(blueprint)
     app.register_blueprint(metrics.blp)
     register_error_handlers(app)

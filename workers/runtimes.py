@@ -101,6 +101,7 @@ class GpuRuntime(Runtime):
                 log.info("fidelity check passed: %s", report.as_dict())
             # The fleet's current weights before any work (a worker that starts late or after a crash).
             self.weight_sync.start()
+            self.adapter_sync.start()  # the fleet's adapters too (workers/gpu/adapter_sync.py)
         except BaseException as exc:
             self._model_error = exc
             raise
@@ -116,9 +117,20 @@ class GpuRuntime(Runtime):
         _use_torch_threads(s)
         loaded = load_model(self.model_path, device=s.device, dtype=s.dtype, weight_version=s.weight_version)
         # The engine checks the same context limit as the API and the CPU worker.
-        loaded.max_context_length = self.limits.context_tokens
+        loaded.context_tokens = self.limits.context_tokens
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
-        return Engine(loaded, _pool_sized(self.limits.scheduler, s, loaded))
+        return Engine(loaded, _pool_sized(self.limits.scheduler, s, loaded), max_loras=s.max_loras,
+                      max_lora_rank=s.max_lora_rank)
+
+    @cached_property
+    def adapter_sync(self):
+        """This GPU worker's side of the adapter registry (workers/gpu/adapter_sync.py)."""
+        from domain.adapters.store import AdapterRegistry
+        from workers.gpu.adapter_sync import AdapterSync
+
+        s = self.settings
+        return AdapterSync(AdapterRegistry(self.redis), self.engine, worker=f"{s.node_id}-{os.getpid()}",
+                           weights_root=s.weights_root)
 
     @cached_property
     def weight_sync(self):

@@ -212,6 +212,8 @@ class JobRequestSchema(Schema):
                        "visible ASCII, spaces only inside"})
     webhook = fields.Nested(WebhookSchema)
     metadata = fields.Dict(keys=fields.String(), metadata={"description": "At most ROLLOUT_MAX_METADATA_BYTES as JSON"})
+    adapter = fields.String(validate=validate.Length(min=1, max=128), metadata={
+        "description": "A LoRA adapter this key may use (GET /v1/adapters): the job runs under it; unknown: 404"})
 
     @validates_schema
     def consistent(self, data: dict, **_) -> None:

@@ -23,6 +23,7 @@ from engine.request_rules import (
     sampling_knob_problems,
 )
 from engine.result_bound import check_result_size, request_result_bound
+from web.api.adapters import with_adapter
 from web.api.sampling_mask import check_sampling_mask
 from web.api.session_header import with_session
 from web.auth import current_owner
@@ -158,7 +159,7 @@ def checked_request(request: dict[str, Any]) -> JobRequest:
     """A validated request checked against the limits and typed, as ``submit`` stores it (with the
     HTTP request's ``X-Session-ID``, on every route)."""
     if has_request_context():
-        request = with_session(request, flask.request.headers)
+        request = with_adapter(with_session(request, flask.request.headers))
     return JobRequest.from_dict(check_limits(request))
 
 

@@ -24,6 +24,7 @@ from domain.jobs.submission import enqueue_preprocess, placement, send_placed
 from domain.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from domain.names import worker_name
 from engine.errors import HandleUnavailableError, RolloutError
+from workers.gpu.adapter_sync import engine_adapter
 from workers.memory_refusal import refused_for_memory
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     try:
         outputs = engine.score([
             ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                         completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids)
+                         completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids,
+                         adapter=engine_adapter(job["request"]))
             for job, prompt in group
         ])
     except REDIS_DOWN:

@@ -55,6 +55,7 @@ from domain.lifecycle import fail_job
 from domain.names import worker_name
 from engine.errors import InternalError, JobTimeoutError, RolloutError
 from engine.generation_types import GenerationRequest
+from workers.gpu.adapter_sync import engine_adapter
 from workers.gpu.job_ends import JobEnds
 from workers.gpu.jobs import ending, open_jobs, poll_session, run_score_jobs
 from workers.gpu.live_job import ChoiceStream, LiveJob
@@ -212,7 +213,8 @@ class GenerateSession:
                 stored = JobRequest.from_dict(job["request"])
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                                             sampling=stored.sampling, enqueued_at=job["created_at"],
-                                            cache_scope=stored.cache_scope(job["owner"]), tenant=job["owner"])
+                                            cache_scope=stored.cache_scope(job["owner"]), tenant=job["owner"],
+                                            adapter=engine_adapter(job["request"]))
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 if fail_job(rt, job["id"], _job_error(job, error), fence=Fence.generation(job["id"], attempt.number)):

@@ -19,6 +19,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.choice import Choice
 from engine.errors import NotFoundError
+from web.api.adapters import choose as choose_adapter
 from web.api.schemas import StrictBoolean
 from web.api.session_header import validate_session_id
 from web.dialects.common import (
@@ -55,7 +56,7 @@ def check_model(name: str | None) -> str:
     served = served_model_name()
     if name is None:
         return served
-    if name != served:
+    if name != served and not choose_adapter(name):  # a LoRA adapter of the caller's: its jobs run under it
         raise ModelNotFoundError(f"The model `{name}` does not exist; this server serves `{served}`.",
                                  errors={"model": [f"must be {served!r}"]})
     return served

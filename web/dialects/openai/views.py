@@ -9,6 +9,7 @@ from flask.views import MethodView
 from marshmallow import ValidationError, fields, validate, validates_schema
 
 from engine.errors import InvalidRequestError
+from web.api.adapters import visible_adapters
 from web.api.schemas import StrictBoolean
 from web.blueprint import Blueprint
 from web.dialects import chat_template, openai
@@ -44,12 +45,17 @@ def documented(blueprint, errors=_ERRORS):
 class Models(MethodView):
     @blp.response(200)
     def get(self):
-        """The one served model, with its context length."""
+        """The served model, with its context length, and the LoRA adapters this key may use, each
+        with the model as its parent (vLLM's listing)."""
         svc = services()
+        created, served = int(svc.redis.time()[0]), served_model_name()
         return {"object": "list", "data": [{
-            "id": served_model_name(), "object": "model", "created": int(svc.redis.time()[0]),
-            "owned_by": "rollout-queue", "root": served_model_name(), "parent": None,
-            "max_model_len": svc.limits.context_tokens}]}
+            "id": served, "object": "model", "created": created,
+            "owned_by": "rollout-queue", "root": served, "parent": None,
+            "max_model_len": svc.limits.context_tokens}, *[{
+                "id": entry.name, "object": "model", "created": int(entry.loaded_at), "owned_by": "rollout-queue",
+                "root": entry.path, "parent": served, "max_model_len": svc.limits.context_tokens}
+                for entry in visible_adapters()]]}
 
 
 @blp.route("/v1/completions")

@@ -38,7 +38,7 @@ _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos"
 # SGLang knobs we cannot honour: accepted only at their defaults.
 _UNSUPPORTED_SAMPLING = {"structural_tag": (None,), "stop_regex": (None,), "logit_bias": (None, {}),
                          "custom_params": (None, {})}
-_UNSUPPORTED_TOP = {"return_hidden_states": (False,), "return_routed_experts": (False,), "lora_path": (None,),
+_UNSUPPORTED_TOP = {"return_hidden_states": (False,), "return_routed_experts": (False,),
                     "custom_logit_processor": (None,), "session_params": (None,), "input_embeds": (None,),
                     "token_ids_logprob": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
                     "bootstrap_room": (None,), "data_parallel_rank": (None,)}
@@ -136,7 +136,7 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
         raise InvalidRequestError("an empty batch", errors={"text" if key == "prompt" else "input_ids": ["empty"]})
     per = {name: _per_item(body, name, size, batch) for name in
            ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-            "return_sampling_mask")}
+            "return_sampling_mask", "lora_path")}
     media = {name: _media_per_item(body.get(name), name, size, batch) for name, _ in _MEDIA}
     requests, options = [], []
     for i, prompt in enumerate(prompts):
@@ -159,12 +159,14 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
             native["content_parts"] = parts
         if per["rid"][i] is not None:
             native["request_id"] = per["rid"][i]
+        if per["lora_path"][i] is not None:  # SGLang names a loaded adapter by its lora_name here
+            native["adapter"] = per["lora_path"][i]
         names = {"sampling_params.max_tokens": "sampling_params.max_new_tokens",
                  "sampling_params.min_tokens": "sampling_params.min_new_tokens",
                  "sampling_params.include_stop_str_in_output": "sampling_params.no_stop_trim",
                  "sampling_params.seed": "sampling_params.sampling_seed", "token_ids": "input_ids",
                  "sampling_params.sampling_mask": "return_sampling_mask",
-                 "prompt": "text", "request_id": "rid", "content_parts": "image_data"}
+                 "prompt": "text", "request_id": "rid", "content_parts": "image_data", "adapter": "lora_path"}
         requests.append(native_request(native, {k: _indexed(v, where) for k, v in names.items()}, vocab_size=vocab_size))
         options.append({"logprob_start_len": start, "top_logprobs_num": top})
     return requests, options, batch
