@@ -39,6 +39,17 @@ def test_chat_response_format_json_schema_gives_valid_json_for_every_choice(clie
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+def test_a_streamed_constrained_reply_is_the_plain_one(client):
+    model = client.models.list().data[0].id
+    args = {"model": model, "messages": [{"role": "user", "content": "Weather?"}], "seed": 8, "max_tokens": 200,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}}
+    plain = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        **args, stream=True) if chunk.choices)
+    assert streamed == plain
+    jsonschema.validate(json.loads(streamed), SCHEMA)
+
+
 def test_completions_structured_outputs_choice(client):
     model = client.models.list().data[0].id
     options = ["red", "green", "blue"]
