@@ -20,9 +20,12 @@ def make_adapter(model_dir: Path, out: Path, *, rank: int, alpha: float, seed: i
     """A PEFT LoRA adapter with random A and B (``init_lora_weights=False``) saved by PEFT's
     ``save_pretrained`` into ``out``: what a trainer hands the service."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForMultimodalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMultimodalLM
 
-    base = AutoModelForMultimodalLM.from_pretrained(model_dir, dtype=torch.float32)
+    try:
+        base = AutoModelForMultimodalLM.from_pretrained(model_dir, dtype=torch.float32)
+    except ValueError:  # a text-only architecture
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     targets = decoder_linears(base, suffixes) + (["lm_head"] if head else [])
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
