@@ -30,3 +30,12 @@ def routing_shape(config) -> RoutingShape | None:
     step, dense = getattr(text, "decoder_sparse_step", 1) or 1, set(getattr(text, "mlp_only_layers", ()) or ())
     layers = sum(1 for i in range(text.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
     return RoutingShape(layers, top_k, experts) if layers else None
+
+
+def check_routing_asked(params, routed_bytes_per_token: int) -> None:
+    """The API's refusal (422) of ``routed_experts`` on a model without MoE layers, before it runs."""
+    from engine.errors import InvalidRequestError
+
+    if params.get("routed_experts") and not routed_bytes_per_token:
+        raise InvalidRequestError("routed_experts needs a mixture-of-experts model; this one has no MoE layers",
+                                  errors={"sampling_params": {"routed_experts": ["this model has no MoE layers"]}})

@@ -155,6 +155,9 @@ class SamplingParamsSchema(Schema):
                        "from (after penalties, temperature, top-k/p, min-p)"})
     sampling_mask = StrictBoolean(load_default=False, metadata={
         "description": "Per token, the ids it could have been drawn from (choices[].sampling_mask, CSR)"})
+    routed_experts = StrictBoolean(load_default=False, metadata={
+        "description": "MoE models: every position's top-k expert ids per MoE layer (choices[].routed_experts: "
+                       "{dtype, shape [prompt + output - 1, layers, k], data: base64})"})
     max_policy_lag = fields.Integer(strict=True, validate=validate.Range(0, 1_000_000), allow_none=True,
                                     load_default=None, metadata={
                                         "description": "Weight updates (mode keep) a row may live through; one "

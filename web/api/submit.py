@@ -23,6 +23,7 @@ from engine.request_rules import (
     sampling_knob_problems,
 )
 from engine.result_bound import check_result_size, request_result_bound
+from engine.routing.shape import check_routing_asked
 from web.api.adapters import with_adapter
 from web.api.sampling_mask import check_sampling_mask
 from web.api.session_header import with_session
@@ -47,6 +48,7 @@ def check_limits(request: dict[str, Any], *, vocabulary_checked: bool = False) -
         raise InvalidRequestError("invalid sampling parameters", errors={
             "sampling_params": {field: [problem] for field, problem in problems.items()}})
     check_sampling_mask(params, svc.model_facts.vocab_size)
+    check_routing_asked(params, svc.model_facts.routed_bytes_per_token)
     check_placeholders_have_media(request, svc.model_facts.placeholder_token_ids)
     prompt_len = len(request.get("token_ids") or [])
     # A prompt given as text is counted once tokenized, on the CPU worker (the same check).

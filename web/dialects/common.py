@@ -17,6 +17,7 @@ from marshmallow import ValidationError
 from domain.jobs.store import TERMINAL
 from domain.lifecycle import cancel_job
 from engine.errors import Fault, InvalidRequestError, NotFoundError, RolloutError, TokenIdOutOfRangeError
+from engine.routing.shape import check_routing_asked
 from web.api.schemas import TOKENIZER_MADE, JobRequestSchema
 from web.api.submit import check_vocabulary, checked_request, submit_checked
 from web.auth import current_owner
@@ -89,6 +90,12 @@ def native_request(body: dict[str, Any], names: dict[str, str] | None = None, *,
         (field,) = _rename({error.field: None}, names or {})
         raise TokenIdOutOfRangeError(field=field, index=error.index, token_id=error.token_id,
                                      vocab_size=error.vocab_size) from None
+    params = request.get("sampling_params") or {}
+    if params.get("routed_experts"):  # submit checks again, naming native fields
+        try:
+            check_routing_asked(params, services().model_facts.routed_bytes_per_token)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(error.message, errors=_rename(error.errors, names or {})) from None
     return request
 
 

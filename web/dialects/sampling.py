@@ -42,13 +42,16 @@ def sampling_fields() -> dict[str, fields.Field]:
             list(LOGPROBS_MODES), error="one of raw_logprobs, processed_logprobs (the *_logits modes are not served)")),
         "return_sampling_mask": StrictBoolean(metadata={
             "description": "Per token, the ids it could have been drawn from (choices[].sampling_mask)"}),
+        "return_routed_experts": StrictBoolean(metadata={
+            "description": "MoE models: every position's top-k expert ids per MoE layer (choices[].routed_experts, "
+                           "vLLM's [tokens][layers][k] lists)"}),
     }
 
 
 # vLLM's --logprobs-mode values served here -> ours.
 LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 # Our sampling_params names for vLLM's, where they differ (error messages name what was sent).
-RENAMED = {"sampling_mask": "return_sampling_mask"}
+RENAMED = {"sampling_mask": "return_sampling_mask", "routed_experts": "return_routed_experts"}
 
 
 def top_k_of(top_k: int, vocab_size: int | None) -> int:
@@ -71,6 +74,8 @@ def native_sampling(body: dict[str, Any], vocab_size: int | None) -> dict[str, A
         out["logprobs_mode"] = LOGPROBS_MODES[body["logprobs_mode"]]
     if "return_sampling_mask" in body:
         out["sampling_mask"] = body["return_sampling_mask"]
+    if "return_routed_experts" in body:
+        out["routed_experts"] = body["return_routed_experts"]
     if (constraint := vllm_structured(body)) is not None:  # structured_outputs, guided_*
         out["structured_output"] = constraint
     return out

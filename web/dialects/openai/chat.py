@@ -10,6 +10,7 @@ from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from engine.grammar.errors import InvalidGrammarError
+from engine.routing.encoding import nested
 from web.dialects import chat_template
 from web.dialects.common import (
     TokenTexts,
@@ -173,6 +174,8 @@ def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> 
             entry["token_ids"] = choice.token_ids
         if request["sampling_params"].get("sampling_mask"):  # return_sampling_mask: vLLM's CSR
             entry["sampling_mask"] = choice.sampling_mask
+        if request["sampling_params"].get("routed_experts"):  # return_routed_experts: vLLM's lists
+            entry["routed_experts"] = nested(choice.routed_experts)
         choices.append(entry)
     reply = {"id": "chatcmpl-" + job["id"].removeprefix("job_"), "object": "chat.completion", "created": created,
              "model": served_model_name(), "choices": choices,

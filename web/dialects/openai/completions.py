@@ -8,6 +8,7 @@ from typing import Any
 from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
+from engine.routing.encoding import nested
 from web.dialects.common import (
     TokenTexts,
     carry_request_fields,
@@ -78,6 +79,8 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
                 entry["prompt_logprobs"] = prompt_logprobs_of(result, texts)
             if request["sampling_params"].get("sampling_mask"):  # return_sampling_mask: vLLM's CSR
                 entry["sampling_mask"] = choice.sampling_mask
+            if request["sampling_params"].get("routed_experts"):  # return_routed_experts: vLLM's lists
+                entry["routed_experts"] = nested(choice.routed_experts)
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
             "model": served_model_name(), "choices": choices, "usage": usage(*results),

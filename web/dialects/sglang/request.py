@@ -22,6 +22,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
+from engine.routing.encoding import sglang_base64
 from engine.sampling_params import LOGPROBS_MODES
 from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.common import TokenTexts, media_url, native_request
@@ -38,7 +39,7 @@ _SAME = ("temperature", "top_p", "min_p", "stop", "stop_token_ids", "ignore_eos"
 # SGLang knobs we cannot honour: accepted only at their defaults.
 _UNSUPPORTED_SAMPLING = {"structural_tag": (None,), "stop_regex": (None,), "logit_bias": (None, {}),
                          "custom_params": (None, {})}
-_UNSUPPORTED_TOP = {"return_hidden_states": (False,), "return_routed_experts": (False,),
+_UNSUPPORTED_TOP = {"return_hidden_states": (False,),
                     "custom_logit_processor": (None,), "session_params": (None,), "input_embeds": (None,),
                     "token_ids_logprob": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,),
                     "bootstrap_room": (None,), "data_parallel_rank": (None,)}
@@ -102,7 +103,8 @@ class SglangGenerateSchema(NullMeansDefault):
     log_metrics = StrictBoolean()
     modalities = fields.Raw()
     return_hidden_states = fields.Raw()
-    return_routed_experts = fields.Raw()
+    return_routed_experts = OneOrMany(StrictBoolean(), metadata={
+        "description": "meta_info.routed_experts: base64 of int32 ids, (prompt + output - 1, MoE layers, top-k)"})
     lora_path = fields.Raw()
     custom_logit_processor = fields.Raw()
     session_params = fields.Raw()
@@ -136,7 +138,7 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
         raise InvalidRequestError("an empty batch", errors={"text" if key == "prompt" else "input_ids": ["empty"]})
     per = {name: _per_item(body, name, size, batch) for name in
            ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-            "return_sampling_mask", "lora_path")}
+            "return_sampling_mask", "lora_path", "return_routed_experts")}
     media = {name: _media_per_item(body.get(name), name, size, batch) for name, _ in _MEDIA}
     requests, options = [], []
     for i, prompt in enumerate(prompts):
@@ -146,6 +148,8 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
         params["logprobs"] = logprobs
         if per["return_sampling_mask"][i]:
             params["sampling_mask"] = True
+        if per["return_routed_experts"][i]:
+            params["routed_experts"] = True
         top = per["top_logprobs_num"][i] or 0
         start = per["logprob_start_len"][i]
         if logprobs:
@@ -166,6 +170,7 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
                  "sampling_params.include_stop_str_in_output": "sampling_params.no_stop_trim",
                  "sampling_params.seed": "sampling_params.sampling_seed", "token_ids": "input_ids",
                  "sampling_params.sampling_mask": "return_sampling_mask",
+                 "sampling_params.routed_experts": "return_routed_experts",
                  "prompt": "text", "request_id": "rid", "content_parts": "image_data", "adapter": "lora_path"}
         requests.append(native_request(native, {k: _indexed(v, where) for k, v in names.items()}, vocab_size=vocab_size))
         options.append({"logprob_start_len": start, "top_logprobs_num": top})
@@ -262,6 +267,8 @@ def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
             meta.update(_logprobs(choice, result, prompt_ids, options, texts))
         if params.get("sampling_mask"):
             meta["output_token_sampling_mask"] = sampling_mask_rows(choice.sampling_mask)
+        if params.get("routed_experts"):  # SGLang's encoding, sent once the job ended (engine/routing/)
+            meta["routed_experts"] = sglang_base64(choice.routed_experts)
         out.append({"text": choice.text or "", "output_ids": choice.token_ids, "meta_info": meta})
     return out
 

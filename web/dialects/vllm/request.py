@@ -24,6 +24,7 @@ from domain.jobs.results import JobResult
 from engine.choice import Choice
 from engine.errors import InvalidRequestError
 from engine.request_rules import prompt_input_problem
+from engine.routing.encoding import nested
 from web.api.schemas import ContentPartSchema, StrictBoolean, TokenIds
 from web.dialects.common import (
     TokenTexts,
@@ -145,7 +146,8 @@ def generate_reply(body: dict[str, Any], request: dict, job: dict) -> dict:
     choices = [{"index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
                 "logprobs": {"content": token_logprobs(choice, k)} if k is not None else None,
                 "weight_versions": choice.weight_versions or [],  # [{version, start, end}] over token_ids
-                "sampling_mask": choice.sampling_mask}  # vLLM's {token_ids, offsets}; null unless asked
+                "sampling_mask": choice.sampling_mask,  # vLLM's {token_ids, offsets}; null unless asked
+                "routed_experts": nested(choice.routed_experts)}  # vLLM's [tokens][layers][k]; null unless asked
                for choice in result.choices]
     # prompt_token_ids: the ids the model consumed (media pads expanded), as vLLM's newer
     # token-in-token-out reply carries them: a trainer that sent one collapsed pad per item learns the real ids.
