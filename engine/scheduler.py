@@ -75,7 +75,7 @@ from engine.capacity import (
 )
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
-from engine.grammar.for_request import admissible, check_grammar
+from engine.grammar.for_request import admissible, check_grammar, wait_for_grammars
 from engine.lora.bank import check_adapter
 from engine.model_facts import ModelFacts
 from engine.preemption import choose_victim, preempt, resume, resume_rows
@@ -219,6 +219,8 @@ class Scheduler:
         self._stop_aborted_and_expired()
         if self._batch:
             self._decode(events)
+        elif not self._admitted_or_chunking():
+            wait_for_grammars(self._pending)  # all that waits is a compile: wait on it, not spin
         self._admit()
         self._prefill_and_join(events)
         self._batch.drop_finished()

@@ -69,6 +69,10 @@ class PendingGrammar:
             raise self._too_slow() from None
 
     @property
+    def future(self) -> Future:
+        return self._future
+
+    @property
     def vocab_size(self) -> int | None:
         """The tokenizer info's vocabulary: logits past it are no token of the grammar."""
         return None if self.owner is None else self.owner.vocab_size

@@ -5,6 +5,7 @@ xgrammar is imported only when a request carries a constraint."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any
 
 from engine.errors import RolloutError
@@ -55,3 +56,11 @@ def admissible(pending: Sequence[Any], fail: Callable[[Any, BaseException], None
         if job.error is None:
             ready.append(job)
     return ready
+
+
+def wait_for_grammars(pending: Sequence[Any], timeout_s: float = 0.05) -> None:
+    """Nothing runs and every pending job waits on its grammar: wait (a while at most) for the
+    first compile to end, so an idle scheduler's caller does not spin on it."""
+    compiling = [job.grammar.future for job in pending if job.grammar is not None and not job.grammar.future.done()]
+    if compiling and len(compiling) == len(pending):
+        wait(compiling, timeout=timeout_s, return_when=FIRST_COMPLETED)

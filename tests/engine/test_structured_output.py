@@ -205,3 +205,21 @@ def test_constrained_rows_on_cuda_obey_their_schema(demo_model_dir):
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(grammar_text(engine, choice.token_ids)), SCHEMA)
     assert len(results[-1].choices[0].token_ids) >= 1
+
+
+def test_an_idle_scheduler_waits_on_a_compile_rather_than_spinning():
+    import threading
+
+    from engine.grammar.for_request import wait_for_grammars
+
+    def compiling(after_s: float) -> SimpleNamespace:
+        future = Future()
+        threading.Timer(after_s, future.set_result, args=("compiled",)).start()
+        return SimpleNamespace(grammar=PendingGrammar(GrammarSpec("regex", "a+"), future, timeout_s=60.0))
+
+    job = compiling(0.05)
+    wait_for_grammars([job], timeout_s=30)  # nothing else to do: back when the compile ends
+    assert job.grammar.future.done()
+    job = compiling(5.0)
+    wait_for_grammars([job, SimpleNamespace(grammar=None)], timeout_s=30)  # a free job waits: no wait
+    assert not job.grammar.future.done()
