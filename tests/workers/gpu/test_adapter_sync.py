@@ -1,0 +1,86 @@
+"""A GPU worker's adapter sync against the fleet's load and unload calls (#58 items 1, 5): real
+Redis, the demo model's engine, the sync's own thread. A load answers once the worker serves it;
+an adapter every worker refuses is put back and the old version keeps serving; an unload retires
+it; a worker that starts loads the current set."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from domain.adapters import fleet
+from domain.adapters.store import ENTRIES_KEY, EPOCH_KEY, SEQ_KEY, AdapterRegistry
+from engine.generation import Engine
+from engine.loading import load_model
+from engine.lora.errors import AdapterInvalidError, AdapterLimitError, AdapterNotFoundError
+from tests.engine.lora.lora_support import make_adapter
+from workers.gpu.adapter_sync import AdapterSync
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, demo_model_dir):
+    root = tmp_path_factory.mktemp("sync-root")
+    make_adapter(demo_model_dir, root / "good", rank=2, alpha=4, seed=1, suffixes=("q_proj",))
+    shutil.copytree(root / "good", root / "bad")
+    tensors = load_file(root / "bad" / "adapter_model.safetensors")
+    tensors = {name: torch.full_like(t, float("inf")) for name, t in tensors.items()}
+    save_file(tensors, root / "bad" / "adapter_model.safetensors")
+    return root
+
+
+@pytest.fixture
+def registry(redis_client):
+    redis_client.delete(ENTRIES_KEY, EPOCH_KEY, SEQ_KEY)
+    for key in redis_client.scan_iter(match="rq:lora:worker:*"):
+        redis_client.delete(key)
+    return AdapterRegistry(redis_client)
+
+
+@pytest.fixture
+def worker(registry, demo_model_dir, root):
+    engine = Engine(load_model(str(demo_model_dir), device="cpu"))
+    sync = AdapterSync(registry, engine, worker="gpu-test", weights_root=root, poll_seconds=0.02)
+    sync.start()
+    yield sync
+    sync.stop()
+
+
+def _load(registry, root, name, path, inplace=False, cap=None):
+    return fleet.load(registry, scope="k", name=name, path=str(root / path), inplace=inplace, per_key_cap=cap,
+                      timeout=10)
+
+
+def test_load_refuse_update_and_unload_across_the_fleet(worker, registry, root):
+    entry = _load(registry, root, "x", "good")
+    assert worker.engine.adapter_ids == [entry.id]
+    with pytest.raises(AdapterInvalidError) as raised:
+        _load(registry, root, "x", "bad", inplace=True)
+    assert raised.value.errors["problem"] == "non_finite"
+    assert registry.get("k", "x") == entry, "put back"
+    assert entry.id in worker.engine.adapter_ids, "the old version kept serving"
+    with pytest.raises(fleet.AdapterExistsError):
+        _load(registry, root, "x", "good")
+    newer = _load(registry, root, "x", "good", inplace=True)
+    assert worker.engine.adapter_ids == [newer.id], "the new version serves, the old retired"
+    with pytest.raises(AdapterLimitError):
+        _load(registry, root, "y", "good", cap=1)
+    fleet.unload(registry, scope="k", name="x", timeout=10)
+    assert worker.engine.adapter_ids == []
+    with pytest.raises(AdapterNotFoundError):
+        fleet.unload(registry, scope="k", name="x", timeout=10)
+
+
+def test_a_worker_that_starts_loads_the_current_set(registry, root, demo_model_dir):
+    entry, _, _ = registry.put(scope="k", name="early", path=str(root / "good"))  # no worker yet
+    engine = Engine(load_model(str(demo_model_dir), device="cpu"))
+    sync = AdapterSync(registry, engine, worker="gpu-late", weights_root=root)
+    sync.start()
+    try:
+        assert engine.adapter_ids == [entry.id]
+        [report] = [w for w in registry.workers() if w.worker == "gpu-late"]
+        assert report.epoch == registry.epoch() and report.ids == [entry.id]
+    finally:
+        sync.stop()
