@@ -143,6 +143,9 @@ class Settings:
     # A request's own chat template (chat_template_kwargs.chat_template) runs in the API process:
     # refused unless this is set, as vLLM's --trust-request-chat-template (web/dialects/chat_template.py).
     trust_request_chat_template: bool = False
+    # vLLM's --enable-return-routed-experts: on an MoE model, the vLLM and OpenAI routes return every
+    # choice's routed experts unless a request sets return_routed_experts false (engine/routing/).
+    return_routed_experts: bool = False
     # Which tool-call and reasoning parser reads the model's chat replies (web/parsers/), as vLLM's
     # --tool-call-parser / --reasoning-parser; auto: from the model's chat template, none: off.
     tool_call_parser: str = one_of("auto", ("auto", "none", "hermes", "mistral"))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from flask import has_app_context
 from marshmallow import fields, validate
 
 from web.api.schemas import StrictBoolean, StrictFloat
 from web.dialects.fields import OneOrMany
 from web.dialects.structured import vllm_structured
+from web.services import services
 
 # Same name, same meaning, in vLLM and in our native sampling_params.
 SAME = ("temperature", "top_p", "min_p", "n", "seed", "min_tokens", "stop_token_ids", "ignore_eos",
@@ -54,6 +56,14 @@ LOGPROBS_MODES = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 RENAMED = {"sampling_mask": "return_sampling_mask", "routed_experts": "return_routed_experts"}
 
 
+def _server_returns_routed_experts() -> bool:
+    """ROLLOUT_RETURN_ROUTED_EXPERTS on an MoE model: vLLM's server flag, every choice carries them."""
+    if not has_app_context():
+        return False
+    svc = services()
+    return svc.settings.return_routed_experts and svc.model_facts.routed_bytes_per_token > 0
+
+
 def top_k_of(top_k: int, vocab_size: int | None) -> int:
     """Our ``top_k`` for vLLM's or SGLang's: -1 (off) for -1, 0 or at least the vocabulary (both
     engines keep every token then; AReaL sends 100000000 to mean "no top-k")."""
@@ -76,6 +86,8 @@ def native_sampling(body: dict[str, Any], vocab_size: int | None) -> dict[str, A
         out["sampling_mask"] = body["return_sampling_mask"]
     if "return_routed_experts" in body:
         out["routed_experts"] = body["return_routed_experts"]
+    elif _server_returns_routed_experts():
+        out["routed_experts"] = True
     if (constraint := vllm_structured(body)) is not None:  # structured_outputs, guided_*
         out["structured_output"] = constraint
     return out

@@ -125,3 +125,27 @@ def test_the_native_reply_keeps_the_packed_ids(dense):
 
     [choice] = JobResult.of(_job(routed_experts=PACKED)).choices
     assert choice.routed_experts == {"dtype": "uint8", "shape": [6, 2, 2], "data": PACKED["data"]}
+
+
+def test_the_server_flag_returns_them_on_vllms_routes_unless_a_request_says_no(web_redis_url, tmp_path):
+    """ROLLOUT_RETURN_ROUTED_EXPERTS is vLLM's --enable-return-routed-experts: its clients (SkyRL's generator)
+    send no per-request flag and read routed_experts on each choice."""
+    import redis
+
+    from domain.settings import Settings
+    from engine.demo_model import build_demo_model
+    from tests.web.conftest import KEY_A
+    from web.app import create_app
+
+    redis.Redis.from_url(web_redis_url).flushdb()
+    model = build_demo_model(tmp_path / "qwen3_moe", arch="qwen3_moe")
+    client = create_app(Settings(state_dir=tmp_path, model=str(model), api_keys=(KEY_A,), sync_timeout_max=0.2,
+                                 return_routed_experts=True), web_redis_url).test_client()
+    name = _model(client)
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    client.post("/v1/chat/completions", json=body, headers=auth())
+    assert _stored(client)["routed_experts"] is True
+    redis.Redis.from_url(web_redis_url).flushdb()
+    client.post("/inference/v1/generate", json={"token_ids": [10], "sampling_params": {
+        "max_tokens": 2, "return_routed_experts": False}}, headers=auth())
+    assert _stored(client)["routed_experts"] is False
