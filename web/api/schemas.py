@@ -266,6 +266,9 @@ class ChoiceSchema(Schema):
                        "token_ids[offsets[i]:offsets[i + 1]] (vLLM's SamplingMask)"})
     kv_recomputed = fields.Boolean(allow_none=True, metadata={
         "description": "null: crossed no update; else whether the new weights computed its earlier KV again"})
+    routed_experts = fields.Dict(allow_none=True, metadata={
+        "description": "sampling_params.routed_experts: {dtype, shape: [prompt + output - 1, MoE layers, k], "
+                       "data: base64 of the ids in C order} (engine/routing/encoding.py)"})
 
 
 class ResultSchema(Schema):
