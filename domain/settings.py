@@ -92,6 +92,7 @@ class Settings:
     # LoRA adapters (engine/lora/, README "Adapters"): resident on each GPU worker at most, their
     # largest rank, and loaded per key (an admin key's are shared and not counted).
     max_loras: int = between(8, 1, 256)
+    max_cpu_loras: int = between(32, 1, 4096)  # loaded on each GPU worker, the rest of them on the CPU
     max_lora_rank: int = between(64, 1, 1024)
     max_loras_per_key: int = between(4, 0, 256)
     host: str = "127.0.0.1"

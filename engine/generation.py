@@ -46,9 +46,9 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, limits: SchedulerLimits | None = None, *, max_loras: int = 8,
-                 max_lora_rank: int = 64):
+                 max_lora_rank: int = 64, max_cpu_loras: int | None = None):
         self.loaded = loaded
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self._adapter_ids_seen: set[str] = set()
         self.limits = limits or SchedulerLimits()
         self.encoder_cache = EncoderCache(self.limits.encoder_cache_bytes)
@@ -106,7 +106,7 @@ class Engine:
         with self.loaded.lock:
             if self.loaded.adapters is None:
                 self.loaded.adapters = AdapterBank(self.loaded.model, max_loras=self.max_loras,
-                                                   max_rank=self.max_lora_rank)
+                                                   max_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
             self.loaded.adapters.add(adapter_id, adapter)
         return adapter
 

@@ -76,7 +76,7 @@ from engine.capacity import (
 from engine.decoding import RowDecoder
 from engine.errors import InvalidRequestError
 from engine.grammar.for_request import admissible, check_grammar, wait_for_grammars
-from engine.lora.bank import check_adapter
+from engine.lora.bank import adapter_admissible, check_adapter
 from engine.model_facts import ModelFacts
 from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
@@ -271,7 +271,8 @@ class Scheduler:
             held[admitted.request.tenant] += len(admitted.rows)
         usage = {job.request.tenant: 0.0 for job in self._jobs.values()}
         usage = {tenant: self.usage.usage(tenant) for tenant in usage}
-        while waiting := admissible(self._pending, self._fail):  # a grammar still compiling waits
+        while waiting := adapter_admissible(admissible(self._pending, self._fail),  # a grammar still compiling waits
+                                            [job for job in self._jobs.values() if job.state != "pending"], self.facts):
             job = waiting[next_admission([job.request.tenant for job in waiting], held, usage)]
             if self.free_rows_for_admission < len(job.rows) or not self._fits(job):
                 victim = choose_victim(job, list(self._jobs.values()), self.limits, usage, self._peak_blocks)

@@ -120,7 +120,7 @@ class GpuRuntime(Runtime):
         loaded.context_tokens = self.limits.context_tokens
         log.info("model %s loaded on %s (weight_version %s)", self.model_id, loaded.device, loaded.weight_version)
         return Engine(loaded, _pool_sized(self.limits.scheduler, s, loaded), max_loras=s.max_loras,
-                      max_lora_rank=s.max_lora_rank)
+                      max_lora_rank=s.max_lora_rank, max_cpu_loras=s.max_cpu_loras)
 
     @cached_property
     def adapter_sync(self):

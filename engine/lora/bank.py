@@ -43,18 +43,25 @@ class _Selection:
 
 
 class AdapterBank:
-    """Up to ``max_loras`` adapters resident on ``model``'s device, by id (the service's name and
-    version). ``add`` and ``remove`` run between forwards (the stepping thread, or under the
-    model's lock)."""
+    """Adapters by id (the service's name and version): every loaded one kept on the CPU (at most
+    ``max_cpu_loras``, vLLM's ``max_cpu_loras``), at most ``max_loras`` of them resident in the
+    device's slots, brought in when a forward names them, least recently used out (vLLM's and
+    S-LoRA's tiers). The scheduler admits no job whose adapter would make the running jobs'
+    adapters more than the slots (:func:`adapter_admissible`), so a forward's adapters always fit.
+    ``add``, ``retire`` and ``remove`` run between forwards (under the model's lock)."""
 
-    def __init__(self, model, *, max_loras: int, max_rank: int):
+    def __init__(self, model, *, max_loras: int, max_rank: int, max_cpu_loras: int | None = None):
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.device = next(model.parameters()).device
         self._targets = adaptable_modules(model)
-        self._slot: dict[str, int] = {}  # every resident adapter's slot, retired ones included
+        self._adapters: dict[str, LoraAdapter] = {}  # every known adapter, on the CPU
         self._live: set[str] = set()  # those new requests may name
-        self._retired: list[str] = []  # resident for the rows still running under them, oldest first
-        self._adapters: dict[str, LoraAdapter] = {}
+        self._retired: list[str] = []  # kept for the rows still running under them, oldest first
+        self._slot: dict[str, int] = {}  # the resident ones' slots
+        self._used: dict[str, int] = {}  # the forward that last named each resident one
+        self._forwards = 0
+        self.swaps_in = 0  # adapters copied into a slot (a load that found one free, or a forward)
         self._a: dict[str, torch.Tensor] = {}  # module -> (slots, R, in)
         self._b: dict[str, torch.Tensor] = {}  # module -> (slots, R, out)
         self._scale = torch.zeros(max_loras)
@@ -68,39 +75,29 @@ class AdapterBank:
     def ids(self) -> list[str]:
         return sorted(self._live)
 
+    def resident(self) -> list[str]:
+        return sorted(self._slot)
+
     def add(self, adapter_id: str, adapter: LoraAdapter) -> None:
-        """Make ``adapter`` resident as ``adapter_id`` (replacing one of that id in its slot)."""
-        slot = self._slot.get(adapter_id)
-        if slot is None:
-            free = sorted(set(range(self.max_loras)) - set(self._slot.values()))
-            if not free and self._retired:  # the adapter retired longest ago gives its slot up
-                self.remove(self._retired[0])
-                free = sorted(set(range(self.max_loras)) - set(self._slot.values()))
-            if not free:
-                raise AdapterLimitError(f"{self.max_loras} adapters are resident (ROLLOUT_MAX_LORAS); unload one "
-                                        "first", errors={"limit": self.max_loras})
-            slot = free[0]
-        if adapter.rank > self._rank:
-            self._grow(adapter.rank)
-        for name in adapter.modules:
-            if name not in self._a:
-                self._add_module(name)
-        for name in self._a:
-            self._a[name][slot].zero_()
-            self._b[name][slot].zero_()
-        for name, (a, b) in adapter.modules.items():
-            self._a[name][slot, :adapter.rank] = a.to(self.device)
-            self._b[name][slot, :adapter.rank] = b.t().to(self.device)
-        self._scale[slot] = adapter.scale
-        self._slot[adapter_id], self._adapters[adapter_id] = slot, adapter
+        """Keep ``adapter`` as ``adapter_id`` (replacing one of that id), resident now if a slot is free."""
+        if adapter_id not in self._live and len(self._live) >= self.max_cpu_loras:
+            raise AdapterLimitError(f"{self.max_cpu_loras} adapters are loaded (ROLLOUT_MAX_CPU_LORAS); unload one "
+                                    "first", errors={"limit": self.max_cpu_loras})
+        self._adapters[adapter_id] = adapter
         self._live.add(adapter_id)
         if adapter_id in self._retired:
             self._retired.remove(adapter_id)
+        while len(self._retired) > self.max_loras:  # the oldest retired ones are dropped for good
+            self.remove(self._retired[0])
+        if adapter_id in self._slot:
+            self._write(self._slot[adapter_id], adapter)
+        elif free := self._free_slots():
+            self._bring_in(adapter_id, free[0])
 
     def retire(self, adapter_id: str) -> bool:
-        """New requests may no longer name ``adapter_id``; it stays resident for the rows running
-        under it until its slot is needed (then the one retired longest ago goes). False when it was
-        not served."""
+        """New requests may no longer name ``adapter_id``; it is kept for the rows running under it
+        (the oldest retired ones dropped once more than ``max_loras`` are). False when it was not
+        served."""
         if adapter_id not in self._live:
             return False
         self._live.discard(adapter_id)
@@ -108,19 +105,65 @@ class AdapterBank:
         return True
 
     def remove(self, adapter_id: str) -> bool:
-        """Free ``adapter_id``'s slot; False when it was not resident."""
-        slot = self._slot.pop(adapter_id, None)
-        if slot is None:
+        """Drop ``adapter_id`` from both tiers; False when it was not kept."""
+        if self._adapters.pop(adapter_id, None) is None:
             return False
-        del self._adapters[adapter_id]
         self._live.discard(adapter_id)
         if adapter_id in self._retired:
             self._retired.remove(adapter_id)
-        for name in self._a:
-            self._a[name][slot].zero_()
-            self._b[name][slot].zero_()
-        self._scale[slot] = 0.0
+        self._evict(adapter_id)
         return True
+
+    def _free_slots(self) -> list[int]:
+        return sorted(set(range(self.max_loras)) - set(self._slot.values()))
+
+    def _evict(self, adapter_id: str) -> int | None:
+        slot = self._slot.pop(adapter_id, None)
+        self._used.pop(adapter_id, None)
+        if slot is not None:
+            with torch.inference_mode(False), torch.no_grad():
+                for name in self._a:
+                    self._a[name][slot].zero_()
+                    self._b[name][slot].zero_()
+            self._scale[slot] = 0.0
+        return slot
+
+    def _ensure_resident(self, adapter_ids: set[str]) -> None:
+        """Every one of ``adapter_ids`` in a slot: free ones first, then the least recently used
+        resident adapter this forward does not name gives its slot up (it stays on the CPU)."""
+        if len(adapter_ids) > self.max_loras:
+            raise AdapterLimitError(f"a forward names {len(adapter_ids)} adapters, more than the "
+                                    f"{self.max_loras} slots (ROLLOUT_MAX_LORAS)", errors={"limit": self.max_loras})
+        for adapter_id in sorted(adapter_ids - set(self._slot)):
+            free = self._free_slots()
+            if free:
+                slot = free[0]
+            else:
+                victim = min((a for a in self._slot if a not in adapter_ids), key=lambda a: self._used.get(a, -1))
+                slot = self._evict(victim)
+            self._bring_in(adapter_id, slot)
+
+    def _bring_in(self, adapter_id: str, slot: int) -> None:
+        self._write(slot, self._adapters[adapter_id])
+        self._slot[adapter_id] = slot
+        self._used[adapter_id] = self._forwards
+        self.swaps_in += 1
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        # Not inference tensors even when a forward brings an adapter in: a later add writes them.
+        with torch.inference_mode(False), torch.no_grad():
+            if adapter.rank > self._rank:
+                self._grow(adapter.rank)
+            for name in adapter.modules:
+                if name not in self._a:
+                    self._add_module(name)
+            for name in self._a:
+                self._a[name][slot].zero_()
+                self._b[name][slot].zero_()
+            for name, (a, b) in adapter.modules.items():
+                self._a[name][slot, :adapter.rank] = a.to(self.device)
+                self._b[name][slot, :adapter.rank] = b.t().to(self.device)
+        self._scale[slot] = adapter.scale
 
     @contextmanager
     def rows(self, adapter_ids: Sequence[str]) -> Iterator[None]:
@@ -133,12 +176,17 @@ class AdapterBank:
             self._local.selection = previous
 
     def _select(self, adapter_ids: Sequence[str]) -> _Selection | None:
-        missing = sorted({a for a in adapter_ids if a and a not in self._slot})
+        named = {a for a in adapter_ids if a}
+        missing = sorted(a for a in named if a not in self._adapters)
         if missing:
             raise AdapterNotFoundError(f"adapter {missing[0]!r} is not loaded", errors={"adapter": missing[0]})
-        used = sorted({self._slot[a] for a in adapter_ids if a})
-        if not used:
+        if not named:
             return None
+        self._forwards += 1
+        self._ensure_resident(named)
+        for adapter_id in named:
+            self._used[adapter_id] = self._forwards
+        used = sorted({self._slot[a] for a in named})
         rank, column = self._rank, {slot: i for i, slot in enumerate(used)}
         mask = torch.zeros(len(adapter_ids), len(used) * rank)
         for row, adapter_id in enumerate(adapter_ids):
@@ -192,3 +240,16 @@ def lora_rows(loaded, adapter_ids: Sequence[str]):
         missing = next(a for a in adapter_ids if a)
         raise AdapterNotFoundError(f"adapter {missing!r} is not loaded", errors={"adapter": missing})
     return bank.rows(adapter_ids)
+
+
+def adapter_admissible(pending: Sequence, active: Sequence, facts) -> Sequence:
+    """The pending jobs admission may take without the active jobs' adapters outgrowing the
+    device's slots: a job of an adapter already active, of the base, or of a new adapter while a
+    slot is left (the rest wait for an adapter's rows to end)."""
+    bank = getattr(facts, "adapters", None)
+    if bank is None or all(not job.adapter for job in pending):
+        return pending
+    in_use = {job.adapter for job in active if job.adapter}
+    if len(in_use) < bank.max_loras:
+        return pending
+    return [job for job in pending if not job.adapter or job.adapter in in_use]

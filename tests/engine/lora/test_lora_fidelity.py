@@ -9,7 +9,7 @@ import pytest
 
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model
-from engine.lora.errors import AdapterNotFoundError
+from engine.lora.errors import AdapterLimitError, AdapterNotFoundError
 from engine.sampling_params import SamplingParams
 from engine.scoring import ScoreRequest
 from tests.engine.lora.lora_support import peft_reference
@@ -111,3 +111,22 @@ def test_an_unknown_adapter_is_refused_not_served_by_the_base(lora_engine, promp
     assert raised.value.code == "adapter_not_found"
     with pytest.raises(AdapterNotFoundError):
         lora_engine.score([ScoreRequest(prompt, prompt, adapter="c@1")])
+
+
+def test_adapters_beyond_the_slots_wait_on_the_cpu_and_swap_in(demo_model_dir, adapter_a, adapter_b, references,
+                                                                 prompts):
+    """One device slot, two adapters (#58 item 6): the second adapter's rows wait until the first's
+    end (the base's run beside either), then it is brought in from the CPU; every row is PEFT's own."""
+    engine = Engine(load_model(str(demo_model_dir), device="cpu"), max_loras=1, max_cpu_loras=2)
+    engine.load_adapter("a@1", adapter_a)
+    engine.load_adapter("b@1", adapter_b)
+    assert engine.loaded.adapters.resident() == ["a@1"]
+    prompt = prompts.text("one slot for two adapters")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    cases = ["b@1", "", "a@1", "b@1", "a@1"]
+    results = engine.generate([GenerationRequest(prompt, params, adapter=a) for a in cases])
+    for adapter, result in zip(cases, results, strict=True):
+        _check_choice(result, references[adapter], prompt, f"swapped {adapter or 'base'}", top=False)
+    assert engine.loaded.adapters.swaps_in >= 2, "the second adapter came in from the CPU"
+    with pytest.raises(AdapterLimitError):
+        engine.load_adapter("c@1", adapter_a)  # ROLLOUT_MAX_CPU_LORAS
