@@ -20,6 +20,7 @@ prompt, one extra forward pass when its request ends.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -50,6 +51,7 @@ class Engine:
         self.loaded = loaded
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self._adapter_ids_seen: set[str] = set()
+        self._schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # whose requests hold adapters
         self.limits = limits or SchedulerLimits()
         self.encoder_cache = EncoderCache(self.limits.encoder_cache_bytes)
         self.prompt_ends = PromptEnds(self.limits.prompt_cache_tokens)
@@ -78,8 +80,14 @@ class Engine:
     def scheduler(self, *, on_step: StepHook | None = None, limits: SchedulerLimits | None = None) -> Scheduler:
         """A continuous batch over this engine's model, sharing its caches and counters."""
         runner = ModelRunner(self.loaded, self.kv_pool, self.encoder_cache, self.stats)
-        return Scheduler(self.loaded, runner, limits or self.limits, prompt_ends=self.prompt_ends, stats=self.stats,
-                         usage=self.usage, on_step=on_step)
+        scheduler = Scheduler(self.loaded, runner, limits or self.limits, prompt_ends=self.prompt_ends,
+                              stats=self.stats, usage=self.usage, on_step=on_step)
+        self._schedulers.add(scheduler)
+        return scheduler
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters the requests of this engine's schedulers run under (a retired one stays for them)."""
+        return {adapter for scheduler in list(self._schedulers) for adapter in scheduler.adapters_in_use}
 
     def update_weights(self, directory, *, weight_version: str, root=None,
                        digest_for: Callable[[str], str | None] | None = None) -> WeightSwap:
@@ -106,7 +114,8 @@ class Engine:
         with self.loaded.lock:
             if self.loaded.adapters is None:
                 self.loaded.adapters = AdapterBank(self.loaded.model, max_loras=self.max_loras,
-                                                   max_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
+                                                   max_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
+                                                   in_use=self.adapters_in_use)
             self.loaded.adapters.add(adapter_id, adapter)
         return adapter
 

@@ -173,6 +173,11 @@ class Scheduler:
             rename=lambda job: rekey(self.facts, job, block_size=size, prefix_caching=caching))
 
     @property
+    def adapters_in_use(self) -> set[str]:
+        """The LoRA adapters its requests run under (engine/lora/: a retired one is kept for them)."""
+        return {job.adapter for job in self._jobs.values() if job.adapter}
+
+    @property
     def has_work(self) -> bool:
         return bool(self._jobs)
 

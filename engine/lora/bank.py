@@ -25,7 +25,7 @@ other threads, such as the load-time check, see none).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -50,8 +50,10 @@ class AdapterBank:
     adapters more than the slots (:func:`adapter_admissible`), so a forward's adapters always fit.
     ``add``, ``retire`` and ``remove`` run between forwards (under the model's lock)."""
 
-    def __init__(self, model, *, max_loras: int, max_rank: int, max_cpu_loras: int | None = None):
+    def __init__(self, model, *, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
+                 in_use: Callable[[], set[str]] | None = None):
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.in_use = in_use or set  # the adapters of the requests the engine's schedulers hold
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.device = next(model.parameters()).device
         self._targets = adaptable_modules(model)
@@ -87,22 +89,28 @@ class AdapterBank:
         self._live.add(adapter_id)
         if adapter_id in self._retired:
             self._retired.remove(adapter_id)
-        while len(self._retired) > self.max_loras:  # the oldest retired ones are dropped for good
-            self.remove(self._retired[0])
+        self._drop_retired()
         if adapter_id in self._slot:
             self._write(self._slot[adapter_id], adapter)
         elif free := self._free_slots():
             self._bring_in(adapter_id, free[0])
 
     def retire(self, adapter_id: str) -> bool:
-        """New requests may no longer name ``adapter_id``; it is kept for the rows running under it
-        (the oldest retired ones dropped once more than ``max_loras`` are). False when it was not
-        served."""
+        """New requests may no longer name ``adapter_id``; it is kept while a request holds it.
+        False when it was not served."""
         if adapter_id not in self._live:
             return False
         self._live.discard(adapter_id)
         self._retired.append(adapter_id)
+        self._drop_retired()
         return True
+
+    def _drop_retired(self) -> None:
+        """Retired adapters no request holds are dropped from both tiers."""
+        if self._retired:
+            held = self.in_use()
+            for adapter_id in [a for a in self._retired if a not in held]:
+                self.remove(adapter_id)
 
     def remove(self, adapter_id: str) -> bool:
         """Drop ``adapter_id`` from both tiers; False when it was not kept."""
@@ -136,6 +144,11 @@ class AdapterBank:
                                     f"{self.max_loras} slots (ROLLOUT_MAX_LORAS)", errors={"limit": self.max_loras})
         for adapter_id in sorted(adapter_ids - set(self._slot)):
             free = self._free_slots()
+            if free:
+                slot = free[0]
+            else:
+                self._drop_retired()  # a slot a retired adapter no one holds any more kept
+                free = self._free_slots()
             if free:
                 slot = free[0]
             else:

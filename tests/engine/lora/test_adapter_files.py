@@ -105,13 +105,17 @@ def test_resident_adapters_are_bounded_and_an_unloaded_one_lets_its_rows_finish(
         assert served.unload_adapter("b@1")
         with pytest.raises(AdapterNotFoundError):  # new requests may no longer name it
             scheduler.check(GenerationRequest(prompt, params, adapter="b@1"))
+        for version in (2, 3, 4):  # in-place updates while the row runs: each retires the one before
+            served.load_adapter(f"b@{version}", adapter_b)
+            finished += scheduler.step()
+            assert served.unload_adapter(f"b@{version}")
         while scheduler.has_work:
             finished += scheduler.step()
     finally:
         scheduler.close()
     [done] = finished
     assert done.error is None and done.result.choices[0].token_ids == alone.choices[0].token_ids
-    served.load_adapter("b@2", adapter_b)  # the retired one's slot is taken
-    assert served.adapter_ids == ["a@1", "b@2"]
-    assert served.unload_adapter("b@2")
+    served.load_adapter("b@5", adapter_b)  # the retired ones no request holds are dropped
+    assert served.adapter_ids == ["a@1", "b@5"] and served.loaded.adapters.resident() == ["a@1", "b@5"]
+    assert served.unload_adapter("b@5")
     assert served.adapter_ids == ["a@1"]
