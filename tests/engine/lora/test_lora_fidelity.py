@@ -56,6 +56,8 @@ def test_mixed_rows_generate_what_peft_computes(lora_engine, references, prompts
             assert_close(result.prompt_logprobs[1:], reference.prompt_logprobs(prompt), f"{adapter} prompt logprobs")
         if prompt is short:
             firsts.add(round(result.choices[0].logprobs[0], 4))
+        span = {"version": lora_engine.weight_version, "start": 0, "end": params.max_tokens}
+        assert result.choices[0].weight_versions == [{**span, "adapter": adapter} if adapter else span]
     assert len(firsts) == 3, "each adapter moves the distribution: the three rows must differ"
 
 
