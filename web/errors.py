@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import marshmallow as ma
-import redis
 from flask import Flask, jsonify
 from flask_smorest import Api
 from kombu.exceptions import OperationalError
@@ -18,7 +17,8 @@ from werkzeug.exceptions import HTTPException
 
 import processors.errors  # noqa: F401 - a worker may store these: from_record must know each code here
 from domain.error_statuses import http_status
-from engine.errors import InternalError, RolloutError, ServiceUnavailableError
+from domain.infra.store_errors import StoreError, StoreFull, StoreUnavailable, store_error
+from engine.errors import InternalError, RolloutError
 from web.schema_base import Schema
 from web.services import services
 
@@ -45,10 +45,6 @@ class ErrorSchema(Schema):
     errors = ma.fields.Raw(metadata={"description": "Field errors, keyed by field name"})
 
 
-class RedisUnavailableError(ServiceUnavailableError):
-    code = "redis_unavailable"
-
-
 class ServiceApi(Api):
     """flask-smorest's Api with our error shape for the HTTP errors it raises itself."""
 
@@ -73,23 +69,29 @@ def register_error_handlers(app: Flask) -> None:
         response.headers.update(error.headers)
         return response
 
-    @app.errorhandler(redis.RedisError)
     @app.errorhandler(OperationalError)  # Celery could not publish a message: the broker (Redis) is away
-    def handle_redis_error(error: Exception):
-        # A write Redis refused at its maxmemory: the same typed 503 the admission check gives below it.
-        if (full := services().redis_memory.refusal_for(error)) is not None:
-            log.warning("redis refused a write: memory full")
-            return handle_rollout_error(full)
-        log.warning("redis unavailable: %s", error.__class__.__name__)
-        return handle_rollout_error(
-            RedisUnavailableError("the job store is unavailable; retry shortly", headers={"Retry-After": "2"})
-        )
+    def handle_broker_error(error: Exception):
+        return handle_rollout_error(store_failure(error) or StoreUnavailable())
 
     @app.errorhandler(Exception)
     def handle_unexpected(error: Exception):
         # HTTP errors never get here: ServiceApi's handler for HTTPException is more specific.
+        if (failure := store_failure(error)) is not None:  # a store call's error rose as it was
+            return handle_rollout_error(failure)
         log.exception("unexpected error in a view")
         return handle_rollout_error(InternalError("internal error"))
+
+
+def store_failure(error: BaseException) -> StoreError | None:
+    """The domain's typed store error for ``error`` (None when it is none): Redis away is a
+    ``redis_unavailable`` 503, a write it refused at its maxmemory the same ``redis_memory_full``
+    503 the admission check gives below it."""
+    failure = store_error(error, services().redis_memory)
+    if isinstance(failure, StoreFull):
+        log.warning("redis refused a write: memory full")
+    elif failure is not None:
+        log.warning("redis unavailable: %s", error.__class__.__name__)
+    return failure
 
 
 def _json_safe(value):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from engine.errors import ServiceUnavailableError
+from domain.infra.store_errors import StoreFull, redis_cause
 
 # The sum of the reservations of domain/infra/redis_reservations.py (which imports this module).
 RESERVED_TOTAL_KEY = "rq:reserve:total"
@@ -30,13 +30,6 @@ READ_EVERY_SECONDS = 1.0
 # The embedded Redis' bound without ROLLOUT_REDIS_MAXMEMORY_BYTES: this share of the machine's
 # memory (or of the container's limit), leaving the rest to the model, the workers and the page cache.
 DEFAULT_SHARE = 0.25
-
-
-class RedisMemoryFullError(ServiceUnavailableError):
-    """Redis is at its high-water mark (or its bound): new work is refused until results expire
-    or the bound is raised; work already accepted goes on."""
-
-    code = "redis_memory_full"
 
 
 @dataclass(frozen=True)
@@ -63,11 +56,11 @@ class MemoryUse:
     def full(self) -> bool:
         return self.bounded and self.used_bytes >= self.maxmemory_bytes
 
-    def refusal(self, asked_bytes: int = 0) -> RedisMemoryFullError:
+    def refusal(self, asked_bytes: int = 0) -> StoreFull:
         """``asked_bytes``: what the refused work would have reserved (its results' bound)."""
         reserved = (f", {self.reserved_bytes} more are reserved for accepted jobs' results and this work "
                     f"asks {asked_bytes}" if asked_bytes else "")
-        return RedisMemoryFullError(
+        return StoreFull(
             f"Redis holds {self.used_bytes} bytes of its {self.maxmemory_bytes}-byte maxmemory{reserved} (new work "
             f"stops at {self.high_water:.0%}): retry once results expire, or raise the bound",
             errors={"used_bytes": self.used_bytes, "maxmemory_bytes": self.maxmemory_bytes,
@@ -102,18 +95,18 @@ class MemoryGauge:
             return self._last[1]
 
     def admit(self) -> None:
-        """Raise :class:`RedisMemoryFullError` while Redis is at its high-water mark; an unbounded
+        """Raise :class:`StoreFull` while Redis is at its high-water mark; an unbounded
         Redis (``maxmemory`` 0) admits everything."""
         use = self.read()
         if use.above_high_water:
             raise use.refusal()
 
-    def refusal_for(self, error: BaseException) -> RedisMemoryFullError | None:
+    def refusal_for(self, error: BaseException) -> StoreFull | None:
         """The typed refusal when ``error`` is Redis refusing a write for memory, else None. redis-py
         types a command's OOM reply (``OutOfMemoryError``); a script's write refused for memory
         comes back as a plain ``ResponseError`` (Redis 6 wraps the reply), so that one is told by
         Redis' own memory, read now: the server answered, so it is up."""
-        cause = error if isinstance(error, redis.RedisError) else error.__cause__  # kombu wraps Redis' errors
+        cause = redis_cause(error)  # kombu wraps Redis' errors
         if not isinstance(cause, redis.ResponseError):
             return None
         try:

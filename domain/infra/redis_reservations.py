@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import redis
 
-from domain.infra.redis_memory import HIGH_WATER, RESERVED_TOTAL_KEY, MemoryUse, RedisMemoryFullError
+from domain.infra.redis_memory import HIGH_WATER, RESERVED_TOTAL_KEY, MemoryUse
+from domain.infra.store_errors import StoreFull
 
 BYTES_KEY = "rq:reserve:bytes"
 TOTAL_KEY = RESERVED_TOTAL_KEY
@@ -80,7 +81,7 @@ class Reservations:
             + RELEASE_LUA.format(bytes="KEYS[1]", total="KEYS[2]", until="KEYS[3]", id="id") + "end\n")
 
     def reserve(self, bounds: Sequence[tuple[str, int]]) -> None:
-        """Reserve each ``(job id, bytes)``, all or none: :class:`RedisMemoryFullError` (503, with
+        """Reserve each ``(job id, bytes)``, all or none: :class:`StoreFull` (503, with
         Retry-After) when they do not fit below the high-water mark. Redis without ``maxmemory``
         takes everything (and the reservations are kept all the same, for /healthz)."""
         if not bounds:
@@ -101,4 +102,4 @@ class Reservations:
         return int(self.redis.get(TOTAL_KEY) or 0)
 
 
-__all__ = ["KEYS", "RELEASE_LUA", "RedisMemoryFullError", "Reservations"]
+__all__ = ["KEYS", "RELEASE_LUA", "Reservations", "StoreFull"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from domain.infra.store_errors import StoreUnavailable
 from domain.jobs.event_hub import EventHub, Outage
 from domain.jobs.events import JobEvent, JobEvents
 from domain.jobs.store import TERMINAL, JobStore
@@ -57,7 +58,7 @@ def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *, keepaliv
 
     Redis away for less than ``outage_s`` seconds (a blip, a failover) is ridden out: keep-alives
     while it is away, then the events from where the stream was, none lost or twice. A longer
-    outage raises its RedisError.
+    outage raises :class:`~domain.infra.store_errors.StoreUnavailable` (from Redis' error).
 
     ``stored_results``: each ``Ended`` job's result is left as stored (a ``StoredJSON``), for a
     reader that sends it on as it is.
@@ -83,11 +84,11 @@ def follow(hub: EventHub, jobs: JobStore, positions: dict[str, str], *, keepaliv
                     delivered = got
                     items, moved = _items(jobs, positions, got, stored_results)
                     delivered = None
-            except redis.RedisError:
+            except redis.RedisError as error:
                 now = time.monotonic()
                 down_since = now if down_since is None else down_since
                 if now - down_since >= outage_s:
-                    raise
+                    raise StoreUnavailable("the job store is unavailable") from error
                 yield KeepAlive()
                 time.sleep(min(0.5, keepalive))
                 continue

@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from domain.infra import redis_reservations
-from domain.infra.redis_memory import RedisMemoryFullError
 from domain.infra.redis_server import EmbeddedRedis
+from domain.infra.store_errors import StoreFull
 from domain.lifecycle import end_job
 from domain.settings import Settings
 from engine.result_bound import request_result_bound
@@ -137,7 +137,7 @@ def test_a_batch_chunk_reserves_its_jobs_results_or_waits(bounded):
         return reply.get_json()["id"]
 
     too_many = batch_of(12)  # about 11 MB of results at the most: past the 7.2 MiB mark
-    with pytest.raises(RedisMemoryFullError):
+    with pytest.raises(StoreFull):
         submit_chunk(svc, too_many, 0)
     assert reserved(client) == 0 and svc.jobs.active_count(KEY_A) == 0  # none made, none reserved
     assert submit_chunk(svc, batch_of(3), 0) == 3

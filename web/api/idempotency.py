@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import redis
 from flask import request as http_request
 
+from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.idempotency import Answer, Claim, IdempotencyKeyInUseError, fingerprint
 from engine.errors import Fault, RolloutError
 from web.auth import current_owner
@@ -110,7 +110,7 @@ def once(route: str, body: Any, make: Callable[[], T], answer_of: Callable[[T], 
 def _release(store, claim: Claim) -> None:
     try:
         store.release(claim)
-    except redis.RedisError:  # Redis away: the claim lapses by itself (CLAIM_TTL)
+    except STORE_FAILURES:  # Redis away: the claim lapses by itself (CLAIM_TTL)
         pass
 
 

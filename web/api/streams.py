@@ -24,10 +24,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import redis
 from flask import Response
 
 from domain.infra.redis_records import StoredJSON
+from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.events import plausible_event_id
 from domain.jobs.follow import AttemptFilter, Ended, KeepAlive, follow
 from domain.jobs.view import public_job
@@ -211,13 +211,13 @@ def job_events(svc, job_id: str, after: str) -> Iterator[bytes]:
                 return
             if attempts.keep(job_id, event):
                 yield sse(event.data, event=event.type, event_id=event.id)
-    except RolloutError as error:
-        yield sse(error.to_dict(), event="error")
-    except redis.RedisError:
+    except STORE_FAILURES:  # before RolloutError: the domain's store errors are typed ones too
         # Redis away past ROLLOUT_STREAM_OUTAGE_SECONDS: the stream ends, the job does not (an
         # ``error`` event would say it failed). The client resumes with the last id it read.
         yield sse({"code": "stream_interrupted", "message": "the job store is unavailable; resume with "
                    "Last-Event-ID", "job_id": job_id, "retryable": True}, event="interrupted")
+    except RolloutError as error:
+        yield sse(error.to_dict(), event="error")
     except GeneratorExit:
         raise
     except Exception:

@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from flask import jsonify
 from kombu.exceptions import OperationalError
 from werkzeug.exceptions import HTTPException
 
 from domain.error_statuses import http_status
+from domain.infra.store_errors import StoreUnavailable
 from engine.errors import InternalError, RolloutError
-from web.errors import _HTTP_CODES, RedisUnavailableError, _json_safe
+from web.errors import _HTTP_CODES, _json_safe, store_failure
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,13 @@ def install(blueprint, shape: Shape) -> None:
             message = "invalid fields: " + ", ".join(sorted(str(key) for key in errors))
         return answer(status, _HTTP_CODES.get(status, "http_error"), message, errors, data.get("headers"))
 
-    @blueprint.errorhandler(redis.RedisError)
-    @blueprint.errorhandler(OperationalError)
-    def redis_error(error: Exception):
-        log.warning("redis unavailable: %s", error.__class__.__name__)
-        return rollout_error(RedisUnavailableError("the job store is unavailable; retry shortly",
-                                                   headers={"Retry-After": "2"}))
+    @blueprint.errorhandler(OperationalError)  # Celery could not publish a message: the broker (Redis) is away
+    def broker_error(error: Exception):
+        return rollout_error(store_failure(error) or StoreUnavailable())
 
     @blueprint.errorhandler(Exception)
     def unexpected(error: Exception):
+        if (failure := store_failure(error)) is not None:  # a store call's error rose as it was
+            return rollout_error(failure)
         log.exception("unexpected error in a dialect view")
         return rollout_error(InternalError("internal error"))

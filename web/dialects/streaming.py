@@ -21,8 +21,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-import redis
-
+from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.follow import ChoiceDelta, Ended, KeepAlive, TokenLedger, follow
 from domain.jobs.results import JobResult
 from domain.jobs.store import TERMINAL
@@ -96,11 +95,11 @@ def _chunks(svc, jobs: list[dict[str, Any]], writer: ChunkWriter, state: dict) -
         yield from writer.end([ended.get(job["id"], job) for job in jobs])
         state["complete"] = True
         yield DONE
+    except STORE_FAILURES:  # before RolloutError: the domain's store errors are typed ones too
+        yield writer.error(ServiceUnavailableError("the job store is unavailable"))
+        yield DONE
     except RolloutError as error:
         yield writer.error(error)
-        yield DONE
-    except redis.RedisError:
-        yield writer.error(ServiceUnavailableError("the job store is unavailable"))
         yield DONE
     except GeneratorExit:
         raise
@@ -129,5 +128,5 @@ def _cancel(svc, owner: str, jobs: list[dict[str, Any]]) -> None:
         try:
             if svc.jobs.get(job["id"], owner=owner)["status"] not in TERMINAL:
                 cancel_job(svc, job["id"], owner=owner)
-        except (RolloutError, redis.RedisError):
+        except (RolloutError, *STORE_FAILURES):
             pass  # gone, or the store is away: nothing more can be done from here

@@ -35,8 +35,9 @@ from domain.batches.store import DIRECT_LINE
 from domain.batches.sweeps import cancel_lines, expire
 from domain.infra import finite_json
 from domain.infra.redis_client import REDIS_DOWN
-from domain.infra.redis_memory import RedisMemoryFullError, read_memory
+from domain.infra.redis_memory import read_memory
 from domain.infra.redis_reservations import Reservations
+from domain.infra.store_errors import StoreFull
 from domain.jobs.request import JobRequest
 from domain.jobs.store import TERMINAL as JOB_TERMINAL
 from domain.jobs.store import QueueFullError
@@ -67,7 +68,7 @@ def enqueue_chunk(self, batch_id: str, index: int) -> int:
             return submit_chunk(rt, batch_id, index)
         except QueueFullError as full:
             raise self.retry(countdown=_retry_after(full), max_retries=None) from None
-        except RedisMemoryFullError as full:  # its results do not fit below Redis' mark yet: later
+        except StoreFull as full:  # its results do not fit below Redis' mark yet: later
             raise self.retry(countdown=float(full.headers["Retry-After"]), max_retries=None) from None
 
 
@@ -132,7 +133,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
                 unreadable.append(line)
     _cannot_run(rt, batch_id, unreadable)
     created: dict[int, str] = {}
-    job_ids = _reserve(rt, [request for _, request in readable])  # RedisMemoryFullError: the chunk waits
+    job_ids = _reserve(rt, [request for _, request in readable])  # StoreFull: the chunk waits
     try:
         # One round trip creates the chunk's jobs, one more maps their lines.
         outcomes = submit_jobs(rt.jobs, rt.celery, owner=batch["owner"], model=rt.model_facts, job_ids=job_ids,
@@ -159,7 +160,7 @@ def submit_chunk(rt, batch_id: str, index: int) -> int:
 def _reserve(rt, requests: list[JobRequest]) -> list[str]:
     """Ids for the chunk's jobs, each one's result bound reserved under it against Redis' headroom
     (domain/infra/redis_reservations.py; none on a Redis without a bound): all of them or, with
-    :class:`RedisMemoryFullError`, none."""
+    :class:`StoreFull`, none."""
     job_ids = new_job_ids(len(requests))
     if requests and read_memory(rt.redis).bounded:
         Reservations(rt.redis).reserve(result_reservations(job_ids, requests, limits=rt.limits,

@@ -11,12 +11,12 @@ import redis
 
 from domain.infra.redis_memory import (
     MemoryGauge,
-    RedisMemoryFullError,
     default_maxmemory_bytes,
     machine_memory_bytes,
     read_memory,
 )
 from domain.infra.redis_server import EmbeddedRedis
+from domain.infra.store_errors import StoreFull
 from domain.settings import SettingsError, load_settings
 from engine.errors import ServiceUnavailableError
 
@@ -85,7 +85,7 @@ def test_the_gauge_admits_up_to_the_high_water_mark(bounded_redis):
     gauge.admit()
     fill_until(bounded_redis, int(0.92 * 8 * MIB))
     gauge.read(fresh=True)
-    with pytest.raises(RedisMemoryFullError) as refused:
+    with pytest.raises(StoreFull) as refused:
         gauge.admit()
     assert refused.value.code == "redis_memory_full" and isinstance(refused.value, ServiceUnavailableError)
     assert refused.value.errors["maxmemory_bytes"] == 8 * MIB
@@ -108,6 +108,6 @@ def test_a_write_refused_for_memory_is_told_from_redis_away(bounded_redis):
         bounded_redis.eval("return redis.call('set', KEYS[1], 'x')", 1, "one-more")
     for refused in (command.value, script.value):
         full = gauge.refusal_for(refused)
-        assert isinstance(full, RedisMemoryFullError), refused
+        assert isinstance(full, StoreFull), refused
         assert full.errors == {"used_bytes": full.errors["used_bytes"], "maxmemory_bytes": 6 * MIB}
     assert bounded_redis.delete("filler:0") == 1  # what frees memory still runs

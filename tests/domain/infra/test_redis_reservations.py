@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from domain.infra.redis_memory import RedisMemoryFullError, read_memory
+from domain.infra.redis_memory import read_memory
 from domain.infra.redis_reservations import BYTES_KEY, UNTIL_KEY, Reservations
 from domain.infra.redis_server import EmbeddedRedis
+from domain.infra.store_errors import StoreFull
 from domain.jobs.store import JobStore, StoreLimits
 from tests.domain.infra.test_redis_memory import MIB, bounded_redis  # noqa: F401 (a fixture)
 
@@ -33,7 +34,7 @@ def test_a_call_reserves_all_its_jobs_or_none(bounded_redis):  # noqa: F811
     free = room(bounded_redis)
     reservations.reserve([("job_a", free // 2), ("job_b", free // 4)])
     assert reservations.reserved_bytes() == free // 2 + free // 4
-    with pytest.raises(RedisMemoryFullError) as refused:
+    with pytest.raises(StoreFull) as refused:
         reservations.reserve([("job_c", free // 8), ("job_d", free // 4)])  # together they do not fit
     assert refused.value.errors["asked_bytes"] == free // 8 + free // 4
     assert refused.value.errors["reserved_bytes"] == free // 2 + free // 4
@@ -49,7 +50,7 @@ def test_reservations_without_a_job_lapse(bounded_redis):  # noqa: F811
     clock = Clock()
     reservations = Reservations(bounded_redis, lifetime=60, clock=clock)
     reservations.reserve([("job_lost", room(bounded_redis) - 50_000)])  # the API died before making it
-    with pytest.raises(RedisMemoryFullError):
+    with pytest.raises(StoreFull):
         reservations.reserve([("job_next", 100_000)])
     clock.now += 61
     reservations.reserve([("job_next", 100_000)])

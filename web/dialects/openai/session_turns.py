@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import flask
-import redis
 
+from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.results import JobResult
 from domain.sessions import fingerprint
 from domain.sessions.bridge import BridgeError, bridge
@@ -93,7 +93,7 @@ class SessionTurn:
                                stop_token=choice.matched_stop if isinstance(choice.matched_stop, int) else None,
                                media=self.media, logprobs=choice.logprobs, weight_versions=spans, how=self.prompt,
                                reason=self.reason)
-        except redis.RedisError:
+        except STORE_FAILURES:
             self.recorded, self.not_recorded = False, "store_unavailable"
             return
         self.recorded = True
