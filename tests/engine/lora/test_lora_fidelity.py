@@ -132,3 +132,30 @@ def test_adapters_beyond_the_slots_wait_on_the_cpu_and_swap_in(demo_model_dir, a
     assert engine.loaded.adapters.swaps_in >= 2, "the second adapter came in from the CPU"
     with pytest.raises(AdapterLimitError):
         engine.load_adapter("c@1", adapter_a)  # ROLLOUT_MAX_CPU_LORAS
+
+
+def test_the_encoder_cache_is_shared_across_adapters(lora_engine, references, prompts):
+    """An image encoded for a base row serves an adapter's row (adapters never touch the encoder),
+    and the adapter's tokens are still PEFT's own."""
+    features = prompts.image_features(color="blue")
+    prompt = prompts.image_prompt(" what colour is it?", features)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    lora_engine.generate([GenerationRequest(prompt, params, mm_kwargs=features)])
+    hits = lora_engine.encoder_cache.stats.hits
+    [tuned] = lora_engine.generate([GenerationRequest(prompt, params, mm_kwargs=features, adapter="a@1")])
+    assert lora_engine.encoder_cache.stats.hits == hits + 1
+    [choice] = tuned.choices
+    want = _image_logprobs(references["a@1"], prompt, choice.token_ids, features, prompts.config.image_token_id)
+    assert_close(choice.logprobs, want, "adapter row with a cached image")
+
+
+def _image_logprobs(reference, prompt, completion, features, image_token_id):
+    import torch
+
+    ids = torch.tensor([[*prompt, *completion]])
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), **features,
+              "mm_token_type_ids": (ids == image_token_id).int()}  # as the Qwen-VL processors build them
+    with torch.inference_mode():
+        logits = reference.model(**kwargs).logits[0].float().log_softmax(-1)
+    start = len(prompt) - 1
+    return [float(logits[start + i, token]) for i, token in enumerate(completion)]
