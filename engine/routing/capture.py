@@ -43,7 +43,7 @@ class RouterCapture:
                 ids = output[2]
             else:  # logits only: the model's own rule, top-k of the softmax
                 ids = torch.topk(torch.softmax(output.float(), dim=-1), top_k, dim=-1).indices
-            self._chosen.append(ids.reshape(-1, top_k).to(self.dtype))
+            self._chosen.append(ids.reshape(-1, top_k))  # cast once for all layers in take()
         return record
 
     @contextmanager
@@ -61,7 +61,7 @@ class RouterCapture:
         chosen, self._chosen = self._chosen, []
         if len(chosen) != self.layers:
             raise RuntimeError(f"recorded {len(chosen)} MoE layers of {self.layers}")
-        return torch.stack(chosen, dim=1)
+        return torch.stack(chosen, dim=1).to(self.dtype)
 
 
 def router_capture(model) -> RouterCapture | None:

@@ -24,7 +24,9 @@ def after_decode(capture: RouterCapture | None, batch) -> None:
     advances): each asking row's ids, at the position its fed token holds (its length)."""
     if capture is None or not any(row.routing is not None for row in batch.rows):
         return
-    step = capture.take()  # (rows, layers, k): one token per row
+    # (rows, layers, k): one token per row, copied to the host as it is (the sampler's copy back
+    # waits on it; no sync here), where each row's view of it costs no device op.
+    step = capture.take().to("cpu", non_blocking=True).numpy()
     for i, (row, length) in enumerate(zip(batch.rows, batch.lengths, strict=True)):
         if row.routing is not None:
             row.routing.add_step(length, step, i)

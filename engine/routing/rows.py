@@ -1,7 +1,7 @@
 """One row's routed experts as its forwards record them: for every position fed to the model
 (prompt tokens, then each output token but the last, which is never fed), the top-k expert ids of
-every MoE layer. Kept on the device as references to each forward's recorded ids; stacked and
-copied to the host once, when the row's result is built (no per-step sync).
+every MoE layer. A decode step's ids are one host array for the whole batch (a non-blocking
+copy), each row holding a reference and its index; a row's are stacked when its result is built.
 
 A position recorded twice (a preempted row's resume, a row whose KV the new weights computed
 again after an update) keeps its first record: the experts of the weights that computed the
@@ -15,7 +15,7 @@ import torch
 
 class RowRouting:
     def __init__(self) -> None:
-        self._pieces: list[tuple[torch.Tensor, int | None]] = []  # (ids, row) or (ids[n], None)
+        self._pieces: list[tuple[np.ndarray, int | None]] = []  # (step ids, row) or (ids[n], None)
         self.filled = 0  # positions 0 .. filled - 1 are recorded
 
     def add_positions(self, start: int, ids: torch.Tensor | None) -> None:
@@ -25,10 +25,10 @@ class RowRouting:
             return
         if start > self.filled:
             raise RuntimeError(f"routing for position {start} before {self.filled} was recorded")
-        self._pieces.append((ids[self.filled - start:], None))
+        self._pieces.append((ids[self.filled - start:].cpu().numpy(), None))
         self.filled = start + ids.shape[0]
 
-    def add_step(self, position: int, step: torch.Tensor, row: int) -> None:
+    def add_step(self, position: int, step: np.ndarray, row: int) -> None:
         """A decode step's ids (rows, layers, k): this row's is ``step[row]``, at ``position``."""
         if position < self.filled:
             return
@@ -42,6 +42,4 @@ class RowRouting:
         if positions > self.filled:
             raise RuntimeError(f"routing asked for {positions} positions, {self.filled} recorded")
         parts = [ids if row is None else ids[row:row + 1] for ids, row in self._pieces]
-        if not parts:
-            return np.zeros((0, 0, 0), dtype=np.uint8)
-        return torch.cat(parts)[:positions].cpu().numpy()
+        return np.concatenate(parts)[:positions]
