@@ -29,6 +29,7 @@ from functools import cached_property
 from celery import Celery
 from kombu import Exchange, Queue
 
+from domain.infra.intake_order import PRIORITY_STEPS
 from domain.names import BATCHES_QUEUE, PREPROCESS_QUEUE, SHARED_GENERATE_QUEUE, WEBHOOKS_QUEUE
 from domain.redis_target import broker_options
 from domain.settings import Settings
@@ -84,6 +85,9 @@ def create_celery(settings: Settings, redis_url: str) -> Celery:
         "unacked_restore_interval": restore_every,
         "unacked_restore_throttle": 1,
         "unacked_mutex_expire": 3 * restore_every,
+        # A list per step, the lowest taken first: generate messages are ordered between keys by
+        # them (domain/infra/intake_order.py); every other message is at step 0.
+        "priority_steps": list(PRIORITY_STEPS),
         # Publish again after Redis comes back instead of failing the API request outright.
         "max_retries": 3,
         "interval_start": 0,

@@ -7,8 +7,11 @@ step, a restart) paid two round trips per message, and kombu's take was the larg
 left in its profile (``bench/README.md``). kombu has no bulk take for Redis (its SQS
 transport has one), so this transport adds it: when a BRPOP brings a message and the prefetch
 window has room for more, one Lua script records that message and pops up to the room's worth
-more from the same queue (its priority lists in kombu's order), recording each in ``unacked`` /
-``unacked_index`` exactly as ``QoS.append`` does, before it returns. Popping and recording in one
+more from the channel's queues, in the order kombu's BRPOP takes them (every queue's lowest
+priority step first: generate messages are ordered between keys by their steps,
+``domain/infra/intake_order.py``), recording each in ``unacked`` / ``unacked_index`` exactly as
+``QoS.append`` does, before it returns. It also notes the highest intake number taken per key
+(``rq:intake:taken``), from which senders tell a key's depth. Popping and recording in one
 script leaves no moment where a message is held by nobody (kombu's BRPOP path has one, which
 ``domain/infra/lost_messages.py`` covers for the first message as before).
 
@@ -45,6 +48,8 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from domain.infra.intake_order import COUNTS_TTL_S, MARK_HEADER, SENT_KEY, TAKEN_KEY
+
 log = logging.getLogger(__name__)
 
 # How often an unrecorded message given back is pushed again while Redis refuses it.
@@ -52,12 +57,16 @@ RESTORE_RETRY_SECONDS = 1.0
 # The most one take pops when the window is unbounded (prefetch_count 0).
 UNBOUNDED_TAKE = 64
 
-# KEYS: unacked, unacked_index, then the queue's lists in priority order.
-# ARGV: now, how many more to pop, the message BRPOP brought.
-# Records the BRPOP'd message, pops up to ARGV[2] more and records each; returns the popped ones.
+# KEYS: unacked, unacked_index, the intake's sent and taken counts, then the queues' lists in the
+# order BRPOP takes them.
+# ARGV: now, how many more to pop, the message BRPOP brought, the counts' TTL, the intake mark's header.
+# Records the BRPOP'd message, pops up to ARGV[2] more and records each; returns the popped ones,
+# each after the index of the list it came from (1 = KEYS[5]). The highest intake number taken per
+# key is kept (numbers beyond the key's sent count are from before the counts lapsed: ignored).
 # A message that is not kombu's JSON is returned unrecorded (the consumer drops it, as kombu
 # would), so the script never stops halfway with messages popped and not recorded.
 _TAKE = """
+local marks = {}
 local function record(item)
   local ok, message = pcall(cjson.decode, item)
   if not ok or type(message) ~= 'table' or type(message['properties']) ~= 'table' then return end
@@ -68,20 +77,41 @@ local function record(item)
   redis.call('HSET', KEYS[1], tag, '[' .. item .. ',' .. cjson.encode(delivery['exchange']) .. ',' ..
              cjson.encode(delivery['routing_key']) .. ']')
   redis.call('ZADD', KEYS[2], ARGV[1], tag)
+  local headers = message['headers']
+  local mark = type(headers) == 'table' and headers[ARGV[5]]
+  if type(mark) == 'table' and type(mark[1]) == 'string' and type(mark[2]) == 'number' then
+    local numbers = marks[mark[1]] or {}
+    numbers[#numbers + 1] = mark[2]
+    marks[mark[1]] = numbers
+  end
 end
 record(ARGV[3])
 local taken = {}
 local wanted = tonumber(ARGV[2])
-for i = 3, #KEYS do
+for i = 5, #KEYS do
   if wanted <= 0 then break end
   local items = redis.call('RPOP', KEYS[i], wanted)
   if items then
     for _, item in ipairs(items) do
       record(item)
+      taken[#taken + 1] = i - 4
       taken[#taken + 1] = item
     end
     wanted = wanted - #items
   end
+end
+if next(marks) ~= nil then
+  for owner, numbers in pairs(marks) do
+    local sent = tonumber(redis.call('HGET', KEYS[3], owner) or '0')
+    local best = tonumber(redis.call('HGET', KEYS[4], owner) or '0')
+    local highest = best
+    for _, number in ipairs(numbers) do
+      if number <= sent and number > highest then highest = number end
+    end
+    if highest > best then redis.call('HSET', KEYS[4], owner, string.format('%d', highest)) end
+  end
+  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[4], ARGV[4])
 end
 return taken
 """
@@ -221,46 +251,50 @@ class _BulkTake:
             self._flush_brpop_reauth()
         taken = self._take_more(queue, first)
         if taken is None:
-            self._deliver_all(queue, [loads(bytes_to_str(first))])
+            self._deliver_all([(queue, loads(bytes_to_str(first)))])
             return True
         payloads = []
-        for item in [first, *taken]:
+        for source, item in [(queue, first), *taken]:
             try:
-                payloads.append(loads(bytes_to_str(item)))
+                payloads.append((source, loads(bytes_to_str(item))))
             except ValueError:
-                log.error("dropped a message of %s that is not JSON: %.200r", queue, item)
-        self.qos.recorded.update(tag for tag in map(_recorded_tag, payloads) if tag is not None)
-        self._deliver_all(queue, payloads)
+                log.error("dropped a message of %s that is not JSON: %.200r", source, item)
+        self.qos.recorded.update(tag for tag in (_recorded_tag(p) for _, p in payloads) if tag is not None)
+        self._deliver_all(payloads)
         return True
 
-    def _take_more(self, queue: str, first: bytes) -> list[bytes] | None:
-        """Record ``first`` and pop (and record) as many more as the prefetch window allows. None
-        when there is no room or the take failed: then kombu records ``first`` itself, as always."""
+    def _take_more(self, queue: str, first: bytes) -> list[tuple[str, bytes]] | None:
+        """Record ``first`` and pop (and record) as many more as the prefetch window allows, from
+        every queue this channel consumes, lowest priority step first as BRPOP takes them: each
+        with its queue. None when the take failed: then kombu records ``first`` itself, as always.
+        With no room left the script still records ``first`` (and notes its intake number)."""
         room = self.qos.can_consume_max_estimate()
-        room = UNBOUNDED_TAKE if room is None else room - 1  # ``first`` takes a place
-        if room <= 0 or self.global_keyprefix:  # a prefixed client rewrites keys: left to kombu
+        room = UNBOUNDED_TAKE if room is None else max(room - 1, 0)  # ``first`` takes a place
+        if self.global_keyprefix:  # a prefixed client rewrites keys: left to kombu
             return None
-        keys = [self.unacked_key, self.unacked_index_key,
-                *(self._q_for_pri(queue, pri) for pri in self.priority_steps)]
+        queues = self._queue_cycle.consume(len(self.active_queues)) or [queue]
+        lists = [(q, self._q_for_pri(q, pri)) for pri in self.priority_steps for q in queues]
+        keys = [self.unacked_key, self.unacked_index_key, SENT_KEY, TAKEN_KEY, *(name for _, name in lists)]
         try:
             with self.conn_or_acquire() as client:
                 if self._take_script is None:
                     self._take_script = client.register_script(_TAKE)
-                taken = self._take_script(keys=keys, args=[time.time(), room, first], client=client)
+                reply = self._take_script(keys=keys, args=[time.time(), room, first, COUNTS_TTL_S, MARK_HEADER],
+                                          client=client)
         except redis.RedisError as error:
             log.warning("could not take more messages from %s: %s", queue, error)
             return None
-        return taken
+        return [(lists[index - 1][0], item) for index, item in zip(reply[::2], reply[1::2], strict=True)]
 
-    def _deliver_all(self, queue: str, payloads: list[dict]) -> None:
-        """Hand each message to kombu's callback. When one raises, the rest go back to the head
-        of their queue (recorded and never delivered, nobody would run them before the visibility
-        timeout) and the error goes on up, as kombu's own would."""
-        for index, payload in enumerate(payloads):
+    def _deliver_all(self, payloads: list[tuple[str, dict]]) -> None:
+        """Hand each message to kombu's callback for its queue. When one raises, the rest go back
+        to the head of their queue (recorded and never delivered, nobody would run them before the
+        visibility timeout) and the error goes on up, as kombu's own would."""
+        for index, (queue, payload) in enumerate(payloads):
             try:
                 self.connection._deliver(payload, queue)
             except BaseException:
-                for rest in reversed(payloads[index + 1:]):  # the oldest ends up nearest the head
+                for _, rest in reversed(payloads[index + 1:]):  # the oldest ends up nearest the head
                     tag = _recorded_tag(rest)
                     if tag is None or tag not in self.qos.recorded:
                         continue  # never recorded: kombu would have dropped it too

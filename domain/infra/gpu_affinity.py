@@ -36,8 +36,9 @@ How a message finds its worker:
 - Items with feature handles choose among their node's workers only. With no live GPU worker to
   choose (none up yet), a message goes to its node or the shared queue, as before.
 - A worker that dies or leaves: :class:`DirectQueueDrain` moves the messages left in its queue to
-  its node's queue (or the shared one) within a sweep; what it held is restored to its queue by
-  the held-message sweep and moved on the same way.
+  its node's queue (or the shared one) within a sweep, each at the priority step it had
+  (``domain/infra/intake_order.py``); what it held is restored to its queue by the held-message
+  sweep and moved on the same way.
 
 Celery's routing is by queue name (each queue its own direct exchange, ``workers/celery_app.py``),
 so a direct queue is an ordinary Celery queue: no broker of our own.
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 import redis
 
 from domain.infra.heartbeats import indexed, live
+from domain.infra.intake_order import PRIORITY_STEPS, queue_lists, waiting
 from domain.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_queue
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,7 @@ class Placement:
     media: Sequence[tuple[int, str]] = ()  # (offset, content hash) of each item
     node: str | None = None  # the node that holds its feature handles; None: inline, any node
     session: str | None = None  # the caller's session id: its prompts stay on one worker
+    owner: str = ""  # the caller's key: its place in the intake (domain/infra/intake_order.py)
 
     @property
     def session_key(self) -> str | None:
@@ -198,10 +201,11 @@ class GpuRouter:
         pipe.mget(keys + sessions)
         pipe.hgetall(f"{_GROUPS_KEY}{window}")
         pipe.hgetall(f"{_GROUPS_KEY}{window - 1}")
-        for status in statuses:
-            pipe.llen(status["direct_queue"])
+        for name in (name for status in statuses for name in queue_lists(status["direct_queue"])):
+            pipe.llen(name)
         routed_raw, *recent = pipe.execute()
-        recent, lengths = recent[:2], recent[2:]
+        per = len(PRIORITY_STEPS)
+        recent, lengths = recent[:2], [sum(recent[2 + i * per:2 + (i + 1) * per]) for i in range(len(statuses))]
         workers = [Worker(s["direct_queue"], s.get("node", ""), len(s.get("held", ())) + length)
                    for s, length in zip(statuses, lengths, strict=True)]
         routed_all = [None if raw is None else raw.decode() for raw in routed_raw[:len(keys)]]
@@ -269,12 +273,13 @@ def direct_queues(client: redis.Redis) -> dict[str, dict]:
 
 
 class DirectQueueDrain:
-    """Sends again what waits in the queue of a GPU worker that is gone (``resend``: the jobs'
-    generate messages, to their node's or the shared queue), so nothing waits for a worker that
-    will not come back. The queue is renamed first (atomic), so a worker that only seemed dead and
-    resumes finds it empty rather than racing the move. ``job_id``: how a job id looks in a message."""
+    """Sends again what waits in the queue of a GPU worker that is gone (``resend(job_ids, step)``:
+    the jobs' generate messages, to their node's or the shared queue, at the priority step of the
+    list they waited in), so nothing waits for a worker that will not come back. Each of the
+    queue's lists is renamed first (atomic), so a worker that only seemed dead and resumes finds it
+    empty rather than racing the move. ``job_id``: how a job id looks in a message."""
 
-    def __init__(self, client: redis.Redis, resend: Callable[[list[str]], None], job_id: re.Pattern[bytes]):
+    def __init__(self, client: redis.Redis, resend: Callable[[list[str], int], None], job_id: re.Pattern[bytes]):
         self.client = client
         self.resend = resend
         self.job_id = job_id
@@ -296,18 +301,21 @@ class DirectQueueDrain:
         return moved
 
     def _drain(self, queue: str, *, forget: bool) -> list[str]:
-        draining = f"{queue}:draining"
-        try:
-            self.client.rename(queue, draining)
-        except redis.ResponseError:  # no such key: nothing waits there
-            if forget:
-                self.client.hdel(DIRECT_QUEUES_KEY, queue)
-            return []
-        job_ids = sorted({m.decode() for raw in self.client.lrange(draining, 0, -1) for m in self.job_id.findall(raw)})
-        self.resend(job_ids)
-        self.client.delete(draining)
+        moved = []
+        if sum(waiting(self.client, [queue])):
+            for step, name in zip(PRIORITY_STEPS, queue_lists(queue), strict=True):
+                draining = f"{name}:draining"
+                try:
+                    self.client.rename(name, draining)
+                except redis.ResponseError:  # no such key: nothing waits there
+                    continue
+                job_ids = sorted({m.decode() for raw in self.client.lrange(draining, 0, -1)
+                                  for m in self.job_id.findall(raw)})
+                self.resend(job_ids, step)
+                self.client.delete(draining)
+                moved += job_ids
         if forget:
             self.client.hdel(DIRECT_QUEUES_KEY, queue)
-        if job_ids:
-            log.warning("sent %d generate messages left in %s (its worker is gone) again", len(job_ids), queue)
-        return job_ids
+        if moved:
+            log.warning("sent %d generate messages left in %s (its worker is gone) again", len(moved), queue)
+        return moved

@@ -26,6 +26,8 @@ from collections.abc import Callable, Collection, Iterable
 import redis
 from kombu.transport.redis import Channel
 
+from domain.infra.intake_order import all_lists
+
 log = logging.getLogger(__name__)
 
 _PAGE = 1000  # queue entries read per round trip
@@ -39,12 +41,13 @@ def sweep_every(stall_s: float) -> float:
 def ids_in_messages(client: redis.Redis, pattern: re.Pattern[bytes], *, queues: Iterable[str],
                     parked: Iterable[bytes] = ()) -> set[str]:
     """The ids matching ``pattern`` that some message names now: ``parked`` (a fair share's raw
-    entries), then the ``queues``, then kombu's unacknowledged messages. Read in the order
-    messages flow, so one that moves on during the read is seen where it arrives."""
+    entries), then the ``queues`` (every priority list of each), then kombu's unacknowledged
+    messages. Read in the order messages flow, so one that moves on during the read is seen where
+    it arrives."""
     found: set[bytes] = set()
     for entry in parked:
         found.update(pattern.findall(entry))
-    for queue in queues:
+    for queue in all_lists(queues):
         start = 0
         while page := client.lrange(queue, start, start + _PAGE - 1):
             for message in page:
@@ -56,7 +59,7 @@ def ids_in_messages(client: redis.Redis, pattern: re.Pattern[bytes], *, queues: 
 
 
 def task_calls_in_messages(client: redis.Redis, tasks: Collection[str], *, queues: Iterable[str]) -> set[tuple]:
-    """``(task, *args)`` of every message of ``tasks`` in the ``queues`` or held unacknowledged:
+    """``(task, *args)`` of every message of ``tasks`` in the ``queues`` (all their lists) or held unacknowledged:
     for work named by more than one id (a batch's chunk), where a pattern over the raw message
     cannot tell which task it belongs to. Only messages naming one of ``tasks`` are parsed."""
     names = tuple(task.encode() for task in tasks)
@@ -71,7 +74,7 @@ def task_calls_in_messages(client: redis.Redis, tasks: Collection[str], *, queue
             except (ValueError, SyntaxError):
                 pass  # not ours to read: at worst its work is sent once more, a no-op
 
-    for queue in queues:
+    for queue in all_lists(queues):
         start = 0
         while page := client.lrange(queue, start, start + _PAGE - 1):
             for raw in page:

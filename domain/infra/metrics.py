@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import redis
 
+from domain.infra.intake_order import PRIORITY_STEPS, all_lists
+
 log = logging.getLogger(__name__)
 
 STAGE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -107,17 +109,19 @@ class MetricsSnapshot:
 
 def snapshot(client: redis.Redis, queues: list[str]) -> MetricsSnapshot:
     """Read every number in one round trip. ``queues``: the Celery queues to report the depth of
-    (kombu keeps each queue's waiting messages in a Redis list named after it)."""
+    (kombu keeps each queue's waiting messages in a Redis list per priority step:
+    domain/infra/intake_order.py)."""
     pipe = client.pipeline(transaction=False)
-    for queue in queues:
-        pipe.llen(queue)
+    for name in all_lists(queues):
+        pipe.llen(name)
     pipe.hgetall("rq:metrics:jobs_ended")
     pipe.hgetall("rq:metrics:counters")
     for stage in STAGES:
         pipe.hgetall(f"rq:metrics:stage:{stage}")
     replies = pipe.execute()
-    depths = replies[:len(queues)]
-    ended, counters, *stages = replies[len(queues):]
+    per, lists = len(PRIORITY_STEPS), len(queues) * len(PRIORITY_STEPS)
+    depths = [sum(replies[i * per:(i + 1) * per]) for i in range(len(queues))]
+    ended, counters, *stages = replies[lists:]
     return MetricsSnapshot(
         queue_depths=dict(zip(queues, depths, strict=True)),
         jobs_ended={name.decode(): int(value) for name, value in sorted(ended.items())},

@@ -129,18 +129,18 @@ def start_reaper(rt, *, stall_s: float) -> threading.Event:
     return start_sweeping(rt.redis, "jobs", reaper.sweep, every_s=sweep_every(stall_s))
 
 
-def send_generate_again(rt, job_ids: list[str]) -> None:
-    """Each job's generate message again, to its node's queue or the shared one (what waited in a
-    GPU worker's own queue when the worker went away)."""
+def send_generate_again(rt, job_ids: list[str], step: int = 0) -> None:
+    """Each job's generate message again, to its node's queue or the shared one, at priority
+    ``step`` (what waited in a GPU worker's own queue, at that step, when the worker went away)."""
     jobs = rt.jobs
     for job_id, raw in zip(job_ids, jobs.prompts(job_ids), strict=True):
         if raw is not None:
-            send_generate(rt.celery, job_id, queue=_generate_queue(json.loads(raw)))
+            send_generate(rt.celery, job_id, queue=_generate_queue(json.loads(raw)), step=step)
 
 
 def start_direct_queue_drain(rt) -> threading.Event:
     """:class:`domain.infra.gpu_affinity.DirectQueueDrain`, a heartbeat apart, in one worker at a time."""
-    drain = DirectQueueDrain(rt.redis, lambda job_ids: send_generate_again(rt, job_ids), _JOB_ID)
+    drain = DirectQueueDrain(rt.redis, lambda job_ids, step: send_generate_again(rt, job_ids, step), _JOB_ID)
     return start_sweeping(rt.redis, "direct-queues", drain.sweep, every_s=rt.settings.heartbeat_seconds)
 
 

@@ -17,6 +17,7 @@ from celery import Celery
 from kombu.exceptions import BatchPublishError, OperationalError
 
 from domain.infra.gpu_affinity import GpuRouter, Placement
+from domain.infra.intake_order import MARK_HEADER, intake_marks
 from domain.infra.redis_records import new_id
 from domain.jobs.prompt_codec import text_prompt
 from domain.jobs.request import JobRequest
@@ -85,8 +86,11 @@ def submit_jobs(store: JobStore, celery: Celery, *, owner: str,
     return outcomes
 
 
-def send_generate(celery: Celery, job_id: str, *, queue: str = SHARED_GENERATE_QUEUE, producer=None) -> None:
-    celery.send_task(GENERATE_TASK, args=[job_id], queue=queue, producer=producer)
+def send_generate(celery: Celery, job_id: str, *, queue: str = SHARED_GENERATE_QUEUE, producer=None,
+                  step: int = 0, mark: list | None = None) -> None:
+    """``step``: its priority step in the queue, ``mark`` its key's number (domain/infra/intake_order.py)."""
+    celery.send_task(GENERATE_TASK, args=[job_id], queue=queue, producer=producer, priority=step or None,
+                     headers={MARK_HEADER: mark} if mark is not None else None)
 
 
 def placement(job_id: str, owner: str, request: JobRequest, token_ids: Sequence[int], *,
@@ -94,18 +98,22 @@ def placement(job_id: str, owner: str, request: JobRequest, token_ids: Sequence[
     """A generate message to place on the GPU worker that holds its prefix: its prompt as the
     engine sees it, in its caller's cache scope; handles keep it on ``node_id``."""
     return Placement(job_id, token_ids, request.cache_scope(owner), media, node_id if transport != "inline" else None,
-                     session=request.session_id)
+                     session=request.session_id, owner=owner)
 
 
 def send_placed(celery: Celery, client: redis.Redis, placements: Sequence[Placement], *, producer=None) -> None:
     """Each job's generate message to the queue its prefix chooses (``domain/infra/gpu_affinity.py``;
-    with ``ROLLOUT_GPU_AFFINITY`` off, its node's or the shared queue)."""
-    if celery.rollout_settings.gpu_affinity:
+    with ``ROLLOUT_GPU_AFFINITY`` off, its node's or the shared queue), at its key's place in the
+    intake (``domain/infra/intake_order.py``; the window a GPU worker's prefetch)."""
+    settings = celery.rollout_settings
+    if settings.gpu_affinity:
         queues = GpuRouter(client).queues(placements)
     else:
         queues = [place.fallback_queue for place in placements]
-    for place, queue in zip(placements, queues, strict=True):
-        send_generate(celery, place.job_id, queue=queue, producer=producer)
+    marks = intake_marks(client, [place.owner for place in placements], window=2 * settings.batch_rows)
+    for place, queue, mark in zip(placements, queues, marks, strict=True):
+        step, number = mark if mark is not None else (0, None)
+        send_generate(celery, place.job_id, queue=queue, producer=producer, step=step, mark=number)
 
 
 def _is_plain(request: JobRequest, model: ModelFacts | None) -> bool:

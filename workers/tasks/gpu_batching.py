@@ -48,6 +48,7 @@ import time
 from celery_batches import Batches, SimpleRequest
 from celery_batches.trace import apply_batches_task
 
+from domain.infra.intake_order import waiting
 from domain.infra.redis_client import REDIS_DOWN
 from domain.names import SHARED_GENERATE_QUEUE
 from workers.gpu.bulk_ack import acknowledge_messages
@@ -116,10 +117,7 @@ class GenerateBatches(Batches):
     def _more_queued(self) -> bool:
         rt = runtime(self.app)
         try:
-            pipe = rt.redis.pipeline(transaction=False)
-            for queue in self.queues or (rt.settings.generate_queue, SHARED_GENERATE_QUEUE):
-                pipe.llen(queue)
-            return sum(pipe.execute()) > 0
+            return sum(waiting(rt.redis, self.queues or (rt.settings.generate_queue, SHARED_GENERATE_QUEUE))) > 0
         except REDIS_DOWN:
             return False
 

@@ -28,6 +28,7 @@ from domain.infra.gpu_affinity import (
     rendezvous_order,
 )
 from domain.infra.heartbeats import beat
+from domain.infra.intake_order import queue_lists
 from domain.names import SHARED_GENERATE_QUEUE, direct_queue, node_generate_queue
 from tests.conftest import empty_db_url
 
@@ -179,19 +180,30 @@ def test_a_busy_worker_sheds_new_groups_to_an_idle_one(client):
     assert busy not in queues and set(queues) == {idle}
 
 
+def test_a_workers_load_counts_what_waits_at_every_priority_step_of_its_queue(client):
+    idle = gpu_worker(client, "node-a-1")
+    busy = gpu_worker(client, "node-a-2")
+    client.lpush(queue_lists(busy)[5], *[json.dumps({"n": i}) for i in range(3 * BALANCE_MIN_GAP)])  # a deep backlog
+    queues = GpuRouter(client).queues([Placement(f"job_{i}", prompt(i), "k") for i in range(16)])
+    assert busy not in queues and set(queues) == {idle}
+
+
 def test_what_waits_in_a_gone_workers_queue_is_sent_again_and_a_live_ones_stays(client, monkeypatch):
     monkeypatch.setattr(gpu_affinity, "REGISTERED_GRACE_S", 0.0)
     live_queue = gpu_worker(client, "node-a-1")
     gone = direct_queue("node-a-2")
     register_direct_queue(client, "node-a-2")  # registered, never beating (or its heartbeat lapsed)
-    for queue, job in ((gone, "job_" + "a" * 22), (gone, "job_" + "b" * 22), (live_queue, "job_" + "c" * 22)):
-        client.lpush(queue, json.dumps({"body": "", "headers": {"argsrepr": f"['{job}']"}}))
+    # a, b at priority step 0 (the queue's own list), e at step 3 (a key's deeper backlog)
+    for name, job in ((gone, "job_" + "a" * 22), (gone, "job_" + "b" * 22), (queue_lists(gone)[3], "job_" + "e" * 22),
+                      (live_queue, "job_" + "c" * 22)):
+        client.lpush(name, json.dumps({"body": "", "headers": {"argsrepr": f"['{job}']"}}))
     sent = []
     time.sleep(0.01)
-    drain = DirectQueueDrain(client, sent.extend, re.compile(rb"job_[A-Za-z0-9_-]{22}"))
-    assert drain.sweep() == ["job_" + "a" * 22, "job_" + "b" * 22]
-    assert sent == ["job_" + "a" * 22, "job_" + "b" * 22]
-    assert not client.exists(gone) and set(direct_queues(client)) == {live_queue}
+    drain = DirectQueueDrain(client, lambda job_ids, step: sent.extend((job, step) for job in job_ids),
+                             re.compile(rb"job_[A-Za-z0-9_-]{22}"))
+    assert drain.sweep() == ["job_" + "a" * 22, "job_" + "b" * 22, "job_" + "e" * 22]
+    assert sent == [("job_" + "a" * 22, 0), ("job_" + "b" * 22, 0), ("job_" + "e" * 22, 3)]  # each keeps its step
+    assert not any(client.exists(name) for name in queue_lists(gone)) and set(direct_queues(client)) == {live_queue}
     assert client.llen(live_queue) == 1 and drain.sweep() == []
 
 
@@ -201,7 +213,7 @@ def test_a_starting_workers_queue_waits_and_a_dead_ones_is_watched_while_its_mes
     gone = gpu_worker(client, "node-a-3")
     client.delete("rq:worker:gpu:node-a-3")  # its heartbeat lapsed; the index still names it
     time.sleep(0.01)
-    drain = DirectQueueDrain(client, lambda job_ids: None, re.compile(rb"job_[A-Za-z0-9_-]{22}"))
+    drain = DirectQueueDrain(client, lambda job_ids, step: None, re.compile(rb"job_[A-Za-z0-9_-]{22}"))
     assert drain.sweep() == [] and gone in direct_queues(client)
     client.lpush(gone, json.dumps({"headers": {"argsrepr": "['job_" + "d" * 22 + "']"}}))  # given back late
     assert drain.sweep() == ["job_" + "d" * 22]
