@@ -33,6 +33,7 @@ from domain.jobs.attempts import Fence, preprocess_key
 from domain.jobs.events import DEFAULT_MAXLEN, events_key, watch_key
 from domain.jobs.keys import TOTAL_ACTIVE_KEY, UNCOUNTED_LINES_KEY, UNFINISHED_KEY, WEBHOOK_OWED_KEY
 from domain.jobs.results import readable_result
+from domain.jobs.stored_job import StoredJob
 from engine.errors import NotFoundError, RateLimitedError, RolloutError
 
 STATUSES = ("queued", "preprocessing", "generating", "succeeded", "failed", "cancelled")
@@ -155,6 +156,11 @@ class JobStore:
         if not raw or (owner is not None and raw.get(b"owner", b"").decode() != owner):
             raise NotFoundError(f"no job {job_id!r}")
         return _decode_stored_result(raw) if stored_result else self._decode(raw)
+
+    def read_job(self, job_id: str) -> StoredJob | None:
+        """The job typed (:class:`~domain.jobs.stored_job.StoredJob`), or None where it is gone."""
+        raw = self.redis.hgetall(self.key(job_id)) if plausible_id(job_id) else {}
+        return StoredJob.of(self._decode(raw)) if raw else None
 
     def check_owner(self, job_id: str, owner: str) -> None:
         """NotFoundError where ``get`` with ``owner`` raises one, reading two short fields: the

@@ -17,9 +17,9 @@ from domain.infra.redis_client import REDIS_DOWN
 from domain.jobs.attempts import attempt_key
 from domain.jobs.events import Attempt, watch_key
 from domain.jobs.prompt_codec import open_prompt, release_prompts
-from domain.jobs.request import JobRequest
 from domain.jobs.results import engine_result
 from domain.jobs.store import TERMINAL, JobStore
+from domain.jobs.stored_job import StoredJob
 from domain.jobs.submission import enqueue_preprocess, placement, send_placed
 from domain.lifecycle import end_jobs, fail_job, fail_unexpected, resume_followups
 from domain.names import worker_name
@@ -127,7 +127,7 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     try:
         outputs = engine.score([
             ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                         completion_token_ids=JobRequest.from_dict(job["request"]).completion_token_ids,
+                         completion_token_ids=StoredJob.of(job).request.completion_token_ids,
                          adapter=engine_adapter(job["request"]))
             for job, prompt in group
         ])
@@ -173,7 +173,7 @@ def requeue_generate(rt, job: dict, prompt) -> None:
     likely on this worker (its prefix is here); its feature handles stay held on this node."""
     media = [(item.offset[0], item.content_hash) for item in prompt.items if item.content_hash]
     send_placed(rt.celery, rt.redis, [
-        placement(job["id"], job["owner"], JobRequest.from_dict(job["request"]), prompt.token_ids, media=media,
+        placement(job["id"], job["owner"], StoredJob.of(job).request, prompt.token_ids, media=media,
                   transport=prompt.transport, node_id=rt.settings.node_id)])
 
 

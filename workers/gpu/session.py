@@ -49,7 +49,7 @@ import redis
 from domain.infra.heartbeats import heartbeat_key
 from domain.jobs.attempts import Fence
 from domain.jobs.prompt_codec import release_prompts
-from domain.jobs.request import JobRequest
+from domain.jobs.stored_job import StoredJob
 from domain.jobs.stream_text import StreamText
 from domain.lifecycle import fail_job
 from domain.names import worker_name
@@ -210,10 +210,10 @@ class GenerateSession:
             if job["kind"] != "generate":
                 continue
             try:
-                stored = JobRequest.from_dict(job["request"])
+                stored = StoredJob.of(job)
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                                            sampling=stored.sampling, enqueued_at=job["created_at"],
-                                            cache_scope=stored.cache_scope(job["owner"]), tenant=job["owner"],
+                                            sampling=stored.request.sampling, enqueued_at=stored.created_at,
+                                            cache_scope=stored.cache_scope, tenant=stored.owner,
                                             adapter=engine_adapter(job["request"]))
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone

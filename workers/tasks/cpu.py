@@ -36,6 +36,7 @@ from domain.infra.redis_client import REDIS_DOWN
 from domain.jobs.prompt_codec import encode_prompt, release_handles
 from domain.jobs.request import JobRequest
 from domain.jobs.store import TERMINAL
+from domain.jobs.stored_job import StoredJob
 from domain.jobs.submission import placement, send_placed
 from domain.lifecycle import fail_job, fail_unexpected, resume_followups
 from domain.names import PREPROCESS_QUEUE, PREPROCESS_TASK
@@ -77,35 +78,34 @@ def preprocess(self, job_id: str, retry_handles: bool = False) -> None:
 
 def _preprocess(app, job_id: str, retry_handles: bool) -> None:
     rt = runtime(app)
-    try:
-        job = rt.jobs.get(job_id)
-    except NotFoundError:
+    job = rt.jobs.read_job(job_id)
+    if job is None:
         return  # expired or never existed: nothing to do
     # A redelivered message for a job that moved on is a no-op; a job whose feature handles could
     # not be opened comes back here (retry_handles) to be preprocessed again on this node.
     share = rt.share("cpu")
-    if job["status"] in TERMINAL or (job["status"] == "generating" and not retry_handles):
+    if job.status in TERMINAL or (job.status == "generating" and not retry_handles):
         # A woken message has its slot reserved: give it to the key's next parked message.
-        share.release(job["owner"], job_id, rt.publish)
-        if job["status"] in TERMINAL:
-            resume_followups(rt, [job])
+        share.release(job.owner, job_id, rt.publish)
+        if job.status in TERMINAL:
+            resume_followups(rt, [job.record])
         return
-    if not share.acquire_or_park(job["owner"], job_id, task=PREPROCESS_TASK, args=[job_id],
+    if not share.acquire_or_park(job.owner, job_id, task=PREPROCESS_TASK, args=[job_id],
                                  kwargs={"retry_handles": retry_handles}, queue=PREPROCESS_QUEUE):
         return  # the key holds its share: parked, woken when one of its jobs ends
     try:
         _run_job(app, rt, job_id, job, retry_handles)
     finally:
-        share.release(job["owner"], job_id, rt.publish)
+        share.release(job.owner, job_id, rt.publish)
 
 
-def _run_job(app, rt, job_id: str, job: dict, retry_handles: bool) -> None:
+def _run_job(app, rt, job_id: str, job: StoredJob, retry_handles: bool) -> None:
     rt.jobs.advance(job_id, "preprocessing")
     fence = rt.jobs.claim_preprocessing(job_id)
     started = time.perf_counter()
     try:
-        request = JobRequest.from_dict(job["request"])
-        processed = run_processor(rt, request, owner=job["owner"])
+        request = job.request
+        processed = run_processor(rt, request, owner=job.owner)
     except SoftTimeLimitExceeded:
         fail_job(rt, job_id, JobTimeoutError("preprocessing exceeded its time limit"), fence=fence)
         return
@@ -134,7 +134,7 @@ def _run_job(app, rt, job_id: str, job: dict, retry_handles: bool) -> None:
     # To the GPU worker that holds its prefix; handles name memory on this node, so only this
     # node's GPU workers may open them.
     media = [(item["offset"][0], item["content_hash"]) for item in payload["items"] if item["content_hash"]]
-    send_placed(app, rt.redis, [placement(job_id, job["owner"], request, payload["token_ids"], media=media,
+    send_placed(app, rt.redis, [placement(job_id, job.owner, request, payload["token_ids"], media=media,
                                           transport=payload["transport"], node_id=rt.settings.node_id)])
 
 
