@@ -113,3 +113,28 @@ def test_native_packed_ids_and_their_shape(stack, reference):
     assert packed["dtype"] == "uint8" and packed["shape"] == [len(PROMPT) + 3, LAYERS, TOP_K]
     ids = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.uint8).reshape(packed["shape"])
     np.testing.assert_array_equal(ids, reference(PROMPT + choice["token_ids"][:-1]))
+
+
+def test_streams_send_them_once_on_each_choices_last_chunk(base, reference):
+    """A stream carries no routing per token: the whole choice's comes on its last chunk."""
+    import json
+
+    body = {"token_ids": PROMPT, "stream": True, "sampling_params": {"max_tokens": 5, "temperature": 0,
+                                                                     "ignore_eos": True}}
+    with requests.post(f"{base}/inference/v1/generate", json=body, headers=AUTH, stream=True, timeout=60) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    tokens = [t for chunk in chunks for choice in chunk["choices"] for t in choice.get("token_ids") or []]
+    carrying = [choice for chunk in chunks for choice in chunk["choices"] if choice.get("routed_experts")]
+    assert len(carrying) == 1 and carrying[0] is chunks[-1]["choices"][0]
+    np.testing.assert_array_equal(np.array(carrying[0]["routed_experts"]), reference(PROMPT + tokens[:-1]))
+
+    sglang = {"input_ids": PROMPT, "stream": True, "return_routed_experts": True,
+              "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    with requests.post(f"{base}/generate", json=sglang, headers=AUTH, stream=True, timeout=60) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines(decode_unicode=True)
+                  if line.startswith("data: {")]
+    carrying = [chunk for chunk in chunks if "routed_experts" in chunk["meta_info"]]
+    assert carrying == [chunks[-1]]
+    ids = np.frombuffer(base64.b64decode(chunks[-1]["meta_info"]["routed_experts"]), dtype=np.int32)
+    np.testing.assert_array_equal(ids.reshape(-1, LAYERS, TOP_K), reference(PROMPT + chunks[-1]["output_ids"][:-1]))

@@ -26,6 +26,7 @@ from domain.error_statuses import http_status
 from domain.jobs.follow import ChoiceDelta, TokenLedger
 from domain.jobs.results import JobResult
 from engine.errors import RolloutError
+from engine.routing.encoding import nested
 from web.api.streams import sse
 from web.dialects import openai
 from web.dialects.common import TokenTexts, served_model_name, usage
@@ -123,9 +124,13 @@ class _OpenAIChunks:
     def _ended(self, entry: dict, job: dict, delta: ChoiceDelta) -> dict:
         """A choice's last chunk: its finish and, with return_sampling_mask, its whole mask."""
         entry.update(finish_reason=delta.finish_reason, stop_reason=self._stop_reason(job, delta.index))
-        if self.requests[list(self._base).index(job["id"])]["sampling_params"].get("sampling_mask"):
+        params = self.requests[list(self._base).index(job["id"])]["sampling_params"]
+        if params.get("sampling_mask"):
             choice = JobResult.of(job, n=0).choice(delta.index)
             entry["sampling_mask"] = choice.sampling_mask if choice else None
+        if params.get("routed_experts"):  # return_routed_experts: the whole choice's, on its end only
+            choice = JobResult.of(job, n=0).choice(delta.index)
+            entry["routed_experts"] = nested(choice.routed_experts) if choice else None
         return entry
 
 
@@ -264,6 +269,7 @@ class GenerateChunks:
             entry, ended = self._choice(delta), result.choice(delta.index)
             entry["sampling_mask"] = ended.sampling_mask if ended else None  # the whole choice's, on its end
             entry["weight_versions"] = (ended.weight_versions or []) if ended else []  # as vLLM: on the final chunk
+            entry["routed_experts"] = nested(ended.routed_experts) if ended else None  # the whole choice's, at its end
             choices.append(entry)
         return [sse(self._prompt({"request_id": self.body.get("request_id") or job["id"], "choices": choices,
                                   "usage": usage(result), "job_id": job["id"],
