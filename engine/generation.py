@@ -126,6 +126,15 @@ class Engine:
         with self.loaded.lock:
             return self.loaded.adapters is not None and self.loaded.adapters.retire(adapter_id)
 
+    def abort_adapter(self, adapter_id: str) -> int:
+        """End every request running under ``adapter_id`` at its next step (``finish_reason``
+        abort, the tokens so far): an in-place update in mode abort; other adapters and the base go
+        on. Safe from another thread (a flag each scheduler reads at its step). The count aborted."""
+        aborted = 0
+        for scheduler in list(self._schedulers):
+            aborted += scheduler.abort_adapter(adapter_id)
+        return aborted
+
     @property
     def adapter_ids(self) -> list[str]:
         return [] if self.loaded.adapters is None else self.loaded.adapters.ids()

@@ -163,6 +163,13 @@ class Scheduler:
         if job is not None:
             job.abort_requested = True
 
+    def abort_adapter(self, adapter_id: str) -> int:
+        """:meth:`abort` every request under the LoRA adapter ``adapter_id``; how many."""
+        jobs = [job for job in list(self._jobs.values()) if job.adapter == adapter_id]
+        for job in jobs:
+            job.abort_requested = True
+        return len(jobs)
+
     def weights_changed(self, *, recompute_kv: bool = False) -> None:
         """The model's weights were just swapped between two steps (update mode keep): every request
         goes on under them (:func:`engine.weight_crossing.cross_swap`)."""

@@ -26,6 +26,7 @@ SEQ_KEY = "rq:lora:seq"
 WORKER_PREFIX = "rq:lora:worker:"
 WORKER_TTL = 6
 SHARED = "*"
+MODES = ("finish", "abort")  # what an in-place update does to the old version's rows
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class AdapterEntry:
     path: str  # the resolved directory under ROLLOUT_WEIGHTS_ROOT
     version: int  # rq:lora:seq when this version was loaded
     loaded_at: float = field(default_factory=time.time)
+    # What the rows of the version it replaced do (load_inplace): finish on it, or abort now.
+    mode: str = "finish"
 
     @property
     def id(self) -> str:
@@ -47,7 +50,7 @@ class AdapterEntry:
 
     def view(self) -> dict:
         return {"name": self.name, "version": self.version, "shared": self.shared, "path": self.path,
-                "loaded_at": self.loaded_at, "id": self.id}
+                "loaded_at": self.loaded_at, "id": self.id, "mode": self.mode}
 
 
 @dataclass(frozen=True)
@@ -89,9 +92,10 @@ class AdapterRegistry:
     def count(self, scope: str) -> int:
         return sum(1 for e in self.entries() if e.scope == scope)
 
-    def put(self, *, scope: str, name: str, path: str) -> tuple[AdapterEntry, AdapterEntry | None, int]:
+    def put(self, *, scope: str, name: str, path: str, mode: str = "finish"
+            ) -> tuple[AdapterEntry, AdapterEntry | None, int]:
         """A new version of ``name`` in ``scope``: (it, the entry it replaced, the epoch)."""
-        entry = AdapterEntry(name, scope, path, int(self.redis.incr(SEQ_KEY)))
+        entry = AdapterEntry(name, scope, path, int(self.redis.incr(SEQ_KEY)), mode=mode)
         key = _field(scope, name)
 
         def swap(pipe: redis.client.Pipeline):

@@ -18,7 +18,7 @@ from flask.views import MethodView
 from marshmallow import fields, validate
 
 from domain.adapters import fleet
-from domain.adapters.store import SHARED, AdapterEntry, AdapterRegistry
+from domain.adapters.store import MODES, SHARED, AdapterEntry, AdapterRegistry
 from domain.weights.paths import resolve_weights_dir
 from engine.lora.errors import AdapterNotFoundError
 from web.api.schemas import StrictBoolean
@@ -40,13 +40,13 @@ def _scope() -> str:
     return SHARED if g.get("admin") else current_owner()
 
 
-def load_for_caller(name: str, path: str, *, inplace: bool = False) -> AdapterEntry:
+def load_for_caller(name: str, path: str, *, inplace: bool = False, mode: str = "finish") -> AdapterEntry:
     """Load (or with ``inplace``, replace by a new version) the caller's adapter ``name``."""
     settings = services().settings
     directory = resolve_weights_dir(path, settings.weights_root)
     return fleet.load(registry(), scope=_scope(), name=name, path=str(directory), inplace=inplace,
                       per_key_cap=None if g.get("admin") else settings.max_loras_per_key,
-                      timeout=settings.weights_update_timeout)
+                      timeout=settings.weights_update_timeout, mode=mode)
 
 
 def unload_for_caller(name: str) -> AdapterEntry:
@@ -88,6 +88,9 @@ class AdapterLoadSchema(Schema):
                                                                  "ROLLOUT_WEIGHTS_ROOT"})
     load_inplace = StrictBoolean(load_default=False, metadata={
         "description": "Replace a loaded adapter of that name by a new version (RL updates)"})
+    mode = fields.String(load_default="finish", validate=validate.OneOf(MODES), metadata={
+        "description": "load_inplace: the old version's rows finish on it, or abort now (the base and other "
+                       "adapters never pause)"})
 
 
 class AdapterSchema(Schema):
@@ -97,6 +100,7 @@ class AdapterSchema(Schema):
     path = fields.String()
     loaded_at = fields.Float()
     id = fields.String()
+    mode = fields.String()
 
 
 class AdapterListSchema(Schema):
@@ -118,7 +122,7 @@ class Adapters(MethodView):
     def post(self, body):
         """Load a PEFT adapter for this key (an admin key's: for every key); answers once every
         live GPU worker serves it."""
-        return load_for_caller(body["name"], body["path"], inplace=body["load_inplace"]).view()
+        return load_for_caller(body["name"], body["path"], inplace=body["load_inplace"], mode=body["mode"]).view()
 
 
 @blp.route("/v1/adapters/<string:name>")

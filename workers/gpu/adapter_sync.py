@@ -56,8 +56,13 @@ class AdapterSync:
             # A version replaced in place retires once its successor serves: a refused new version
             # leaves the old one serving until the load call puts it back in the registry.
             refused_names = {_name(adapter_id) for adapter_id in self._refused}
+            successors = {_name(adapter_id): entry for adapter_id, entry in wanted.items()}
             for adapter_id in set(self.engine.adapter_ids) - set(wanted):
                 if _name(adapter_id) not in refused_names:
+                    successor = successors.get(_name(adapter_id))
+                    if successor is not None and successor.mode == "abort":
+                        aborted = self.engine.abort_adapter(adapter_id)  # its rows end at their next step
+                        log.info("adapter %s replaced in mode abort: %d requests aborted", adapter_id, aborted)
                     self.engine.unload_adapter(adapter_id)
             self.epoch = epoch
         self.registry.report(WorkerAdapters(self.worker, self.epoch, self.engine.adapter_ids, dict(self._refused)))

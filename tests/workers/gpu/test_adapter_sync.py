@@ -84,3 +84,29 @@ def test_a_worker_that_starts_loads_the_current_set(registry, root, demo_model_d
         assert report.epoch == registry.epoch() and report.ids == [entry.id]
     finally:
         sync.stop()
+
+
+def test_an_update_in_mode_abort_ends_the_old_versions_rows_only(worker, registry, root):
+    from engine.generation import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    old = _load(registry, root, "x", "good")
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    prompt = [300, 301, 302, 303, 304]
+    scheduler = worker.engine.scheduler()
+    finished = []
+    try:
+        old_row = scheduler.submit(GenerationRequest(prompt, params, adapter=old.id))
+        base_row = scheduler.submit(GenerationRequest(prompt, params))
+        for _ in range(3):
+            finished += scheduler.step()
+        new = fleet.load(registry, scope="k", name="x", path=str(root / "good"), inplace=True, per_key_cap=None,
+                         timeout=10, mode="abort")
+        assert worker.engine.adapter_ids == [new.id]
+        while scheduler.has_work:
+            finished += scheduler.step()
+    finally:
+        scheduler.close()
+    by_handle = {done.handle: done.result.choices[0] for done in finished}
+    assert by_handle[old_row].finish_reason == "abort" and 0 < len(by_handle[old_row].token_ids) < 64
+    assert by_handle[base_row].finish_reason == "length" and len(by_handle[base_row].token_ids) == 64
