@@ -180,3 +180,34 @@ def test_scoring_routing_covers_every_position(engine, reference):
     assert packed["shape"] == [len(prompt) + len(completion), LAYERS, TOP_K]
     np.testing.assert_array_equal(unpack(packed), reference([*prompt, *completion]))
     assert scored[1].routed_experts is None
+
+
+def test_a_preempted_row_keeps_its_routing_across_its_resume(moe_dir, reference, monkeypatch):
+    """A request preempted for another key's share resumes with its rows' KV computed again
+    (engine/preemption.py): the positions recorded before keep their first record, and every
+    position's ids still equal the router's top-k over its tokens."""
+    import dataclasses
+
+    from engine import preemption
+
+    engine = Engine(load_model(str(moe_dir), device="cpu"), SchedulerLimits(kv_cache_tokens=4 * 16,
+                                                                            kv_block_tokens=16))
+    params = {"temperature": 1.0, "ignore_eos": True, "routed_experts": True}
+    requests = [dataclasses.replace(GenerationRequest(_ids(engine, "First."), SamplingParams(
+                    max_tokens=40, seed=1, **params)), tenant="a"),
+                dataclasses.replace(GenerationRequest(_ids(engine, "Second."), SamplingParams(
+                    max_tokens=28, seed=2, **params)), tenant="b")]
+    engine.usage.half_life_s = 0
+    real, forced = preemption.fair_share_victim, []
+
+    def once_the_oldest_running(waiting, need, shares, running, tenants, usage):
+        if running and not forced:
+            forced.append(running[0])
+            return 0
+        return real(waiting, need, shares, running, tenants, usage)
+
+    monkeypatch.setattr(preemption, "fair_share_victim", once_the_oldest_running)
+    results = engine.generate(requests)
+    assert engine.stats.preempted_requests == 1
+    for request, result in zip(requests, results, strict=True):
+        _assert_routing(result.choices[0], list(request.prompt_token_ids), reference)
