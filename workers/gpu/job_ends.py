@@ -12,7 +12,8 @@ At Redis' bound those writes are refused. None of that is the job's fault, so no
   "Sizing Redis memory"). While ends are held the session takes no new work, so what it holds is
   bounded by the rows already running;
 - after ``GIVE_UP_SECONDS`` the held jobs go back to the queue unfailed (their messages given back,
-  ``GenerateBatches.hand_back``) and run again from their prompts;
+  ``GenerateBatches.hand_back``) and run again from their prompts; so do they when the session
+  ends on an unexpected error meanwhile (``workers/tasks/gpu.py``);
 - a job whose requeue is refused has its own message given back instead.
 """
 
@@ -100,13 +101,20 @@ class JobEnds:
     def retry(self) -> None:
         """Write the held ends again (when due); hand their jobs back once held too long."""
         if self.held.expired:
-            items = self.held.take()
-            log.warning("Redis refused %d job ends for %.0f s; their jobs go back to the queue", len(items),
+            count = self.hand_back_held()
+            log.warning("Redis refused %d job ends for %.0f s; their jobs go back to the queue", count,
                         GIVE_UP_SECONDS)
-            self.batches.hand_back([mid for live, _ in items for mid in live.message_ids])
         elif self.held.due:
             done, fenced = self._write([])
             self.batches.acknowledge([mid for live in (*done, *fenced) for mid in live.message_ids])
+
+    def hand_back_held(self) -> int:
+        """The held ends' jobs go back to the queue unfailed, their prompts kept: their messages
+        given back rather than settled. How many."""
+        items = self.held.take()
+        if items:
+            self.batches.hand_back([mid for live, _ in items for mid in live.message_ids])
+        return len(items)
 
     def _write(self, items: list[tuple[Any, tuple]]) -> tuple[list, list]:
         """Write the ends (the held ones first), their tokens before them: the lives ended, and

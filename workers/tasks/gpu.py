@@ -63,11 +63,32 @@ def generate(self, requests) -> str | None:
                 log.warning("Redis at its maxmemory during a GPU session of %d jobs; their messages go back "
                             "to the queue", len(session.live))
                 return REQUEUE
-            # celery-batches only logs an exception from the batch body and leaves every job waiting;
-            # end each job that is still open instead (their messages are settled on return).
-            # A superseded attempt's job is the newer attempt's to end (domain/jobs/attempts.py).
-            owned = [live for live in session.live.values() if not live.superseded]
-            for live in owned:
-                fail_unexpected(rt, live.job["id"], "generating", fence=live.fence)
-            release_prompts(rt.redis, [live.prompt for live in owned])
+            settle_after_error(rt, session, self)
     return None
+
+
+def settle_after_error(rt, session: GenerateSession, batches) -> None:
+    """A session ended on an unexpected error. celery-batches only logs an exception from the batch
+    body and leaves every job waiting, and settles (acknowledges) every message left on return; so:
+
+    - the jobs whose ends Redis refused for memory, held (``workers/gpu/job_ends.py``), go back to
+      the queue unfailed, first: their messages given back, where the acknowledgement left them to
+      the job reaper (``ROLLOUT_STALLED_JOB_AFTER``);
+    - each job still open fails; one Redis refuses to fail for memory goes back to the queue too.
+      A superseded attempt's job is the newer attempt's to end (domain/jobs/attempts.py).
+    """
+    handed_back = session._ends.hand_back_held()  # the session's own ends, read by its own task
+    if handed_back:
+        log.warning("a GPU session ended on an error holding %d job ends Redis refused; their jobs go back to "
+                    "the queue", handed_back)
+    failed = []
+    for live in (live for live in session.live.values() if not live.superseded):
+        try:
+            fail_unexpected(rt, live.job["id"], "generating", fence=live.fence)
+        except Exception as error:
+            if not refused_for_memory(rt.redis, error):
+                raise
+            batches.hand_back(live.message_ids)
+            continue
+        failed.append(live)
+    release_prompts(rt.redis, [live.prompt for live in failed])

@@ -23,6 +23,7 @@ from workers.celery_app import create_celery
 from workers.gpu.session import GenerateSession
 from workers.runtime import runtime
 from workers.runtimes import GpuRuntime
+from workers.tasks.gpu import settle_after_error
 
 OWNER = "key_owner"
 TOKENS = 24
@@ -140,3 +141,62 @@ def test_jobs_it_cannot_begin_go_back_to_the_queue_unfailed(rt, filler):
     GenerateSession(rt, rt.engine, batch).run(batch.requests)
     assert sorted(batch.handed_back) == sorted(r.id for r in batch.requests) and batch.acknowledged == []
     assert {rt.jobs.get(job_id)["status"] for job_id in job_ids} <= {"queued", "generating"}
+
+
+SHORT = 4  # the tokens of the job whose end is held
+
+
+class ErringSession(GenerateSession):
+    """Redis fills at the first step; a step after the short job's end was held, the session meets
+    an unexpected error (``then`` runs first: Redis has room again, or not)."""
+
+    def __init__(self, *args, filler: Filler, then=None):
+        super().__init__(*args)
+        self.filler, self.then, self.steps = filler, then, 0
+
+    def _on_step(self, rows):
+        super()._on_step(rows)
+        self.steps += 1
+        if self.steps == 1:
+            self.filler.fill()
+        if self._ends.holding and self.steps > SHORT + 2:
+            if self.then is not None:
+                self.then()
+            raise RuntimeError("an unexpected error in the session")
+
+
+def submit_tokens(rt, max_tokens: int) -> str:
+    request = JobRequest.from_dict(stored_request(token_ids=[100, 110, 120],
+                                                  sampling_params={"max_tokens": max_tokens, "ignore_eos": True}))
+    return submit_job(rt.jobs, rt.celery, owner=OWNER, request=request, model=rt.model_facts)["id"]
+
+
+def run_until_the_error(rt, filler: Filler, then=None) -> tuple[Batch, ErringSession, str, str]:
+    held, running = submit_tokens(rt, SHORT), submit_tokens(rt, 10 * TOKENS)
+    batch = Batch([held, running])
+    session = ErringSession(rt, rt.engine, batch, filler=filler, then=then)
+    with pytest.raises(RuntimeError):
+        session.run(batch.requests)
+    assert session._ends.holding  # the short job's end, refused
+    settle_after_error(rt, session, batch)  # what the GPU task does with the error
+    return batch, session, held, running
+
+
+def test_an_error_while_ends_are_held_hands_their_jobs_back_unfailed(rt, filler):
+    """The held end's job goes back to the queue, its prompt kept, where it was acknowledged and
+    left to the job reaper; the job still running fails as before (Redis has room again)."""
+    batch, session, held, running = run_until_the_error(rt, filler, then=filler.free)
+    assert batch.handed_back == [f"message-{held}"] and not session._ends.holding
+    assert batch.acknowledged == []  # the task's return settles the rest: only the failed job's is left
+    assert rt.jobs.get(held)["status"] == "generating" and rt.jobs.prompts([held]) != [None]
+    failed = rt.jobs.get(running)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "internal_error"
+
+
+def test_an_error_while_redis_is_full_hands_every_job_back(rt, filler):
+    """Redis still refuses writes: the running job cannot be failed either, and goes back too."""
+    batch, _, held, running = run_until_the_error(rt, filler)
+    filler.free()
+    assert batch.handed_back == [f"message-{held}", f"message-{running}"]
+    assert {rt.jobs.get(job_id)["status"] for job_id in (held, running)} == {"generating"}
+    assert None not in rt.jobs.prompts([held, running])
