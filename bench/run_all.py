@@ -29,7 +29,7 @@ MODULES = ("service", "http_service", "preprocess_cache", "media_cache", "transp
            "sampling_mask", "update_modes",
            "kv_memory", "rollout", "streaming", "message_take", "batch_submit", "weights", "durability",
            "argument_schemas", "message_publish", "chunk_jobs", "batch_intake", "arrivals", "responses", "prefix_reuse",
-           "grpo_fleet", "stream_memory", "tenant_load", "redis_bound", "job_listing", "affinity_routes", "structured_output",
+           "grpo_fleet", "stream_memory", "tenant_load", "intake_order", "redis_bound", "job_listing", "affinity_routes", "structured_output",
            "routed_experts", "token_turns")
 MODULE_TIMEOUT_S = 600
 
