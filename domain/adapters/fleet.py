@@ -52,10 +52,11 @@ def load(registry: AdapterRegistry, *, scope: str, name: str, path: str, inplace
     if workers and len(refusals) == len(workers):
         registry.put_back(entry, previous)
         raise RolloutError.from_record(refusals[0])
-    late = [w.worker for w in workers if w.epoch < epoch]
-    if late:
-        raise AdapterNotLoadedError(f"{len(late)} of {len(workers)} GPU workers did not load adapter {name!r} in time",
-                                    errors={"workers": late})
+    late = [w.worker for w in workers if w.epoch < epoch or entry.id in w.refused]
+    if late:  # some serve it, some do not (yet): the per-worker report says which
+        raise AdapterNotLoadedError(f"{len(late)} of {len(workers)} GPU workers do not serve adapter {name!r}",
+                                    errors={"workers": late, "refused": {w.worker: w.refused[entry.id]
+                                                                         for w in workers if entry.id in w.refused}})
     return entry
 
 

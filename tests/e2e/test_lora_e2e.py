@@ -1,4 +1,5 @@
-"""LoRA adapters per key through the whole stack (#58 items 1-3): a real API, Redis and GPU worker.
+"""LoRA adapters per key through the whole stack (#58 items 1-3): a real API, Redis and two GPU
+workers.
 
 Loaded by vLLM's, SGLang's and the native routes from a directory under the weights root, chosen
 by ``model`` (OpenAI / vLLM), ``lora_path`` (SGLang) or ``adapter`` (native); tokens and logprobs
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from domain.adapters.store import AdapterRegistry
 from domain.infra.redis_server import EmbeddedRedis
 from tests.e2e.conftest import API_KEY, OTHER_KEY, build_stack, log_dir_for, make_stack_env
 from tests.engine.lora.lora_support import make_adapter, peft_reference
@@ -43,7 +45,10 @@ def stack(weights_root, demo_model_dir, loopback_host, tmp_path_factory):
                          ROLLOUT_WEIGHTS_ROOT=str(weights_root), ROLLOUT_WEIGHTS_UPDATE_TIMEOUT="60",
                          ROLLOUT_MAX_LORAS_PER_KEY="2")
     try:
-        with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "lora"), workers=("gpu",)) as built:
+        # Two GPU workers on two nodes: a load answers once both serve it, and either may run a request.
+        node_b = {"ROLLOUT_NODE_ID": "lora-node-b", "ROLLOUT_STATE_DIR": str(tmp_path_factory.mktemp("lora-b"))}
+        with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "lora"),
+                         workers=("gpu", ("gpu-b", "gpu", node_b))) as built:
             yield built
     finally:
         server.stop()
@@ -73,6 +78,8 @@ def test_load_choose_on_every_route_and_unload(stack, demo_model_dir, weights_ro
     loaded = post(stack, "/v1/load_lora_adapter", {"lora_name": "tuned", "lora_path": "tuned"})
     assert loaded.status_code == 200, loaded.get_data(as_text=True)
     assert "added successfully" in loaded.get_data(as_text=True)
+    workers = AdapterRegistry(stack.services.redis).workers()
+    assert len(workers) == 2 and all(len(w.ids) == 1 for w in workers), "both GPU workers serve it when it answers"
 
     models = stack.client.get("/v1/models", headers=stack.headers()).get_json()["data"]
     served = models[0]["id"]
