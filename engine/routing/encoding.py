@@ -34,11 +34,12 @@ def packed_bytes(tokens: int, layers: int, top_k: int, num_experts: int) -> int:
     return tokens * layers * top_k * width
 
 
-def sglang_base64(packed: dict | None) -> str | None:
-    """SGLang's encoding: base64 of the ids as little-endian int32."""
+def sglang_base64(packed: dict | None, start: int = 0) -> str | None:
+    """SGLang's encoding: base64 of the ids as little-endian int32, from position ``start`` on
+    (its ``routed_experts_start_len``)."""
     if packed is None:
         return None
-    return base64.b64encode(unpack(packed).astype("<i4").tobytes()).decode()
+    return base64.b64encode(unpack(packed)[start:].astype("<i4").tobytes()).decode()
 
 
 def nested(packed: dict | None) -> list | None:

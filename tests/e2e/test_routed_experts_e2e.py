@@ -79,6 +79,11 @@ def test_slime_sglang_generate(base, reference):
     routed = np.frombuffer(base64.b64decode(output["meta_info"]["routed_experts"].encode("ascii")),
                            dtype=np.int32).reshape(len(tokens) - 1, LAYERS, TOP_K)
     np.testing.assert_array_equal(routed, reference(tokens[:-1]))
+    # SGLang's routed_experts_start_len (a next turn asks for its new part only): the same seed, from there.
+    later = requests.post(f"{base}/generate", json={**payload, "routed_experts_start_len": len(PROMPT)},
+                          headers=AUTH, timeout=60).json()
+    tail = np.frombuffer(base64.b64decode(later["meta_info"]["routed_experts"]), dtype=np.int32)
+    np.testing.assert_array_equal(tail.reshape(-1, LAYERS, TOP_K), routed[len(PROMPT):])
 
 
 def test_verl_sglang_batch(base, reference):

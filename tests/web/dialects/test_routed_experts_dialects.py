@@ -149,3 +149,12 @@ def test_the_server_flag_returns_them_on_vllms_routes_unless_a_request_says_no(w
     client.post("/inference/v1/generate", json={"token_ids": [10], "sampling_params": {
         "max_tokens": 2, "return_routed_experts": False}}, headers=auth())
     assert _stored(client)["routed_experts"] is False
+
+
+def test_sglang_routed_experts_start_len_sends_the_positions_from_there(dense):
+    """SGLang's routed_experts_start_len (a next turn asks only for its new part)."""
+    options = {"logprob_start_len": None, "top_logprobs_num": 0, "routed_experts_start_len": 4}
+    with dense.application.test_request_context():
+        (reply,) = job_replies(_request(True), options, _job(routed_experts=PACKED), None)
+    ids = np.frombuffer(base64.b64decode(reply["meta_info"]["routed_experts"]), dtype=np.int32)
+    np.testing.assert_array_equal(ids.reshape(-1, 2, 2), IDS[4:])

@@ -105,6 +105,8 @@ class SglangGenerateSchema(NullMeansDefault):
     return_hidden_states = fields.Raw()
     return_routed_experts = OneOrMany(StrictBoolean(), metadata={
         "description": "meta_info.routed_experts: base64 of int32 ids, (prompt + output - 1, MoE layers, top-k)"})
+    routed_experts_start_len = OneOrMany(fields.Integer(strict=True, validate=validate.Range(0, 10**7)), metadata={
+        "description": "meta_info.routed_experts from this position on (a next turn's new part)"})
     lora_path = fields.Raw()
     custom_logit_processor = fields.Raw()
     session_params = fields.Raw()
@@ -138,7 +140,7 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
         raise InvalidRequestError("an empty batch", errors={"text" if key == "prompt" else "input_ids": ["empty"]})
     per = {name: _per_item(body, name, size, batch) for name in
            ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num",
-            "return_sampling_mask", "lora_path", "return_routed_experts")}
+            "return_sampling_mask", "lora_path", "return_routed_experts", "routed_experts_start_len")}
     media = {name: _media_per_item(body.get(name), name, size, batch) for name, _ in _MEDIA}
     requests, options = [], []
     for i, prompt in enumerate(prompts):
@@ -173,7 +175,8 @@ def to_requests(body: dict[str, Any], *, vocab_size: int | None) -> tuple[list[d
                  "sampling_params.routed_experts": "return_routed_experts",
                  "prompt": "text", "request_id": "rid", "content_parts": "image_data", "adapter": "lora_path"}
         requests.append(native_request(native, {k: _indexed(v, where) for k, v in names.items()}, vocab_size=vocab_size))
-        options.append({"logprob_start_len": start, "top_logprobs_num": top})
+        options.append({"logprob_start_len": start, "top_logprobs_num": top,
+                        "routed_experts_start_len": per["routed_experts_start_len"][i] or 0})
     return requests, options, batch
 
 
@@ -268,7 +271,7 @@ def _job_replies(request: dict, options: dict, job: dict, texts) -> list[dict]:
         if params.get("sampling_mask"):
             meta["output_token_sampling_mask"] = sampling_mask_rows(choice.sampling_mask)
         if params.get("routed_experts"):  # SGLang's encoding, sent once the job ended (engine/routing/)
-            meta["routed_experts"] = sglang_base64(choice.routed_experts)
+            meta["routed_experts"] = sglang_base64(choice.routed_experts, options.get("routed_experts_start_len") or 0)
         out.append({"text": choice.text or "", "output_ids": choice.token_ids, "meta_info": meta})
     return out
 
