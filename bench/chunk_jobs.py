@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.rows import print_rows
+from domain.infra.intake_order import waiting
 from domain.infra.redis_server import EmbeddedRedis
 from domain.jobs.request import JobRequest
 from domain.jobs.store import QueueFullError
@@ -70,12 +71,12 @@ def run(jobs: int = JOBS, rounds: int = 3) -> list[dict]:
             messages = {}
             for _ in range(rounds):
                 for name, make in ways.items():
-                    queued = rt.redis.llen(SHARED_GENERATE_QUEUE)
+                    [queued] = waiting(rt.redis, [SHARED_GENERATE_QUEUE])
                     started = time.perf_counter()
                     for start in range(0, jobs, CHUNK):
                         make(requests[start:start + CHUNK], start + 1)
                     best[name] = min(best[name], (time.perf_counter() - started) / jobs)
-                    messages[name] = (rt.redis.llen(SHARED_GENERATE_QUEUE) - queued) / jobs
+                    messages[name] = (waiting(rt.redis, [SHARED_GENERATE_QUEUE])[0] - queued) / jobs
         finally:
             server.stop()
     return [
