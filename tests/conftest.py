@@ -8,6 +8,7 @@ generation ten times slower).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -18,7 +19,44 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "stack", "stress")
+# Directories that are wholly one tier; anywhere else a test is ``unit`` unless its module says
+# ``pytestmark = pytest.mark.stack`` (README "Tests").
+TIER_OF_DIRECTORY = {"e2e": "stack", "stress": "stress"}
+# Fixtures that start a stack: a ``unit`` test asking for one is in the wrong tier.
+STACK_FIXTURES = frozenset({"stack", "stack_env"})
+
+
+def tier_of(path: Path, marked: set[str], fixtures: set[str]) -> str:
+    """The one tier of a test at ``path`` whose own markers include ``marked`` (a TierError names
+    what is wrong when it would be in none or several)."""
+    marked = marked & set(TIERS)
+    if len(marked) > 1:
+        raise TierError(f"in tiers {sorted(marked)}; a test is in exactly one of {TIERS}")
+    relative = path.resolve().relative_to(TESTS).parts
+    tier = next(iter(marked), TIER_OF_DIRECTORY.get(relative[0], "unit") if len(relative) > 1 else "unit")
+    if tier == "unit" and fixtures & STACK_FIXTURES:
+        raise TierError(f"uses {sorted(fixtures & STACK_FIXTURES)} but is in the unit tier; mark it stack")
+    return tier
+
+
+class TierError(Exception):
+    pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m unit`` deselects by the markers given here
 def pytest_collection_modifyitems(config, items):
+    wrong = []
+    for item in items:
+        try:
+            tier = tier_of(item.path, {mark.name for mark in item.iter_markers()}, set(item.fixturenames))
+        except TierError as error:
+            wrong.append(f"{item.nodeid}: {error}")
+            continue
+        item.add_marker(tier)
+    if wrong:
+        raise pytest.UsageError("tests outside one tier:\n" + "\n".join(wrong))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
