@@ -96,6 +96,7 @@ def test_load_choose_on_every_route_and_unload(stack, demo_model_dir, weights_ro
     completion = post(stack, "/v1/completions", {"model": "tuned", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
                                                  "ignore_eos": True, "logprobs": 0, "return_token_ids": True})
     assert completion.status_code == 200, completion.get_json()
+    assert completion.get_json()["model"] == "tuned", "vLLM's replies name the adapter"
     [answer] = completion.get_json()["choices"]
     assert answer["token_ids"] == tuned["token_ids"]
     assert answer["logprobs"]["token_logprobs"] == pytest.approx(tuned["logprobs"], abs=1e-6)

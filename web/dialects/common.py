@@ -12,6 +12,7 @@ import re
 import time
 from typing import Any
 
+import flask
 from marshmallow import ValidationError
 
 from domain.jobs.store import TERMINAL
@@ -220,6 +221,11 @@ def served_model_name() -> str:
 
     settings = services().settings
     return settings.served_model_name or model_id(settings)
+
+
+def reply_model_name() -> str:
+    """A reply's ``model``: the LoRA adapter the request named (vLLM's), else the served model."""
+    return (flask.g.get("lora_adapter") if flask.has_request_context() else None) or served_model_name()
 
 
 def _rename(messages: Any, names: dict[str, str]) -> dict[str, Any]:

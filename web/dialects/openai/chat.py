@@ -18,7 +18,7 @@ from web.dialects.common import (
     media_url,
     native_request,
     prompt_logprobs_of,
-    served_model_name,
+    reply_model_name,
     token_ids_of,
     tokenizer,
     usage,
@@ -178,7 +178,7 @@ def chat_reply(body: dict[str, Any], request: dict, job: dict, created: int) -> 
             entry["routed_experts"] = nested(choice.routed_experts)
         choices.append(entry)
     reply = {"id": "chatcmpl-" + job["id"].removeprefix("job_"), "object": "chat.completion", "created": created,
-             "model": served_model_name(), "choices": choices,
+             "model": reply_model_name(), "choices": choices,
              "usage": usage(result),
              "system_fingerprint": result.weight_version}
     if body.get("return_token_ids"):

@@ -14,7 +14,7 @@ from web.dialects.common import (
     carry_request_fields,
     native_request,
     prompt_logprobs_of,
-    served_model_name,
+    reply_model_name,
     tokenizer,
     usage,
     vocab_size,
@@ -83,7 +83,7 @@ def completion_reply(body: dict[str, Any], requests: list[dict], jobs: list[dict
                 entry["routed_experts"] = nested(choice.routed_experts)
             choices.append(entry)
     return {"id": "cmpl-" + jobs[0]["id"].removeprefix("job_"), "object": "text_completion", "created": created,
-            "model": served_model_name(), "choices": choices, "usage": usage(*results),
+            "model": reply_model_name(), "choices": choices, "usage": usage(*results),
             "system_fingerprint": JobResult.of(jobs[0]).weight_version}
 
 

@@ -29,7 +29,7 @@ from engine.errors import RolloutError
 from engine.routing.encoding import nested
 from web.api.streams import sse
 from web.dialects import openai
-from web.dialects.common import TokenTexts, served_model_name, usage
+from web.dialects.common import TokenTexts, reply_model_name, usage
 from web.dialects.errors import openai_shape
 from web.dialects.openai.session_turns import SessionTurn
 from web.dialects.openai.tools import reply_parsers
@@ -65,7 +65,7 @@ class _OpenAIChunks:
         self.requests = requests
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.created = int(time.time())
-        self.model = served_model_name()
+        self.model = reply_model_name()
         self.spell = openai.speller(TokenTexts(), body.get("return_tokens_as_token_ids", False))
         self._base: dict[str, int] = {}
         self.id = ""
