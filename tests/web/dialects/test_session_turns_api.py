@@ -96,6 +96,15 @@ def test_a_turn_that_cannot_continue_is_rendered_and_says_why(app, change, reaso
         assert request["token_ids"] == chat.chat_request(body)["token_ids"]
 
 
+def test_a_sampled_media_placeholder_is_rendered_not_continued(app):
+    _, _, message = turn(app, {"messages": ASK, **OFF}, "Look <|image_pad|> here")
+    body = {"messages": [*ASK, message, {"role": "user", "content": "Next"}], **OFF}
+    request, made, _ = turn(app, body)
+    assert (made.prompt, made.reason) == ("rendered", "placeholder_sampled")
+    with app.test_request_context(headers=auth()):
+        assert request["token_ids"] == chat.chat_request(body)["token_ids"]
+
+
 def test_another_session_or_several_choices_start_apart(app):
     _, _, message = turn(app, {"messages": ASK, **OFF}, "Hello!")
     body = {"messages": [*ASK, message, {"role": "user", "content": "Next"}], **OFF}

@@ -157,8 +157,12 @@ def _continued(turn: SessionTurn, body: dict[str, Any], template_messages: list[
         except chat_template.ChatTemplateRefusedError:
             turn.reason = "template_refused"
         else:
-            turn.prompt, turn.end_of_turn = "continued", found.end_of_turn
-            return last.sequence + found.token_ids
+            ids = last.sequence + found.token_ids
+            if services().model_facts.placeholder_token_ids.isdisjoint(ids):
+                turn.prompt, turn.end_of_turn = "continued", found.end_of_turn
+                return ids
+            # A sampled media placeholder has no media to stand for: its text is rendered instead.
+            turn.reason = "placeholder_sampled"
     return None
 
 
