@@ -15,6 +15,7 @@ from kombu import Consumer, Exchange, Queue
 from domain.infra.gpu_affinity import Placement
 from domain.infra.intake_order import SENT_KEY, TAKEN_KEY, queue_lists, waiting
 from domain.infra.lost_messages import ids_in_messages
+from domain.infra.metrics import snapshot
 from domain.jobs.reaper import _JOB_ID
 from domain.jobs.submission import send_placed
 from domain.names import SHARED_GENERATE_QUEUE, node_generate_queue
@@ -99,6 +100,7 @@ def test_it_goes_ahead_across_queues_within_one_burst_take(app):
 def test_a_keys_depth_follows_what_workers_took(app):
     send(app, [job("a", i) for i in range(3 * WINDOW)])
     assert waiting(app.test_client, [SHARED_GENERATE_QUEUE]) == [3 * WINDOW]
+    assert snapshot(app.test_client, [SHARED_GENERATE_QUEUE]).queue_depths == {SHARED_GENERATE_QUEUE: 3 * WINDOW}
     assert [app.test_client.llen(name) for name in queue_lists(SHARED_GENERATE_QUEUE)[:4]] == [WINDOW] * 3 + [0]
     take(app, 2 * WINDOW)
     assert int(app.test_client.hget(TAKEN_KEY, "a")) == 2 * WINDOW  # the highest number taken
