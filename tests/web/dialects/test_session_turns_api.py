@@ -105,6 +105,20 @@ def test_a_sampled_media_placeholder_is_rendered_not_continued(app):
         assert request["token_ids"] == chat.chat_request(body)["token_ids"]
 
 
+def test_no_turn_is_recorded_past_redis_high_water_mark(app, web_redis_url):
+    client = redis.Redis.from_url(web_redis_url)
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory", str(int(used / 0.95)))  # below the bound, above its 0.9 mark
+    try:
+        _, made, _ = turn(app, {"messages": ASK, **OFF}, "Hello!")
+    finally:
+        client.config_set("maxmemory", "0")
+        client.close()
+    assert (made.recorded, made.not_recorded) == (False, "redis_memory_full")
+    assert made.reply_field()["recorded"] is False
+    assert turn(app, {"messages": ASK, **OFF})[1].reason == "first_turn"  # nothing was written
+
+
 def test_another_session_or_several_choices_start_apart(app):
     _, _, message = turn(app, {"messages": ASK, **OFF}, "Hello!")
     body = {"messages": [*ASK, message, {"role": "user", "content": "Next"}], **OFF}
