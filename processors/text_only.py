@@ -23,3 +23,7 @@ class TextOnlyProcessor(MultimodalProcessor):
     @property
     def tokenizer(self):
         return self.hf
+
+    def normalize_prompt(self, prompt: str) -> tuple[str, int]:
+        """No media markers to normalize (an empty alternation would match everywhere)."""
+        return prompt, 0
