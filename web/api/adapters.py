@@ -65,7 +65,12 @@ def resolve(name: str) -> AdapterEntry | None:
 def with_adapter(request: dict[str, Any]) -> dict[str, Any]:
     """``request`` with the engine id of the adapter it names (native ``adapter``, or a dialect's
     ``model`` / ``lora_path`` noted by :func:`choose`) as ``lora_id``; an unknown name is a 404."""
-    name = request.get("adapter") or g.get("lora_adapter")
+    return named_adapter(request, request.get("adapter") or g.get("lora_adapter"))
+
+
+def named_adapter(request: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """``request`` under the caller's adapter ``name`` (its engine id as ``lora_id``: a batch line
+    resolved at upload, run later without the HTTP request); None: as it is."""
     if not name:
         return request
     entry = resolve(name)

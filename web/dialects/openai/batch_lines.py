@@ -35,8 +35,10 @@ from marshmallow import ValidationError, fields, validate
 
 from domain.infra import finite_json
 from engine.errors import InvalidRequestError
+from web.api.adapters import named_adapter
 from web.api.schemas import JobRequestSchema
 from web.dialects import openai
+from web.dialects.common import served_model_name
 from web.dialects.errors import openai_shape
 from web.schema_base import Schema
 
@@ -123,7 +125,8 @@ def begin_line(obj: dict, endpoint: str | None) -> PendingLine:
     check_endpoint(url, endpoint)
     with _body_errors():
         if url == JOBS_URL:
-            return PendingLine(line["custom_id"], url, body, request=_JOB.load(body))
+            request = _JOB.load(body)
+            return PendingLine(line["custom_id"], url, body, request=named_adapter(request, request.get("adapter")))
         loaded = _BODIES[url].load(body)
         if url == CHAT_URL:
             return PendingLine(line["custom_id"], url, loaded, prompt=openai.chat_prompt(loaded))
@@ -133,7 +136,7 @@ def begin_line(obj: dict, endpoint: str | None) -> PendingLine:
             raise InvalidRequestError("a batch line takes one prompt; write one line per prompt",
                                       errors={"prompt": ["one prompt per line"]})
         (request,) = openai.completion_requests(loaded)
-        return PendingLine(line["custom_id"], url, loaded, request=request)
+        return PendingLine(line["custom_id"], url, loaded, request=named_adapter(request, _adapter_of(loaded)))
 
 
 def finish_line(pending: PendingLine, token_ids: list[int] | None) -> tuple[str, dict[str, Any], dict[str, Any] | None]:
@@ -144,13 +147,20 @@ def finish_line(pending: PendingLine, token_ids: list[int] | None) -> tuple[str,
     request = pending.request
     if pending.prompt is not None:
         with _body_errors():
-            request = openai.chat_job_request(pending.prompt, token_ids)
+            request = named_adapter(openai.chat_job_request(pending.prompt, token_ids), _adapter_of(pending.loaded))
     loaded, url = pending.loaded, pending.url
     reply = {"url": url, "n": request["sampling_params"]["n"],
              "body": {name: loaded[name] for name in _REPLY_OPTIONS if name in loaded}}
     if url == COMPLETIONS_URL and loaded.get("echo"):
         reply["body"]["prompt"] = loaded["prompt"]  # echo writes it back; kept only then
     return pending.custom_id, request, reply
+
+
+def _adapter_of(loaded: dict) -> str | None:
+    """The LoRA adapter a line's ``model`` names (its route's ``check_model`` let only the served
+    model or one of the caller's adapters through), resolved now: the line runs later."""
+    model = loaded.get("model")
+    return model if model and model != served_model_name() else None
 
 
 @contextmanager
