@@ -54,7 +54,8 @@ def pytest_collection_modifyitems(config, items):
         except TierError as error:
             wrong.append(f"{item.nodeid}: {error}")
             continue
-        item.add_marker(tier)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
     if wrong:
         raise pytest.UsageError("tests outside one tier:\n" + "\n".join(wrong))
     if torch.cuda.is_available():

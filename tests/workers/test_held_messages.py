@@ -30,6 +30,8 @@ from domain.names import (
 from tests.conftest import empty_db_url
 from workers.held_messages import MARGIN_S, orphaned_messages
 
+pytestmark = pytest.mark.stack  # real workers in subprocesses, killed (README "Tests")
+
 
 @pytest.fixture
 def client(redis_url):

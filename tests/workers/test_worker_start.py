@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import empty_db_url
 
+pytestmark = pytest.mark.stack  # workers started as subprocesses (README "Tests")
+
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 

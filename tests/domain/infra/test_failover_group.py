@@ -10,10 +10,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
 from redis.sentinel import Sentinel
 
 from domain.infra.redis_server import LocalFailoverGroup
+
+pytestmark = pytest.mark.stack  # Redis primaries killed and failed over (README "Tests")
 
 
 def role(port: int) -> tuple[str | None, int | None]:

@@ -88,6 +88,7 @@ def test_a_malformed_key_is_a_400_and_makes_nothing(client, value):
     assert job_ids(client) == []
 
 
+@pytest.mark.stack  # the API under gunicorn (README "Tests")
 def test_two_key_headers_are_a_400_over_real_http(redis_url, demo_model_dir, tmp_path):
     """The server joins a field sent twice with a comma (RFC 9110, 5.3): two keys, read as the one
     key ``key-1,key-2``, made a job; a comma is no part of a key, so they are refused."""

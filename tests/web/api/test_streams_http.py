@@ -13,6 +13,8 @@ from tests.conftest import empty_db_url
 from tests.web.conftest import KEY_A, auth
 from tests.web.gunicorn_api import gunicorn_api
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 STREAMS = 200
 
 

@@ -18,6 +18,8 @@ from tests.conftest import empty_db_url
 from tests.web.conftest import auth
 from tests.web.gunicorn_api import gunicorn_api
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 MAX_BODY = 4096
 BATCH_MAX = 8192
 

@@ -16,6 +16,8 @@ from tests.conftest import empty_db_url
 from tests.web.gunicorn_api import gunicorn_api
 from tests.web.serving.http_catalogue import CATALOGUE, REFUSED, TAKEN, Framing
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 NEXT = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
 

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import empty_db_url
 from tests.web.gunicorn_api import gunicorn_api
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 PER_PEER = 40
 FIRST_BYTE_S = 2.0
 READ_S = 30.0  # far past the first-byte deadline: a socket closed before it was closed for silence

@@ -17,6 +17,8 @@ from tests.conftest import empty_db_url
 from tests.web.conftest import auth
 from tests.web.gunicorn_api import gunicorn_api
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 READ_TIMEOUT = 3.0
 
 

@@ -17,6 +17,8 @@ from tests.web.conftest import KEY_A, KEY_B, auth
 from tests.web.gunicorn_api import gunicorn_api
 from web.serving.thread_share import CONTROL_PATHS, Lane, ThreadShare, digests, key_digest, lane, request_key
 
+pytestmark = pytest.mark.stack  # the API under gunicorn (README "Tests")
+
 WAIT_S = 3  # each of A's synchronous calls waits this long for a job no worker runs
 
 
