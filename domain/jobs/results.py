@@ -29,6 +29,8 @@ def engine_result(output, *, kind: str, prompt_token_ids: list[int], placeholder
         result["nodes"] = nodes
     if kind == "score":
         result.update(completion_logprobs=output.logprobs, usage=output.usage)
+        if output.routed_experts is not None:  # every scored position's, packed (engine/routing/)
+            result["routed_experts"] = output.routed_experts
         return result
     # weight_version: the weights of its last token (a row continued across an update, mode keep,
     # has several: each choice's weight_versions spans name them).

@@ -143,3 +143,14 @@ def test_streams_send_them_once_on_each_choices_last_chunk(base, reference):
     assert carrying == [chunks[-1]]
     ids = np.frombuffer(base64.b64decode(chunks[-1]["meta_info"]["routed_experts"]), dtype=np.int32)
     np.testing.assert_array_equal(ids.reshape(-1, LAYERS, TOP_K), reference(PROMPT + chunks[-1]["output_ids"][:-1]))
+
+
+def test_a_score_job_returns_every_scored_positions_experts(stack, reference):
+    completion = [110, 111, 112, 113]
+    job = stack.submit({"kind": "score", "token_ids": PROMPT, "completion_token_ids": completion,
+                        "sampling_params": {"routed_experts": True}})
+    result = stack.wait(job["id"])["result"]
+    packed = result["routed_experts"]
+    assert packed["shape"] == [len(PROMPT) + len(completion), LAYERS, TOP_K]
+    ids = np.frombuffer(base64.b64decode(packed["data"]), dtype=np.uint8).reshape(packed["shape"])
+    np.testing.assert_array_equal(ids, reference(PROMPT + completion))

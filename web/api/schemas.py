@@ -276,6 +276,9 @@ class ResultSchema(Schema):
     placeholder_ranges = fields.List(fields.Dict())
     choices = fields.List(fields.Nested(ChoiceSchema))
     completion_logprobs = NumberList(fields.Float(), metadata={"description": "kind=score"})
+    routed_experts = fields.Dict(allow_none=True, metadata={
+        "description": "kind=score with sampling_params.routed_experts: every position's (prompt and completion) "
+                       "ids, packed as choices[].routed_experts"})
     prompt_logprobs = NumberList(fields.Float(allow_none=True), allow_none=True, metadata={
         "description": "sampling_params.prompt_logprobs: per prompt token (null for the first)"})
     prompt_top_logprobs = fields.List(TopLogprobs, allow_none=True)
