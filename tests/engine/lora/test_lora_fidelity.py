@@ -159,3 +159,26 @@ def _image_logprobs(reference, prompt, completion, features, image_token_id):
         logits = reference.model(**kwargs).logits[0].float().log_softmax(-1)
     start = len(prompt) - 1
     return [float(logits[start + i, token]) for i, token in enumerate(completion)]
+
+
+def test_a_bfloat16_base_computes_the_lora_product_in_float32_as_peft_does(demo_model_dir, adapter_a):
+    """PEFT keeps an adapter in float32 on a half-precision base (``autocast_adapter_dtype``) and adds
+    its product to the base's output in float32: the engine's rows match it on a bfloat16 model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForMultimodalLM
+
+    engine = Engine(load_model(str(demo_model_dir), device="cpu", dtype="bfloat16"))
+    engine.load_adapter("a@1", adapter_a)
+    prompt, params = [300, 301, 302, 303, 304, 305], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    results = engine.generate([GenerationRequest(prompt, params, adapter="a@1"), GenerationRequest(prompt, params)])
+    base = AutoModelForMultimodalLM.from_pretrained(demo_model_dir, dtype=torch.bfloat16).eval()
+    tuned = PeftModel.from_pretrained(AutoModelForMultimodalLM.from_pretrained(demo_model_dir, dtype=torch.bfloat16),
+                                      adapter_a).eval()
+    for result, model, what in ((results[0], tuned, "adapter"), (results[1], base, "base")):
+        [choice] = result.choices
+        ids = torch.tensor([[*prompt, *choice.token_ids]])
+        with torch.inference_mode():
+            dists = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float().log_softmax(-1)
+        want = [float(dists[len(prompt) - 1 + i, token]) for i, token in enumerate(choice.token_ids)]
+        assert_close(choice.logprobs, want, f"bfloat16 {what}")
