@@ -257,12 +257,16 @@ def lora_rows(loaded, adapter_ids: Sequence[str]):
 
 def adapter_admissible(pending: Sequence, active: Sequence, facts) -> Sequence:
     """The pending jobs admission may take without the active jobs' adapters outgrowing the
-    device's slots: a job of an adapter already active, of the base, or of a new adapter while a
-    slot is left (the rest wait for an adapter's rows to end)."""
+    device's slots. While a slot is left, all. Once they are full and a job waits for a new
+    adapter, only the base's: the active adapters' rows drain until one frees its slot, so a key
+    whose adapter is not on the device is not starved by keys that keep theirs busy (admission
+    then picks by each key's recent use, engine/capacity.py)."""
     bank = getattr(facts, "adapters", None)
     if bank is None or all(not job.adapter for job in pending):
         return pending
     in_use = {job.adapter for job in active if job.adapter}
     if len(in_use) < bank.max_loras:
         return pending
-    return [job for job in pending if not job.adapter or job.adapter in in_use]
+    if any(job.adapter and job.adapter not in in_use for job in pending):
+        return [job for job in pending if not job.adapter]
+    return pending

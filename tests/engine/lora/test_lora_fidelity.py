@@ -182,3 +182,31 @@ def test_a_bfloat16_base_computes_the_lora_product_in_float32_as_peft_does(demo_
             dists = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float().log_softmax(-1)
         want = [float(dists[len(prompt) - 1 + i, token]) for i, token in enumerate(choice.token_ids)]
         assert_close(choice.logprobs, want, f"bfloat16 {what}")
+
+
+def test_a_job_waiting_for_a_slot_is_not_starved_by_a_busy_adapter(demo_model_dir, adapter_a, adapter_b, prompts):
+    """One slot held by a's stream of jobs: b's job waits, and from then on a's new jobs wait too
+    (a drains), so b runs before the a jobs that came after it; the base never waits."""
+    engine = Engine(load_model(str(demo_model_dir), device="cpu"), max_loras=1, max_cpu_loras=2)
+    engine.load_adapter("a@1", adapter_a)
+    engine.load_adapter("b@1", adapter_b)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = prompts.text("a stream of jobs")
+    scheduler = engine.scheduler()
+    ended = []
+    try:
+        scheduler.submit(GenerationRequest(prompt, params, adapter="a@1"), tag="a-first")
+        ended += [f.tag for f in scheduler.step()]
+        scheduler.submit(GenerationRequest(prompt, params, adapter="b@1"), tag="b")
+        for step in range(40):
+            if step < 12:  # a keeps sending while b waits
+                scheduler.submit(GenerationRequest(prompt, params, adapter="a@1"), tag=f"a-{step}")
+            if step == 2:
+                scheduler.submit(GenerationRequest(prompt, params), tag="base")
+            ended += [f.tag for f in scheduler.step()]
+            if not scheduler.has_work:
+                break
+    finally:
+        scheduler.close()
+    assert ended.index("b") < ended.index("a-0"), ended
+    assert ended.index("base") < ended.index("b"), "the base joins while the slot drains"
