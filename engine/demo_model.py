@@ -20,16 +20,16 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from engine.demo_archs import SPECS as _ARCH_SPECS
 from engine.demo_archs import ArchSpec
-from engine.demo_moe import QWEN3_MOE
+from engine.demo_moe import QWEN3_MOE, QWEN3_VL_MOE
 from engine.demo_qwen3 import QWEN3_TOOLS
 
-SPECS = {**_ARCH_SPECS, "qwen3_tools": QWEN3_TOOLS, "qwen3_moe": QWEN3_MOE}
+SPECS = {**_ARCH_SPECS, "qwen3_tools": QWEN3_TOOLS, "qwen3_moe": QWEN3_MOE, "qwen3_vl_moe": QWEN3_VL_MOE}
 
 # Bump when what a build writes changes: older builds on disk are then rebuilt.
 BUILD_FORMAT = 3
 MARKER = "rollout_demo_build.json"
 ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "pixtral", "qwen2_5_omni", "qwen2_audio", "qwen3_tools",
-         "qwen3_moe")
+         "qwen3_moe", "qwen3_vl_moe")
 IMAGE_ARCHS = tuple(arch for arch in ARCHS if arch not in ("qwen2_audio", "qwen3_moe"))
 # The one `rollout-queue up` serves: it takes image, video and audio.
 SERVED_ARCH = "qwen2_5_omni"

@@ -129,6 +129,6 @@ class Qwen2_5_VLProcessor(_QwenVideoMixin, _QwenVLProcessor):
     seconds_name = "second_per_grid_ts"
 
 
-@register_processor("Qwen3VLForConditionalGeneration")
+@register_processor("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 class Qwen3VLProcessor(_QwenVLProcessor):
     hf_class = Qwen3VLImageProcessorOnly

@@ -211,3 +211,33 @@ def test_a_preempted_row_keeps_its_routing_across_its_resume(moe_dir, reference,
     assert engine.stats.preempted_requests == 1
     for request, result in zip(requests, results, strict=True):
         _assert_routing(result.choices[0], list(request.prompt_token_ids), reference)
+
+
+def test_the_vision_moe_routes_image_prompts_as_its_own_forward(tmp_path):
+    """Qwen3-VL-MoE: an image prompt's positions (its image pads included) and its output tokens
+    carry the top-k of the model's own router logits over the same ids and pixels."""
+    from transformers import AutoModelForImageTextToText
+
+    from engine.demo_model import build_demo_model
+    from processors.registry import load_processor
+    from tests.fidelity import make_prompt
+
+    directory = build_demo_model(tmp_path / "qwen3_vl_moe", arch="qwen3_vl_moe")
+    engine = Engine(load_model(str(directory), device="cpu"))
+    processor = load_processor(directory)
+    prompt = make_prompt(processor, "image")
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=2, ignore_eos=True, routed_experts=True)
+    [choice] = engine.generate([GenerationRequest(prompt.token_ids, params, items=prompt.items)])[0].choices
+    fed = [*prompt.token_ids, *choice.token_ids[:-1]]
+    model = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    features = {name: torch.cat([item.features[name] for item in prompt.items]) for name in prompt.items[0].features}
+    ids = torch.tensor([fed])
+    types = torch.tensor(processor.hf.create_mm_token_type_ids(ids.tolist()))
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                    output_router_logits=True, **features)
+    want = np.stack([torch.topk(torch.softmax(x.float(), dim=-1), TOP_K, dim=-1).indices.numpy()
+                     for x in out.router_logits], axis=1)
+    got = unpack(choice.routed_experts)
+    assert got.shape == (len(fed), LAYERS, TOP_K)
+    np.testing.assert_array_equal(got, want)

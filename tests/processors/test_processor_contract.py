@@ -22,6 +22,7 @@ DEMO_ARCH = {
     "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni",
     "Qwen2AudioForConditionalGeneration": "qwen2_audio",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 IMAGE_DEMOS = sorted(name for name, arch in DEMO_ARCH.items() if arch not in ("qwen2_audio", "qwen3_moe"))
 

@@ -65,6 +65,7 @@ def test_load_processor_picks_by_architecture_and_vision_tower(model_dirs):
         "llava": "LlavaProcessor", "pixtral": "PixtralProcessor",  # both LlavaForConditionalGeneration
         "qwen2_5_omni": "Qwen2_5OmniProcessor", "qwen2_audio": "Qwen2AudioProcessor",
         "qwen3_tools": "Qwen3VLProcessor", "qwen3_moe": "TextOnlyProcessor",
+        "qwen3_vl_moe": "Qwen3VLProcessor",
     }
     for arch, directory in model_dirs.items():
         processor = load_processor(directory, model_id=f"demo/{arch}")
