@@ -12,8 +12,9 @@ from engine.routing.shape import routing_shape
 # A tiny Qwen2.5-Omni thinker: it takes image, video and audio, so every content part can be tried.
 DEMO_MODEL_NAME = "demo-qwen2.5-omni"
 # The built-in models by name (ROLLOUT_DEMO_MODEL) and the demo architecture each is built as;
-# demo-qwen3's chat template has tools and thinking (engine/demo_qwen3.py).
-DEMO_ARCHS = {DEMO_MODEL_NAME: "qwen2_5_omni", "demo-qwen3": "qwen3_tools"}
+# demo-qwen3's chat template has tools and thinking (engine/demo_qwen3.py); demo-qwen3-moe is the
+# mixture-of-experts text model whose routed experts can be asked (engine/demo_moe.py).
+DEMO_ARCHS = {DEMO_MODEL_NAME: "qwen2_5_omni", "demo-qwen3": "qwen3_tools", "demo-qwen3-moe": "qwen3_moe"}
 
 
 def resolve_model_path(settings: Settings) -> str:

@@ -152,7 +152,7 @@ class Settings:
     tool_call_parser: str = one_of("auto", ("auto", "none", "hermes", "mistral"))
     reasoning_parser: str = one_of("auto", ("auto", "none", "qwen3", "deepseek_r1"))
     # The built-in demo model served when ROLLOUT_MODEL is unset (domain/models.py).
-    demo_model: str = one_of("demo-qwen2.5-omni", ("demo-qwen2.5-omni", "demo-qwen3"))
+    demo_model: str = one_of("demo-qwen2.5-omni", ("demo-qwen2.5-omni", "demo-qwen3", "demo-qwen3-moe"))
     # Celery time limits. The broker's visibility timeout must exceed the hard limit, or Redis
     # redelivers a message whose task is still running and the job runs twice.
     task_soft_time_limit: int = between(540, 1, 10**6)
