@@ -1,5 +1,6 @@
 """Read a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and check it
-against the base model before anything is served from it.
+against the base model before anything is served from it (the config's checks, torch-free, are
+engine/lora/adapter_config.py's).
 
 Read through :class:`engine.checkpoint_dir.CheckpointDir` (confined under the weights root as a
 weight update is: no symlink, regular files only). Every check runs before the adapter is handed to
@@ -14,8 +15,6 @@ The scale is PEFT's: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +22,11 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint_dir import CheckpointDir, WeightsInvalidError
+from engine.lora.adapter_config import WEIGHTS_FILE, rank_and_scale, read_config
 from engine.lora.errors import AdapterInvalidError
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's saved names: base_model.model.<module>.lora_A.weight
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
-_MAX_CONFIG_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -64,56 +61,14 @@ def read_adapter(directory: str | Path, model, *, max_rank: int, root: str | Pat
     :class:`AdapterInvalidError` (or the directory's ``WeightsInvalidError`` as one) otherwise."""
     try:
         with CheckpointDir.open(directory, root=root) as checkpoint:
-            config = _config(checkpoint)
-            rank, scale = _rank_and_scale(config, max_rank)
+            config = read_config(checkpoint)
+            rank, scale = rank_and_scale(config, max_rank)
             tensors = _tensors(checkpoint)
     except WeightsInvalidError as error:
         raise AdapterInvalidError(error.message, **error.errors) from None
     modules = _modules(tensors, adaptable_modules(model), rank, set(dict(model.named_modules())))
     _check_targets(config, modules)
     return LoraAdapter(rank, scale, modules)
-
-
-def _config(checkpoint: CheckpointDir) -> dict:
-    if not checkpoint.has(CONFIG_FILE):
-        raise AdapterInvalidError(f"the adapter directory has no {CONFIG_FILE}", problem="missing_file",
-                                  file=CONFIG_FILE)
-    raw = checkpoint.read_bytes(CONFIG_FILE)
-    if len(raw) > _MAX_CONFIG_BYTES:
-        raise AdapterInvalidError(f"{CONFIG_FILE} is larger than 1 MiB", problem="bad_config")
-    try:
-        config = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise AdapterInvalidError(f"{CONFIG_FILE} is not JSON", problem="bad_config") from None
-    if not isinstance(config, dict):
-        raise AdapterInvalidError(f"{CONFIG_FILE} is not a JSON object", problem="bad_config")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterInvalidError(f"peft_type {config.get('peft_type')!r} is not LORA", problem="unsupported",
-                                  field="peft_type")
-    unsupported = {
-        "use_dora": bool(config.get("use_dora")),
-        "bias": config.get("bias", "none") not in ("none", None),
-        "modules_to_save": bool(config.get("modules_to_save")),
-        "rank_pattern": bool(config.get("rank_pattern")),
-        "alpha_pattern": bool(config.get("alpha_pattern")),
-    }
-    for field, present in unsupported.items():
-        if present:
-            raise AdapterInvalidError(f"adapters with {field} are not served", problem="unsupported", field=field)
-    return config
-
-
-def _rank_and_scale(config: dict, max_rank: int) -> tuple[int, float]:
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise AdapterInvalidError("adapter_config.json's r must be a positive integer", problem="bad_config", field="r")
-    if rank > max_rank:
-        raise AdapterInvalidError(f"rank {rank} is above the limit {max_rank} (ROLLOUT_MAX_LORA_RANK)",
-                                  problem="rank_too_large", rank=rank, limit=max_rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
-        raise AdapterInvalidError("adapter_config.json's lora_alpha must be a number", problem="bad_config",
-                                  field="lora_alpha")
-    return rank, float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
 def _tensors(checkpoint: CheckpointDir) -> dict[str, torch.Tensor]:

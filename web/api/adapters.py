@@ -20,6 +20,7 @@ from marshmallow import fields, validate
 from domain.adapters import fleet
 from domain.adapters.store import MODES, SHARED, AdapterEntry, AdapterRegistry
 from domain.weights.paths import resolve_weights_dir
+from engine.lora.adapter_config import check_adapter_dir
 from engine.lora.errors import AdapterNotFoundError
 from web.api.schemas import StrictBoolean
 from web.auth import current_owner
@@ -44,6 +45,9 @@ def load_for_caller(name: str, path: str, *, inplace: bool = False, mode: str = 
     """Load (or with ``inplace``, replace by a new version) the caller's adapter ``name``."""
     settings = services().settings
     directory = resolve_weights_dir(path, settings.weights_root)
+    # What can be checked without the model, before the registry changes (a bad config is refused
+    # with no GPU worker live too); each worker checks the weights against the base.
+    check_adapter_dir(directory, root=settings.weights_root, max_rank=settings.max_lora_rank)
     return fleet.load(registry(), scope=_scope(), name=name, path=str(directory), inplace=inplace,
                       per_key_cap=None if g.get("admin") else settings.max_loras_per_key,
                       timeout=settings.weights_update_timeout, mode=mode)

@@ -4,7 +4,18 @@ tests/e2e/test_lora_e2e.py."""
 
 from __future__ import annotations
 
+import json
+
 from tests.web.conftest import KEY_A, KEY_B, auth
+
+
+def adapter_dir(directory, **config):
+    """A directory the API's checks pass or refuse by its config alone (the weights are the GPU
+    workers' to check against the base; none runs here)."""
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 8, **config}))
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+    return directory
 
 
 def test_adapter_routes_refuse_in_each_dialects_shape(make_app, tmp_path):
@@ -13,8 +24,16 @@ def test_adapter_routes_refuse_in_each_dialects_shape(make_app, tmp_path):
     disabled = off.post("/v1/adapters", json={"name": "x", "path": "x"}, headers=auth())
     assert disabled.status_code == 409 and disabled.get_json()["code"] == "weight_updates_disabled"
 
-    (tmp_path / "root" / "tuned").mkdir(parents=True)
-    client = make_app(weights_root=tmp_path / "root", max_loras_per_key=1).test_client()
+    root = tmp_path / "root"
+    adapter_dir(root / "tuned", r=4)
+    adapter_dir(root / "wide", r=128)
+    adapter_dir(root / "dora", r=4, use_dora=True)
+    (root / "empty").mkdir()
+    client = make_app(weights_root=root, max_loras_per_key=1).test_client()
+    for path, problem in (("wide", "rank_too_large"), ("dora", "unsupported"), ("empty", "missing_file")):
+        refused = client.post("/v1/adapters", json={"name": "x", "path": path}, headers=auth())
+        assert refused.status_code == 422 and refused.get_json()["errors"]["problem"] == problem, refused.get_json()
+    assert client.get("/v1/adapters", headers=auth()).get_json()["data"] == [], "nothing changed"
     outside = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"}, headers=auth())
     assert outside.status_code == 422 and outside.get_json()["error"]["code"] == "weights_path_refused"
     bad_name = client.post("/v1/adapters", json={"name": "a b", "path": "tuned"}, headers=auth())

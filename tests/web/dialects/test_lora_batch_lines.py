@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+from tests.web.api.test_adapters_api import adapter_dir
 from tests.web.api.test_batches_api import jsonl
 from tests.web.conftest import KEY_B, auth
 from tests.web.dialects.test_openai_batches_api import create, model_name, request_line, upload_file
@@ -13,7 +14,7 @@ from workers.tasks.batches import submit_chunk
 
 
 def test_lines_naming_an_adapter_carry_its_id_and_an_unknown_one_is_a_404(make_app, tmp_path):
-    (tmp_path / "root" / "tuned").mkdir(parents=True)  # no GPU worker: the load answers at once
+    adapter_dir(tmp_path / "root" / "tuned", r=4)  # no GPU worker: the load answers at once
     client = make_app(weights_root=tmp_path / "root").test_client()
     loaded = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned"}, headers=auth())
     assert loaded.status_code == 200, loaded.get_json()
