@@ -17,6 +17,7 @@ from web.dialects.common import run_jobs, served_model_name, tokenizer
 from web.dialects.errors import install, openai_shape
 from web.dialects.fields import NullMeansDefault
 from web.dialects.openai.chat_tokens import ChatTokensRequestSchema, chat_tokens_request
+from web.dialects.openai.responses_views import responses_routes
 from web.dialects.openai.session_turns import HEADER as SESSION_HEADER
 from web.dialects.openai.session_turns import SessionTurn, chat_turn
 from web.dialects.openai.stream import ChatChunks, CompletionChunks
@@ -106,6 +107,9 @@ def _chat(body: dict, request: dict, turn: SessionTurn | None):
     turn.record(job, request, reply["choices"][0]["message"])
     reply["session"] = turn.reply_field()
     return reply, 200, {SESSION_HEADER: turn.header()}
+
+
+responses_routes(blp, documented(blp))
 
 
 class TokenizeSchema(NullMeansDefault):
