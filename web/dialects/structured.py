@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import jsonschema
+
 from engine.grammar.errors import InvalidGrammarError
 
 # vLLM's StructuredOutputsParams keys -> ours.
@@ -104,9 +106,21 @@ def _json_value(value: Any, field: str) -> Any:
     """A schema given as an object, or as its JSON text (vLLM and SGLang take both)."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            value = json.loads(value)
         except ValueError:
             raise _invalid(field, "not valid JSON") from None
+    return checked_schema(value, field)
+
+
+def checked_schema(value: Any, field: str) -> Any:
+    """``value`` when it is a JSON Schema by its own draft's metaschema (2020-12 when it names none):
+    a schema no worker could compile is a 422 here, before any job, streamed or not (#57 item 6)."""
+    if isinstance(value, dict):
+        try:
+            jsonschema.validators.validator_for(value, default=jsonschema.Draft202012Validator).check_schema(value)
+        except jsonschema.SchemaError as bad:
+            where = "/".join(str(part) for part in bad.path)
+            raise _invalid(field, f"not a valid JSON Schema{f' at {where}' if where else ''}: {bad.message}") from None
     return value
 
 

@@ -25,7 +25,13 @@ from web.dialects.common import (
     vocab_size,
 )
 from web.dialects.openai.request import check_model, native_params, speller, stop_reason
-from web.dialects.openai.tools import checked_tools, forced_tool_calls, reply_parsers, template_tool_calls
+from web.dialects.openai.tools import (
+    check_tool_answers,
+    checked_tools,
+    forced_tool_calls,
+    reply_parsers,
+    template_tool_calls,
+)
 from web.dialects.sampling import RENAMED
 from web.parsers.message import finish_reason, parsed_message
 from web.services import services
@@ -129,6 +135,7 @@ def chat_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
         else:
             raise _bad(f"messages[{i}].content", "must be a string or a list of parts")
         out.append(converted)
+    check_tool_answers(out)
     return out, parts
 
 

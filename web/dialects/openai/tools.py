@@ -18,6 +18,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from web.dialects import chat_template
 from web.dialects.common import tokenizer
+from web.dialects.structured import checked_schema
 from web.parsers import select
 from web.parsers.message import MessageParsers
 from web.parsers.reasoning import REASONING_PARSERS
@@ -152,6 +153,33 @@ def forced_tool_calls(body: dict[str, Any]) -> dict[str, Any] | None:
         raise ToolChoiceUnsupportedError(
             "tool_choice required or named: no grammar writes this model's tool calls; send auto or none",
             errors={"tool_choice": [f"served for the {', '.join(GRAMMAR_FORMATS)} tool-call parser"]})
+    for i, tool in enumerate(body["tools"]):  # compiled into the call's grammar: each a JSON Schema
+        checked_schema(tool["function"].get("parameters"), f"tools[{i}].function.parameters")
     return {"tool_calls": {"format": form, "tools": body["tools"], "tool_choice": choice,
                            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
                            "reasoning": "disabled" if reasoning is None else "enabled"}}
+
+
+def check_tool_answers(messages: list[dict[str, Any]]) -> None:
+    """Each ``tool`` message answers a call of the assistant message before its run of tool
+    messages: one with ``tool_calls``, and its ``tool_call_id`` among their ids (where the calls
+    have ids; a tool message with no ``tool_call_id`` is taken, as templates that write no ids
+    read it). Anything else is a 422 naming the message, not a prompt the model never saw."""
+    calls: set[str] | None = None  # the ids the running tool messages may answer; None: no call before them
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role == "assistant":
+            made = message.get("tool_calls") or []
+            calls = {call["id"] for call in made if isinstance(call.get("id"), str)} if made else None
+            if made and len(calls) < len(made):
+                calls = set()  # some calls without ids: any answer is theirs
+        elif role == "tool":
+            answer = message.get("tool_call_id")
+            if calls is None:
+                raise _bad(f"messages[{i}]", "a tool message answers no call: the assistant message before it "
+                                             "has no tool_calls")
+            if answer is not None and calls and answer not in calls:
+                raise _bad(f"messages[{i}].tool_call_id", f"{answer!r} is not among the preceding assistant's "
+                                                          f"tool_calls ({', '.join(sorted(calls))})")
+        else:
+            calls = None
