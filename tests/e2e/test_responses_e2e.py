@@ -102,4 +102,4 @@ def test_text_format_json_schema_through_the_stream_helper(client):
 def test_a_named_tool_not_in_tools_is_a_422(client):
     with pytest.raises(openai.UnprocessableEntityError) as raised:
         client.responses.create(input="x", tools=[WEATHER], tool_choice={"type": "function", "name": "nope"})
-    assert raised.value.body["param"] == "tool_choice.function.name"
+    assert raised.value.body["param"] == "tool_choice.name"

@@ -12,6 +12,7 @@ import redis
 from domain.settings import Settings
 from tests.web.conftest import KEY_A, auth
 from web.app import create_app
+from web.dialects.openai.responses import responses_field
 
 ASK = [{"role": "user", "content": "Hi"}]
 CHAT_TOOL = {"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}
@@ -29,7 +30,8 @@ def _text_format(schema):
     return {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
 
 
-# case: (chat body, Responses body, the param the error names)
+# case: (chat body, Responses body, the param the chat error names; the Responses error names it
+# as its body does: input, text.format, tools[i].parameters, tool_choice.name)
 CASES = {
     "named tool not in tools": (
         {"messages": ASK, "tools": [CHAT_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -92,9 +94,18 @@ def _refused(client, path: str, body: dict, param: str | None) -> None:
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
 def test_bad_input_is_a_4xx_in_openais_shape(client, route, case):
     chat, responses, param = CASES[case]
-    _refused(client, route, chat if route == "/v1/chat/completions" else responses, param)
+    if route == "/v1/chat/completions":
+        _refused(client, route, chat, param)
+    else:
+        _refused(client, route, responses, param and responses_field(param))
 
 
 @pytest.mark.parametrize("case", TOKENS)
 def test_bad_tokens_are_a_4xx_in_openais_shape(client, case):
     _refused(client, "/v1/chat/completions/tokens", {"messages": ASK, "tokens": TOKENS[case], "max_tokens": 2}, None)
+
+
+def test_chat_fields_are_named_as_the_responses_body_names_them():
+    assert [responses_field(name) for name in ("messages[2].tool_call_id", "response_format", "tools[0].function.parameters",
+                                               "tool_choice.function.name", "max_tokens", "temperature")] == \
+        ["input", "text.format", "tools[0].parameters", "tool_choice.name", "max_output_tokens", "temperature"]

@@ -17,6 +17,7 @@ Shapes matched (not copied) from the official ``openai`` client's types
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from typing import Any
@@ -27,7 +28,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.results import JobResult
 from domain.sessions.response_store import ResponseStore, StoredResponse
-from engine.errors import InvalidRequestError, NotFoundError
+from engine.errors import InvalidRequestError, NotFoundError, RolloutError
 from web.api.schemas import StrictBoolean
 from web.api.session_header import session_id_of, validate_session_id
 from web.auth import current_owner
@@ -137,8 +138,25 @@ def prepare(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Sessi
     if body.get("store", True):
         chat["session_id"] = (previous.session_id if previous is not None and previous.session_id else None) \
             or session_id_of(body, flask.request.headers) or "resp-" + secrets.token_hex(12)
-    request, turn = chat_turn(chat)
+    try:
+        request, turn = chat_turn(chat)
+    except RolloutError as error:  # chat's checks, their fields named as this body names them
+        if isinstance(error.errors, dict):
+            error.errors = {responses_field(name): value for name, value in error.errors.items()}
+        raise
     return chat, request, turn, previous
+
+
+# Chat's field names as the Responses body has them (the error's ``param``).
+_FIELDS = ((re.compile(r"^messages\b.*"), "input"), (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+           (re.compile(r"^max_tokens"), "max_output_tokens"), (re.compile(r"^chat_template_kwargs"), "reasoning"),
+           (re.compile(r"^(tools\[\d+\])\.function"), r"\1"), (re.compile(r"^tool_choice\.function"), "tool_choice"))
+
+
+def responses_field(name: str) -> str:
+    for pattern, replacement in _FIELDS:
+        name = pattern.sub(replacement, name)
+    return name
 
 
 def output_items(message: dict[str, Any], call_ids: list[str] | None = None) -> list[dict[str, Any]]:
