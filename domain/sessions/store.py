@@ -102,6 +102,24 @@ class SessionStore:
         pipe.execute()
         return entry
 
+    def fork(self, owner: str, source: str, target: str) -> bool:
+        """``target`` made a copy of ``source`` as it is now (last turn and kept segments), for a
+        Responses API turn continuing a stored response (web/dialects/openai/responses.py): each
+        response records in its own session, so calls continuing one response branch apart
+        instead of interleaving in one trajectory. False: ``source`` is gone (expired)."""
+        key, copy = self.key(owner, source), self.key(owner, target)
+        segment = self.client.hget(key, "segment")
+        if segment is None:
+            return False
+        pipe = self.client.pipeline(transaction=True)
+        pipe.copy(key, copy, replace=True)
+        pipe.expire(copy, self.ttl)
+        for n in range(max(0, int(segment) - MAX_SEGMENTS + 1), int(segment) + 1):
+            pipe.copy(f"{key}:seg:{n}", f"{copy}:seg:{n}", replace=True)
+            pipe.expire(f"{copy}:seg:{n}", self.ttl)
+        pipe.execute()
+        return True
+
     def trajectory(self, owner: str, session_id: str) -> dict | None:
         """The session's kept segments, oldest first (None: no such session of this owner)."""
         key = self.key(owner, session_id)

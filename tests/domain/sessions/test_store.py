@@ -60,3 +60,13 @@ def test_another_keys_session_is_not_found(store):
     turn(store, "a", "shared-name", [1], [2])
     assert store.trajectory("b", "shared-name") is None and store.last_turn("b", "shared-name") is None
     assert store.trajectory("a", "shared-name")["turns"] == 1
+
+
+def test_a_fork_is_the_session_as_it_was_and_branches_apart(store):
+    turn(store, "a", "s", [1, 2], [3])
+    assert store.fork("a", "s", "t") and not store.fork("a", "gone", "u") and not store.fork("b", "s", "u")
+    turn(store, "a", "s", [1, 2, 3, 4], [5])
+    turn(store, "a", "t", [1, 2, 3, 6], [7])
+    ids = [store.trajectory("a", name)["segments"][0]["token_ids"] for name in ("s", "t")]
+    assert ids == [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7]]
+    assert store.client.ttl(store.key("a", "t")) > 0 and store.client.ttl(store.key("a", "t") + ":seg:0") > 0

@@ -133,10 +133,17 @@ def test_previous_response_id_continues_the_sampled_ids(app):
     assert one["session"]["recorded"] and one["output"][0]["content"][0]["text"] == "Hello! How can I help?"
     second, two = _run(app, {"input": "And then?", "previous_response_id": one["id"], **off}, "Fine.",
                        job_id="cd" * 8)
-    assert (two["session"]["prompt"], two["session"]["id"]) == ("continued", one["session"]["id"])
+    assert two["session"]["prompt"] == "continued" and two["session"]["id"] != one["session"]["id"]
     with app.app_context():
         sampled = tokenizer()("Hello! How can I help?<|im_end|>", add_special_tokens=False)["input_ids"]
     assert second["token_ids"][:len(first["token_ids"]) + len(sampled)] == first["token_ids"] + sampled
+    # Another call continuing the first response branches apart: continued too, its own session.
+    other, three = _run(app, {"input": "Or else?", "previous_response_id": one["id"], **off}, "No.", job_id="ef" * 8)
+    assert three["session"]["prompt"] == "continued" and other["token_ids"][:len(first["token_ids"]) + len(sampled)] == first["token_ids"] + sampled
+    for reply, request in ((two, second), (three, other)):
+        trajectory = app.test_client().get(f"/v1/sessions/{reply['session']['id']}/trajectory", headers=auth()).get_json()
+        [segment] = trajectory["segments"]  # one sequence: this branch's two turns
+        assert trajectory["turns"] == 2 and segment["token_ids"][:len(request["token_ids"])] == request["token_ids"]
     client = app.test_client()
     assert client.get(f"/v1/responses/{one['id']}", headers=auth()).get_json() == one
     assert client.get(f"/v1/responses/{one['id']}", headers=auth(KEY_B)).status_code == 404  # owner-scoped

@@ -7,10 +7,11 @@ parser's), ``message`` (``output_text``) and ``function_call`` (``call_id``, ``n
 With ``store`` (OpenAI's default) the response is kept, owner-scoped, for ``ROLLOUT_RESULT_TTL``
 (domain/sessions/response_store.py) with the session its turn was recorded in; a call naming it
 as ``previous_response_id`` is that conversation, its assistant message as returned and the new
-input, run in the same session: its prompt is the previous prompt and sampled ids exactly, then
-the template's bridge (web/dialects/openai/session_turns.py; ``response.session`` says whether it
-continued and, if not, why). Two calls continuing one response: the second finds the session's
-last turn is the first's and is rendered (``messages_do_not_extend``).
+input, run in a copy of its session as that response left it (each response records in a session of
+its own, so calls continuing one response branch apart): its prompt is the previous prompt and
+sampled ids exactly, then the template's bridge (web/dialects/openai/session_turns.py;
+``response.session`` says whether it continued and, if not, why, and names the session whose
+trajectory is the whole chain).
 
 Shapes matched (not copied) from the official ``openai`` client's types
 (openai/types/responses/response.py, response_create_params.py)."""
@@ -28,6 +29,7 @@ from marshmallow import ValidationError, fields, validate, validates_schema
 from domain.infra.store_errors import STORE_FAILURES
 from domain.jobs.results import JobResult
 from domain.sessions.response_store import ResponseStore, StoredResponse
+from domain.sessions.store import SessionStore
 from engine.errors import InvalidRequestError, NotFoundError, RolloutError
 from web.api.schemas import StrictBoolean
 from web.api.session_header import session_id_of, validate_session_id
@@ -136,8 +138,11 @@ def prepare(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Sessi
     previous = previous_of(body)
     chat = chat_body(body, previous)
     if body.get("store", True):
-        chat["session_id"] = (previous.session_id if previous is not None and previous.session_id else None) \
-            or session_id_of(body, flask.request.headers) or "resp-" + secrets.token_hex(12)
+        chat["session_id"] = session_id_of(body, flask.request.headers) or "resp-" + secrets.token_hex(12)
+        if previous is not None and previous.session_id:  # its session as it ended, this turn's own copy
+            chat["session_id"] = "resp-" + secrets.token_hex(12)
+            SessionStore(services().redis, ttl=services().settings.result_ttl).fork(
+                current_owner(), previous.session_id, chat["session_id"])
     try:
         request, turn = chat_turn(chat)
     except RolloutError as error:  # chat's checks, their fields named as this body names them
