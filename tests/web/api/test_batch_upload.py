@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from flask import g
 from transformers import AutoTokenizer
 
 from domain.settings import Settings
@@ -22,6 +23,7 @@ from web.app import create_app
 from web.dialects import openai
 from web.dialects.common import served_model_name, token_ids_of, tokenizer
 from web.dialects.openai.batch_lines import CHAT_URL, begin_line, finish_line
+from web.services import services
 
 PNG = "data:image/png;base64,iVBORw0KGgo="  # intake checks the reference only: nothing is fetched
 CHUNK = 4  # several chunks in every file here, the last one partial
@@ -77,7 +79,9 @@ def app(model_dir, web_redis_url, tmp_path, monkeypatch):
     monkeypatch.setattr(batch_upload, "LINES_PER_CHUNK", CHUNK)
     redis.Redis.from_url(web_redis_url).flushdb()
     app = create_app(Settings(state_dir=tmp_path, model=str(model_dir), api_keys=("key",)), web_redis_url)
-    with app.test_request_context():
+    # Lines are checked inside an authenticated upload: the caller's key names its adapters.
+    with app.test_request_context(headers={"Authorization": "Bearer key"}):
+        g.owner = services().keys.authenticate()
         yield app
 
 
