@@ -2,8 +2,9 @@
 for memory (``noeviction`` at its ``maxmemory``).
 
 A job's end (its result, ``domain/lifecycle.py``) is written in one round trip for the step, after
-its tokens; its prompt is released and its message acknowledged once the end is stored. A job the
-scheduler preempted, or a weight update retracted, gives its attempt up and goes back to the queue.
+its tokens; its prompt is released and its message acknowledged once the end is stored. A job a
+weight update retracted gives its attempt up and goes back to the queue (one the scheduler preempts
+stays in it and resumes: ``engine/preemption.py``).
 
 At Redis' bound those writes are refused. None of that is the job's fault, so none fails for it:
 

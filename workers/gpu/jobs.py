@@ -169,9 +169,9 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
 
 
 def requeue_generate(rt, job: dict, prompt) -> None:
-    """Queue the job's generation again (a weight update in mode retract, or the scheduler preempted
-    it for another key's share): it runs from its prompt, on the new weights if they changed, most
-    likely on this worker (its prefix is here); its feature handles stay held on this node."""
+    """Queue the job's generation again (a weight update in mode retract): it runs from its prompt,
+    on the new weights, most likely on this worker (its prefix is here); its feature handles stay
+    held on this node."""
     media = [(item.offset[0], item.content_hash) for item in prompt.items if item.content_hash]
     send_placed(rt.celery, rt.redis, [
         placement(job["id"], job["owner"], StoredJob.of(job).request, prompt.token_ids, media=media,

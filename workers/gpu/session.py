@@ -11,8 +11,8 @@ the queue); Celery's event loop goes on reserving messages meanwhile
 
 Each job keeps its own deadline, ``ROLLOUT_TASK_SOFT_TIME_LIMIT`` seconds after the scheduler
 admitted it: its rows stop then and it fails with ``job_time_limit_exceeded`` while the others go
-on. A job the scheduler preempted (another key was below its share) goes back to the queue, as a
-retracted one does, and runs again from its prompt (a ``restart`` event on its stream). A request that
+on. A job the scheduler preempts (another key was below its share) stays in it and resumes where it
+was (``engine/preemption.py``): its stream goes on. A request that
 fails ends alone (the scheduler isolates it); score jobs run as a group when they arrive.
 
 Streaming: the scheduler's per-step hook collects every row's new token; after the step the
@@ -365,8 +365,8 @@ class GenerateSession:
             if live.superseded:
                 superseded.append(live)  # the newer attempt ends the job and releases its prompt
                 continue
-            if (live.stopped_by == "retract" or item.preempted) and item.error is None:
-                retracted.append(live)  # runs again (on the new weights, or later): its prompt stays held
+            if live.stopped_by == "retract" and item.error is None:
+                retracted.append(live)  # runs again on the new weights: its prompt stays held
                 continue
             elapsed = time.perf_counter() - live.started
             durations.append(elapsed)
