@@ -136,8 +136,8 @@ def test_nulls_mean_defaults_and_unserved_knobs_are_named(base):
             "sampling_params": {"max_new_tokens": 2, "temperature": None, "top_p": None, "regex": None,
                                 "json_schema": None, "stop": None, "min_new_tokens": None}}
     assert post(base, "/generate", body).status_code == 200
-    refused = post(base, "/generate", {**body, "sampling_params": {**body["sampling_params"], "regex": "a+"}})
-    assert refused.status_code == 422 and "sampling_params.regex" in refused.json()["error"]["message"]
+    refused = post(base, "/generate", {**body, "sampling_params": {**body["sampling_params"], "stop_regex": "a+"}})
+    assert refused.status_code == 422 and "sampling_params.stop_regex" in refused.json()["error"]["message"]
     unknown = post(base, "/generate", {**body, "input_idz": [1]})
     assert unknown.status_code == 422 and "input_idz" in unknown.json()["error"]["message"]
     assert post(base, "/generate", body, key="wrong").json()["error"]["code"] == "unauthorized"
