@@ -8,11 +8,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file, save_file
 
 from domain.adapters import fleet
-from domain.adapters.store import ENTRIES_KEY, EPOCH_KEY, SEQ_KEY, AdapterRegistry
+from domain.adapters.store import AdapterRegistry
+from domain.infra.redis_server import EmbeddedRedis
 from engine.generation import Engine
 from engine.loading import load_model
 from engine.lora.errors import AdapterInvalidError, AdapterLimitError, AdapterNotFoundError
@@ -31,12 +33,21 @@ def root(tmp_path_factory, demo_model_dir):
     return root
 
 
+@pytest.fixture(scope="module")
+def fleet_redis(tmp_path_factory):
+    """A Redis of this module's own: a GPU runtime another test left in this process (its adapter
+    sync still reporting, as a live worker would) must not count as a worker of this fleet."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("fleet-redis"), persistent=False).start()
+    client = redis.Redis.from_url(server.url)
+    yield client
+    client.close()
+    server.stop()
+
+
 @pytest.fixture
-def registry(redis_client):
-    redis_client.delete(ENTRIES_KEY, EPOCH_KEY, SEQ_KEY)
-    for key in redis_client.scan_iter(match="rq:lora:worker:*"):
-        redis_client.delete(key)
-    return AdapterRegistry(redis_client)
+def registry(fleet_redis):
+    fleet_redis.flushdb()
+    return AdapterRegistry(fleet_redis)
 
 
 @pytest.fixture
