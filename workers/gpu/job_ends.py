@@ -49,8 +49,11 @@ class HeldEnds:
     backoff: float = FIRST_BACKOFF_SECONDS
 
     def hold(self, items: list[tuple[Any, tuple]]) -> None:
+        """Hold ``items`` after a refusal: the first since the last write that went through starts
+        the clock (``since``); a retry refused again doubles the backoff. ``take`` empties the
+        items for a retry, so the clock is kept apart from them."""
         now = time.monotonic()
-        if not self.items:
+        if not self.since:
             self.since, self.backoff = now, FIRST_BACKOFF_SECONDS
         else:
             self.backoff = min(self.backoff * 2, MAX_BACKOFF_SECONDS)
@@ -60,6 +63,10 @@ class HeldEnds:
     def take(self) -> list[tuple[Any, tuple]]:
         items, self.items = self.items, []
         return items
+
+    def written(self) -> None:
+        """The ends went through (or were handed back): the next refusal starts a new clock."""
+        self.since = 0.0
 
     @property
     def due(self) -> bool:
@@ -113,6 +120,7 @@ class JobEnds:
         """The held ends' jobs go back to the queue unfailed, their prompts kept: their messages
         given back rather than settled. How many."""
         items = self.held.take()
+        self.held.written()
         if items:
             self.batches.hand_back([mid for live, _ in items for mid in live.message_ids])
         return len(items)
@@ -133,11 +141,12 @@ class JobEnds:
         except Exception as error:
             if not refused_for_memory(rt.redis, error):
                 raise
-            if not self.held.items:
+            if not self.held.since:
                 log.warning("Redis is at its maxmemory: %d job ends held, written again when it has room",
                             len(items))
             self.held.hold(items)
             return [], []
+        self.held.written()
         done, superseded = [], []
         for (live, (_, status, fields)), outcome in zip(items, outcomes, strict=True):
             if outcome == FENCED:

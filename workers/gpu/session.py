@@ -109,8 +109,8 @@ class GenerateSession:
                 # stretches, never while a row decodes; rows held for it (mode keep) go on under it.
                 with sync.batch(WEIGHTS_HOLD_SECONDS) as may_serve:
                     self._follow_swap(sync)
-                    if not may_serve and not self.scheduler.has_work:
-                        return REQUEUE
+                    if not may_serve and not self.scheduler.has_work and not self._ends.holding:
+                        return REQUEUE  # held ends are written first: returning would leave them unwritten
                     if may_serve:
                         self._admit(pending)
                         pending = []
