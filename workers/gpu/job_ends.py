@@ -140,6 +140,10 @@ class JobEnds:
                                   metrics=self.metrics)
         except Exception as error:
             if not refused_for_memory(rt.redis, error):
+                # Kept for the task's catch-all to hand back (workers/tasks/gpu.py): taken above,
+                # they would leave with the error, their jobs generating until the reaper. A
+                # script's refusal read when memory has just fallen below the mark lands here.
+                self.held.items = items
                 raise
             if not self.held.since:
                 log.warning("Redis is at its maxmemory: %d job ends held, written again when it has room",

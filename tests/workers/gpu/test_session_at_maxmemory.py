@@ -200,3 +200,35 @@ def test_an_error_while_redis_is_full_hands_every_job_back(rt, filler):
     assert batch.handed_back == [f"message-{held}", f"message-{running}"]
     assert {rt.jobs.get(job_id)["status"] for job_id in (held, running)} == {"generating"}
     assert None not in rt.jobs.prompts([held, running])
+
+
+def test_a_retry_that_fails_otherwise_still_hands_the_held_jobs_back(rt, filler):
+    """A retry of held ends meets an error that is no refusal (as a script's refusal read when
+    memory had just fallen below the mark is taken): the ends it took stay held, so the task's
+    catch-all hands their jobs back; they were lost with the error, generating until the reaper."""
+    job_ids = [submit(rt) for _ in range(2)]
+    batch = Batch(job_ids)
+
+    class FailingRetrySession(GenerateSession):
+        filled = False
+
+        def _on_step(self, rows):
+            super()._on_step(rows)
+            if not self.filled:
+                self.filled = True
+                filler.fill()
+
+        def _flush_tokens(self):
+            if self._ends.held.since:  # the first write was refused: its retry fails otherwise
+                raise RuntimeError("an error that is no refusal")
+            super()._flush_tokens()
+
+    session = FailingRetrySession(rt, rt.engine, batch)
+    with pytest.raises(RuntimeError):
+        session.run(batch.requests)
+    filler.free()
+    assert session._ends.holding  # the ends the failed retry took are still there
+    settle_after_error(rt, session, batch)
+    assert sorted(batch.handed_back) == sorted(r.id for r in batch.requests) and batch.acknowledged == []
+    assert {rt.jobs.get(job_id)["status"] for job_id in job_ids} == {"generating"}
+    assert None not in rt.jobs.prompts(job_ids)
