@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 
 # Below this a key's use is forgotten (its entry removed): the map holds the keys of recent work only.
@@ -38,10 +39,7 @@ class TenantUsage:
 
     def charge_rows(self, tenants: Iterable[Hashable]) -> None:
         """One decode step: a token for each row (its tenant listed once per row)."""
-        counts: dict[Hashable, int] = {}
-        for tenant in tenants:
-            counts[tenant] = counts.get(tenant, 0) + 1
-        for tenant, count in counts.items():
+        for tenant, count in Counter(tenants).items():
             self.charge(tenant, count)
 
     def usage(self, tenant: Hashable) -> float:
