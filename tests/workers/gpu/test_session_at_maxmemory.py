@@ -8,7 +8,7 @@ body called with the very batch to run, as tests/workers/gpu/test_superseded_ses
 
 from __future__ import annotations
 
-import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -59,15 +59,22 @@ class Filler:
         self.client = client
 
     def fill(self) -> None:
-        """Write until Redis refuses even a small write."""
+        """Write until Redis refuses even a small write, and again once it has shrunk the buffers
+        the big writes grew (its cron frees them within a tick): what is left is no room at all."""
         index = 0
-        for size in (20_000, 1_000, 20):
-            try:
-                while True:
-                    self.client.set(f"fill:{index}", "x" * size)
-                    index += 1
-            except redis.exceptions.OutOfMemoryError:
-                pass
+        for _ in range(3):
+            wrote = 0
+            for size in (20_000, 1_000, 20):
+                try:
+                    while True:
+                        self.client.set(f"fill:{index}", "x" * size)
+                        index += 1
+                        wrote += 1
+                except redis.exceptions.OutOfMemoryError:
+                    pass
+            if not wrote:
+                return
+            time.sleep(0.3)
 
     def free(self) -> None:
         self.client.delete(*self.client.keys("fill:*"))
@@ -109,16 +116,22 @@ def test_refused_ends_are_held_and_written_once_redis_has_room(rt, filler):
         filler.free()
 
     class FillingSession(GenerateSession):
-        """Redis fills at the first step (the jobs' attempts are written) and has room a second later."""
+        """Redis fills at the first step (the jobs' attempts are written); it has room again once
+        the session holds the ends it refused."""
 
-        filled = False
+        filled = released = False
 
         def _on_step(self, rows):
             super()._on_step(rows)
             if not self.filled:
                 self.filled = True
                 filler.fill()
-                threading.Timer(1.0, release).start()
+
+        def _end(self, finished):
+            super()._end(finished)
+            if self._ends.holding and not self.released:
+                self.released = True
+                release()
 
     FillingSession(rt, rt.engine, batch).run(batch.requests)
 
