@@ -38,7 +38,7 @@ class RowDecoder:
     def __init__(self, request_index: int, choice_index: int, params: SamplingParams,
                  generator: torch.Generator | None, *, prompt_token_ids: Sequence[int] = (),
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer: Any = None, weight_version: str = "",
-                 grammar: Any = None):
+                 adapter: str = "", grammar: Any = None):
         self.request_index = request_index
         self.choice_index = choice_index
         self.params = params
@@ -60,7 +60,7 @@ class RowDecoder:
         self._top_values: list[torch.Tensor] = []
         self._top_ids: list[torch.Tensor] = []
         self._masks = SamplingMasks() if params.sampling_mask else None
-        self.versions = RowVersions(weight_version)  # which weights made each token (engine/row_versions.py)
+        self.versions = RowVersions(weight_version, adapter)  # which weights made each token (engine/row_versions.py)
         # engine.grammar.row_grammar.RowGrammar: the request's constraint, applied by the sampler
         # before everything else this row adjusts; None for a free row.
         self.grammar = grammar

@@ -135,6 +135,13 @@ class Engine:
             aborted += scheduler.abort_adapter(adapter_id)
         return aborted
 
+    def replace_adapter(self, old: str, new: str, *, recompute_kv: bool = False) -> None:
+        """``old``'s requests go on under ``new`` (loaded already) from their next token: an in-place
+        update in mode keep (:meth:`engine.scheduler.Scheduler.replace_adapter`). Safe from another
+        thread; ``old``, retired after, is dropped once no row holds it."""
+        for scheduler in list(self._schedulers):
+            scheduler.replace_adapter(old, new, recompute_kv=recompute_kv)
+
     @property
     def adapter_ids(self) -> list[str]:
         return [] if self.loaded.adapters is None else self.loaded.adapters.ids()

@@ -35,7 +35,7 @@ def build_result(facts: ModelFacts, job: Any,
     choices = [Choice(index=row.choice_index, token_ids=list(row.token_ids), logprobs=row.logprobs(),
                       finish_reason=row.finish_reason, matched_stop=row.matched_stop, text=row.text(),
                       top_logprobs=row.top_logprobs(), sampling_mask=row.packed_sampling_mask(),
-                      weight_versions=_named_adapter(row.versions.spans(len(row.token_ids)), job),
+                      weight_versions=row.versions.spans(len(row.token_ids)),
                       kv_recomputed=row.versions.kv_recomputed(),
                       routed_experts=choice_routing(row, len(request.prompt_token_ids)))
                for row in job.rows]
@@ -55,9 +55,3 @@ def build_result(facts: ModelFacts, job: Any,
         **scored,
     )
 
-
-def _named_adapter(spans: list[dict], job) -> list[dict]:
-    """A LoRA row's spans name its adapter's id (name and version: engine/lora/) beside the base's
-    version, so a trainer knows which adapter version made each token."""
-    adapter = getattr(job, "adapter", "")
-    return [{**span, "adapter": adapter} for span in spans] if adapter else spans

@@ -119,7 +119,8 @@ def new_job(facts: ModelFacts, handle: int, tag: Any, request, features: dict[st
     grammar = start_grammar(facts, request.sampling)
     rows = [RowDecoder(handle, c, request.sampling, _generator(facts, request.sampling, c),
                        prompt_token_ids=request.prompt_token_ids, eos_token_ids=eos, tokenizer=facts.tokenizer,
-                       weight_version=facts.weight_version, grammar=row_grammar(grammar, facts))
+                       weight_version=facts.weight_version, adapter=getattr(request, "adapter", ""),
+                       grammar=row_grammar(grammar, facts))
             for c in range(request.sampling.n)]
     return Job(handle, tag, request, features, units, key, names, rows, time_limit, grammar=grammar)
 

@@ -57,32 +57,24 @@ from __future__ import annotations
 
 import time
 from bisect import insort
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from engine.batch_inputs import check_placeholders, check_prompt, request_features
 from engine.batch_sampler import RowTokens, sample_step
-from engine.capacity import (
-    SchedulerLimits,
-    check_capacity,
-    fits_kv_pool,
-    next_admission,
-    request_peak_blocks,
-    request_rows,
-)
+from engine.capacity import SchedulerLimits, fits_kv_pool, next_admission, request_peak_blocks, request_rows
 from engine.decoding import RowDecoder
-from engine.errors import InvalidRequestError
-from engine.grammar.for_request import admissible, check_grammar, wait_for_grammars
-from engine.lora.bank import adapter_admissible, check_adapter
+from engine.grammar.for_request import admissible, wait_for_grammars
+from engine.lora.bank import adapter_admissible
 from engine.model_facts import ModelFacts
 from engine.preemption import choose_victim, preempt, resume, resume_rows
 from engine.prefix_cache import PrefixCache
 from engine.prompt_cache import PrefilledPrompt, PromptEnds
+from engine.request_checks import check_request
 from engine.request_result import build_result
-from engine.routing.result import check_routed
 from engine.running_batch import RunningBatch
 from engine.scheduled_requests import ChoiceSoFar, EngineStats, Finished, Job, new_job, rekey
 from engine.step_prefill import StepPrefill
@@ -114,6 +106,7 @@ class Scheduler:
         self._jobs: dict[int, Job] = {}
         self._pending: list[Job] = []
         self._admitted: list[Job] = []  # admitted, waiting for their prompt's prefill
+        self._replaced: deque[tuple[str, str, bool]] = deque()  # adapters updated in place in mode keep
         self._batch = RunningBatch(self.pool, attn_implementation=self.runner.attn_implementation,
                                    dtype=facts.dtype, device=facts.device, on_row_done=self.prefixes.keep_decoded)
         self._prefill = StepPrefill(runner, self.prefixes, self.stats, limits, fail=self._fail)
@@ -122,18 +115,7 @@ class Scheduler:
 
     def check(self, request) -> dict[str, torch.Tensor]:
         """Refuse what can never run (typed errors); the request's model features otherwise."""
-        facts, params = self.facts, request.sampling
-        check_prompt(facts, request.prompt_token_ids, params.max_tokens)
-        features = request_features(request.items, request.mm_kwargs)
-        check_placeholders(facts, request.prompt_token_ids, features)
-        if params.stop and facts.tokenizer is None:
-            raise InvalidRequestError("stop strings need the model's tokenizer, which this model directory lacks",
-                                      errors={"stop": ["not supported by this model"]})
-        check_capacity(self.limits, len(request.prompt_token_ids), params.max_tokens, params.n)
-        check_grammar(facts, params)
-        check_adapter(facts, request)
-        check_routed(getattr(self.runner, "routing", None), params)
-        return features
+        return check_request(self.facts, self.limits, getattr(self.runner, "routing", None), request)
 
     def submit(self, request, *, tag: Any = None, time_limit: float | None = None,
                features: dict[str, torch.Tensor] | None = None) -> int:
@@ -173,10 +155,29 @@ class Scheduler:
     def weights_changed(self, *, recompute_kv: bool = False) -> None:
         """The model's weights were just swapped between two steps (update mode keep): every request
         goes on under them (:func:`engine.weight_crossing.cross_swap`)."""
+        version = self.facts.weight_version
+        self._cross(list(self._jobs.values()), lambda versions, tokens: versions.mark(tokens, version), recompute_kv)
+
+    def replace_adapter(self, old: str, new: str, *, recompute_kv: bool = False) -> None:
+        """The LoRA adapter ``old`` was updated in place as ``new`` (mode keep): ``old``'s requests
+        go on under ``new`` from their next token, as every request does across a swap of the base;
+        the other adapters' and the base's never notice. Safe from another thread: applied at the
+        next step, between two forwards (``new`` must be loaded already)."""
+        self._replaced.append((old, new, recompute_kv))
+
+    def _replace_adapters(self) -> None:
+        while self._replaced:
+            old, new, recompute_kv = self._replaced.popleft()
+            jobs = [job for job in self._jobs.values() if job.adapter == old]
+            for job in jobs:
+                job.request = replace(job.request, adapter=new)
+            self._cross(jobs, lambda versions, tokens, _new=new: versions.mark(tokens, adapter=_new), recompute_kv)
+
+    def _cross(self, jobs: list[Job], mark, recompute_kv: bool) -> None:
         size, caching = self.pool.block_size, self.limits.prefix_caching
         self._admitted = cross_swap(
-            self.facts.weight_version, list(self._jobs.values()), self._batch, self._prefill, self._admitted,
-            self.prefixes, self.runner, recompute_kv=recompute_kv, fail=self._fail,
+            jobs, self._batch, self._prefill, self._admitted, self.prefixes, self.runner, mark=mark,
+            recompute_kv=recompute_kv, fail=self._fail,
             rename=lambda job: rekey(self.facts, job, block_size=size, prefix_caching=caching))
 
     @property
@@ -228,6 +229,7 @@ class Scheduler:
     def step(self) -> list[Finished]:
         """One scheduling iteration (see the module docstring); the requests that ended in it."""
         events: list[RowTokens] = []
+        self._replace_adapters()
         self._stop_aborted_and_expired()
         if self._batch:
             self._decode(events)

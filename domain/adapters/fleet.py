@@ -35,10 +35,10 @@ class AdapterNotLoadedError(RolloutError):
 
 
 def load(registry: AdapterRegistry, *, scope: str, name: str, path: str, inplace: bool, per_key_cap: int | None,
-         timeout: float, mode: str = "finish") -> AdapterEntry:
+         timeout: float, mode: str = "finish", recompute_kv: bool = False) -> AdapterEntry:
     """Make ``path`` the adapter ``name`` of ``scope`` (a new version when ``inplace`` and loaded
-    already: the old version's rows finish on it, or with ``mode`` abort end now); answers once
-    every live GPU worker serves it. ``per_key_cap``: None for shared."""
+    already: the old version's rows finish on it, with ``mode`` abort end now, with keep go on under
+    the new one); answers once every live GPU worker serves it. ``per_key_cap``: None for shared."""
     current = registry.get(scope, name)
     if current is not None and not inplace:
         raise AdapterExistsError(f"adapter {name!r} is loaded already; pass load_inplace to replace it",
@@ -46,7 +46,8 @@ def load(registry: AdapterRegistry, *, scope: str, name: str, path: str, inplace
     if current is None and per_key_cap is not None and registry.count(scope) >= per_key_cap:
         raise AdapterLimitError(f"this key has {per_key_cap} adapters loaded (ROLLOUT_MAX_LORAS_PER_KEY); unload "
                                 "one first", errors={"limit": per_key_cap})
-    entry, previous, epoch = registry.put(scope=scope, name=name, path=path, mode=mode)
+    entry, previous, epoch = registry.put(scope=scope, name=name, path=path, mode=mode,
+                                          recompute_kv=recompute_kv)
     workers = wait_for_fleet(registry, epoch, timeout)
     refusals = [w.refused[entry.id] for w in workers if entry.id in w.refused]
     if workers and len(refusals) == len(workers):

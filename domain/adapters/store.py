@@ -26,7 +26,7 @@ SEQ_KEY = "rq:lora:seq"
 WORKER_PREFIX = "rq:lora:worker:"
 WORKER_TTL = 6
 SHARED = "*"
-MODES = ("finish", "abort")  # what an in-place update does to the old version's rows
+MODES = ("finish", "abort", "keep")  # what an in-place update does to the old version's rows
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,11 @@ class AdapterEntry:
     path: str  # the resolved directory under ROLLOUT_WEIGHTS_ROOT
     version: int  # rq:lora:seq when this version was loaded
     loaded_at: float = field(default_factory=time.time)
-    # What the rows of the version it replaced do (load_inplace): finish on it, or abort now.
+    # What the rows of the version it replaced do (load_inplace): finish on it, abort now, or keep
+    # going under this version from their next token (their KV as the old one computed it, unless
+    # ``recompute_kv``), as a weight update's modes do to every row.
     mode: str = "finish"
+    recompute_kv: bool = False
 
     @property
     def id(self) -> str:
@@ -50,7 +53,7 @@ class AdapterEntry:
 
     def view(self) -> dict:
         return {"name": self.name, "version": self.version, "shared": self.shared, "path": self.path,
-                "loaded_at": self.loaded_at, "id": self.id, "mode": self.mode}
+                "loaded_at": self.loaded_at, "id": self.id, "mode": self.mode, "recompute_kv": self.recompute_kv}
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,10 @@ class AdapterRegistry:
     def count(self, scope: str) -> int:
         return sum(1 for e in self.entries() if e.scope == scope)
 
-    def put(self, *, scope: str, name: str, path: str, mode: str = "finish"
+    def put(self, *, scope: str, name: str, path: str, mode: str = "finish", recompute_kv: bool = False
             ) -> tuple[AdapterEntry, AdapterEntry | None, int]:
         """A new version of ``name`` in ``scope``: (it, the entry it replaced, the epoch)."""
-        entry = AdapterEntry(name, scope, path, int(self.redis.incr(SEQ_KEY)), mode=mode)
+        entry = AdapterEntry(name, scope, path, int(self.redis.incr(SEQ_KEY)), mode=mode, recompute_kv=recompute_kv)
         key = _field(scope, name)
 
         def swap(pipe: redis.client.Pipeline):

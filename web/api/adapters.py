@@ -41,7 +41,8 @@ def _scope() -> str:
     return SHARED if g.get("admin") else current_owner()
 
 
-def load_for_caller(name: str, path: str, *, inplace: bool = False, mode: str = "finish") -> AdapterEntry:
+def load_for_caller(name: str, path: str, *, inplace: bool = False, mode: str = "finish",
+                    recompute_kv: bool = False) -> AdapterEntry:
     """Load (or with ``inplace``, replace by a new version) the caller's adapter ``name``."""
     settings = services().settings
     directory = resolve_weights_dir(path, settings.weights_root)
@@ -50,7 +51,8 @@ def load_for_caller(name: str, path: str, *, inplace: bool = False, mode: str = 
     check_adapter_dir(directory, root=settings.weights_root, max_rank=settings.max_lora_rank)
     return fleet.load(registry(), scope=_scope(), name=name, path=str(directory), inplace=inplace,
                       per_key_cap=None if g.get("admin") else settings.max_loras_per_key,
-                      timeout=settings.weights_update_timeout, mode=mode)
+                      timeout=settings.weights_update_timeout, mode=mode,
+                      recompute_kv=recompute_kv)
 
 
 def unload_for_caller(name: str) -> AdapterEntry:
@@ -98,8 +100,11 @@ class AdapterLoadSchema(Schema):
     load_inplace = StrictBoolean(load_default=False, metadata={
         "description": "Replace a loaded adapter of that name by a new version (RL updates)"})
     mode = fields.String(load_default="finish", validate=validate.OneOf(MODES), metadata={
-        "description": "load_inplace: the old version's rows finish on it, or abort now (the base and other "
-                       "adapters never pause)"})
+        "description": "load_inplace: the old version's rows finish on it, abort now, or keep going under the "
+                       "new version from their next token (their weight_versions name both); the base and "
+                       "other adapters never pause"})
+    recompute_kv = StrictBoolean(load_default=False, metadata={
+        "description": "Mode keep: the rows' KV so far is computed again by the new version"})
 
 
 class AdapterSchema(Schema):
@@ -110,6 +115,7 @@ class AdapterSchema(Schema):
     loaded_at = fields.Float()
     id = fields.String()
     mode = fields.String()
+    recompute_kv = fields.Boolean()
 
 
 class AdapterListSchema(Schema):
@@ -131,7 +137,8 @@ class Adapters(MethodView):
     def post(self, body):
         """Load a PEFT adapter for this key (an admin key's: for every key); answers once every
         live GPU worker serves it."""
-        return load_for_caller(body["name"], body["path"], inplace=body["load_inplace"], mode=body["mode"]).view()
+        return load_for_caller(body["name"], body["path"], inplace=body["load_inplace"], mode=body["mode"],
+                               recompute_kv=body["recompute_kv"]).view()
 
 
 @blp.route("/v1/adapters/<string:name>")

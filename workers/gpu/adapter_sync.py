@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import redis
@@ -23,11 +24,17 @@ from engine.errors import InternalError, RolloutError
 log = logging.getLogger(__name__)
 
 
-def engine_adapter(request: dict) -> str:
-    """The engine id a stored request runs under: the one the API resolved (``lora_id``); a name
-    nobody resolved (a batch line's ``adapter``) is no engine id, so the engine refuses it
-    (``adapter_not_found``) rather than answer with the base."""
-    return request.get("lora_id") or request.get("adapter") or ""
+def engine_adapter(request: dict, served: Iterable[str] = ()) -> str:
+    """The engine id a stored request runs under: the one the API resolved (``lora_id``), or the
+    version of that adapter ``served`` now when an in-place update replaced it while the job was
+    queued (as a queued job runs on the weights serving when it starts); a name nobody resolved (a
+    batch line's ``adapter``) is no engine id, so the engine refuses it (``adapter_not_found``)
+    rather than answer with the base, as it refuses an adapter since unloaded."""
+    adapter_id = request.get("lora_id") or request.get("adapter") or ""
+    served = list(served)
+    if not adapter_id or adapter_id in served:
+        return adapter_id
+    return next((current for current in served if _name(current) == _name(adapter_id)), adapter_id)
 
 
 def _name(adapter_id: str) -> str:
@@ -63,6 +70,9 @@ class AdapterSync:
                     if successor is not None and successor.mode == "abort":
                         aborted = self.engine.abort_adapter(adapter_id)  # its rows end at their next step
                         log.info("adapter %s replaced in mode abort: %d requests aborted", adapter_id, aborted)
+                    elif successor is not None and successor.mode == "keep":  # its rows go on under the successor
+                        self.engine.replace_adapter(adapter_id, successor.id, recompute_kv=successor.recompute_kv)
+                        log.info("adapter %s replaced in mode keep by %s", adapter_id, successor.id)
                     self.engine.unload_adapter(adapter_id)
             self.epoch = epoch
         self.registry.report(WorkerAdapters(self.worker, self.epoch, self.engine.adapter_ids, dict(self._refused)))

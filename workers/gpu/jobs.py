@@ -128,7 +128,7 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
         outputs = engine.score([
             ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                          completion_token_ids=StoredJob.of(job).request.completion_token_ids,
-                         adapter=engine_adapter(job["request"]),
+                         adapter=engine_adapter(job["request"], engine.adapter_ids),
                          routed_experts=StoredJob.of(job).request.sampling.routed_experts)
             for job, prompt in group
         ])

@@ -214,7 +214,7 @@ class GenerateSession:
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
                                             sampling=stored.request.sampling, enqueued_at=stored.created_at,
                                             cache_scope=stored.cache_scope, tenant=stored.owner,
-                                            adapter=engine_adapter(job["request"]))
+                                            adapter=engine_adapter(job["request"], self.engine.adapter_ids))
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
                 if fail_job(rt, job["id"], _job_error(job, error), fence=Fence.generation(job["id"], attempt.number)):

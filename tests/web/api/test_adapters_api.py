@@ -52,6 +52,13 @@ def test_adapter_routes_refuse_in_each_dialects_shape(make_app, tmp_path):
     newer = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned", "load_inplace": True,
                                               "mode": "abort"}, headers=auth())
     assert newer.status_code == 200 and newer.get_json()["version"] > loaded.get_json()["version"]
+    kept = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned", "load_inplace": True, "mode": "keep",
+                                             "recompute_kv": True}, headers=auth())
+    assert kept.status_code == 200 and kept.get_json()["version"] > newer.get_json()["version"]
+    assert (kept.get_json()["mode"], kept.get_json()["recompute_kv"]) == ("keep", True)
+    odd = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned", "load_inplace": True, "mode": "wait"},
+                      headers=auth())
+    assert odd.status_code == 422 and odd.get_json()["code"] == "invalid_request"
 
     assert [a["name"] for a in client.get("/v1/adapters", headers=auth(KEY_A)).get_json()["data"]] == ["tuned"]
     assert client.get("/v1/adapters", headers=auth(KEY_B)).get_json()["data"] == []

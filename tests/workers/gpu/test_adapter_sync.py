@@ -19,7 +19,7 @@ from engine.generation import Engine
 from engine.loading import load_model
 from engine.lora.errors import AdapterInvalidError, AdapterLimitError, AdapterNotFoundError
 from tests.engine.lora.lora_support import make_adapter
-from workers.gpu.adapter_sync import AdapterSync
+from workers.gpu.adapter_sync import AdapterSync, engine_adapter
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +121,43 @@ def test_an_update_in_mode_abort_ends_the_old_versions_rows_only(worker, registr
     by_handle = {done.handle: done.result.choices[0] for done in finished}
     assert by_handle[old_row].finish_reason == "abort" and 0 < len(by_handle[old_row].token_ids) < 64
     assert by_handle[base_row].finish_reason == "length" and len(by_handle[base_row].token_ids) == 64
+
+
+def test_an_update_in_mode_keep_carries_the_old_versions_rows_over(worker, registry, root):
+    from engine.generation import GenerationRequest
+    from engine.sampling_params import SamplingParams
+
+    old = _load(registry, root, "x", "good")
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    prompt = [300, 301, 302, 303, 304]
+    scheduler = worker.engine.scheduler()
+    finished = []
+    try:
+        old_row = scheduler.submit(GenerationRequest(prompt, params, adapter=old.id))
+        base_row = scheduler.submit(GenerationRequest(prompt, params))
+        for _ in range(3):
+            finished += scheduler.step()
+        new = fleet.load(registry, scope="k", name="x", path=str(root / "good"), inplace=True, per_key_cap=None,
+                         timeout=10, mode="keep")
+        assert worker.engine.adapter_ids == [new.id]
+        while scheduler.has_work:
+            finished += scheduler.step()
+    finally:
+        scheduler.close()
+    by_handle = {done.handle: done.result.choices[0] for done in finished}
+    kept = by_handle[old_row]
+    assert kept.finish_reason == "length" and len(kept.token_ids) == 64
+    assert [span["adapter"] for span in kept.weight_versions] == [old.id, new.id]
+    assert kept.weight_versions[0]["end"] == kept.weight_versions[1]["start"] >= 3
+    assert by_handle[base_row].weight_versions == [{"version": worker.engine.weight_version, "start": 0, "end": 64}]
+
+
+def test_a_job_queued_under_a_replaced_version_runs_under_the_served_one():
+    """The id the API resolved was replaced in place while the job waited: it runs under that
+    adapter's version served now; an unloaded adapter, or a name nobody resolved, stays refused."""
+    served = ["k/x@7", "k/y@3"]
+    assert engine_adapter({"adapter": "x", "lora_id": "k/x@5"}, served) == "k/x@7"
+    assert engine_adapter({"adapter": "x", "lora_id": "k/x@7"}, served) == "k/x@7"
+    assert engine_adapter({"adapter": "z", "lora_id": "k/z@2"}, served) == "k/z@2"  # unloaded: refused
+    assert engine_adapter({"adapter": "x"}, served) == "x"  # never resolved: refused
+    assert engine_adapter({}, served) == ""
