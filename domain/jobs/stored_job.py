@@ -3,16 +3,20 @@
 The job record (domain/jobs/store.py) is a flat hash; its ``request`` is the validated dict the
 API stored. Every place that runs a stored job reads it here, so the request is rebuilt with one
 constructor (:meth:`JobRequest.from_dict`, which maps API meaning to engine meaning) and a job's
-owner and KV scope come from the same fields everywhere.
+owner, KV scope, adapter and (once a GPU worker began it) generation attempt come from the same
+fields everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from domain.jobs.request import JobRequest
+
+if TYPE_CHECKING:
+    from domain.jobs.events import Attempt
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class StoredJob:
     created_at: float | None
     # The decoded record it was read from: its request as stored, and the fields no worker types.
     record: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Its generation attempt once a GPU worker began it (domain/jobs/attempts.py), else None.
+    attempt: Attempt | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, record: dict[str, Any]) -> StoredJob:
@@ -37,6 +43,17 @@ class StoredJob:
         request the engine refuses (:meth:`JobRequest.from_dict`), inside the caller's ``try`` that
         fails that job alone, not where the job is read."""
         return JobRequest.from_dict(self.record["request"])
+
+    def began(self, attempt: Attempt | None) -> StoredJob:
+        """This job under the generation attempt a GPU worker began for it."""
+        return replace(self, attempt=attempt)
+
+    @property
+    def adapter_id(self) -> str:
+        """The engine id of the LoRA adapter it runs under: the one the API resolved (``lora_id``),
+        else the name a batch line gave (no engine id: the engine refuses it); "" is the base."""
+        request = self.record.get("request") or {}
+        return request.get("lora_id") or request.get("adapter") or ""
 
     @property
     def cache_scope(self) -> str:

@@ -24,13 +24,12 @@ from engine.errors import InternalError, RolloutError
 log = logging.getLogger(__name__)
 
 
-def engine_adapter(request: dict, served: Iterable[str] = ()) -> str:
-    """The engine id a stored request runs under: the one the API resolved (``lora_id``), or the
-    version of that adapter ``served`` now when an in-place update replaced it while the job was
-    queued (as a queued job runs on the weights serving when it starts); a name nobody resolved (a
-    batch line's ``adapter``) is no engine id, so the engine refuses it (``adapter_not_found``)
+def engine_adapter(adapter_id: str, served: Iterable[str] = ()) -> str:
+    """The engine id a stored job runs under (``StoredJob.adapter_id``): the one the API resolved,
+    or the version of that adapter ``served`` now when an in-place update replaced it while the job
+    was queued (as a queued job runs on the weights serving when it starts); a name nobody resolved
+    (a batch line's ``adapter``) is no engine id, so the engine refuses it (``adapter_not_found``)
     rather than answer with the base, as it refuses an adapter since unloaded."""
-    adapter_id = request.get("lora_id") or request.get("adapter") or ""
     served = list(served)
     if not adapter_id or adapter_id in served:
         return adapter_id

@@ -159,10 +159,10 @@ class JobEnds:
                 continue
             done.append(live)
             if status == "failed" and outcome == 1:
-                log.info("job %s failed: %s", live.job["id"], fields["error"]["code"])
+                log.info("job %s failed: %s", live.job.id, fields["error"]["code"])
         if superseded:
             log.warning("%d superseded attempts dropped: %s", len(superseded),
-                        ", ".join(f"{live.job['id']}#{live.attempt}" for live in superseded))
+                        ", ".join(f"{live.job.id}#{live.attempt}" for live in superseded))
         release_prompts(rt.redis, [live.prompt for live in done])
         return done, superseded
 
@@ -173,7 +173,7 @@ class JobEnds:
         if not retracted:
             return [], []
         try:
-            released = rt.events.release_attempts([(live.job["id"], live.attempt) for live in retracted])
+            released = rt.events.release_attempts([(live.job.id, live.attempt) for live in retracted])
         except Exception as error:
             if not refused_for_memory(rt.redis, error):
                 raise

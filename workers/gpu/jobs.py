@@ -15,7 +15,7 @@ from typing import Any
 from domain.infra.metrics import count, observe_stage
 from domain.infra.redis_client import REDIS_DOWN
 from domain.jobs.attempts import attempt_key
-from domain.jobs.events import Attempt, watch_key
+from domain.jobs.events import watch_key
 from domain.jobs.prompt_codec import open_prompt, release_prompts
 from domain.jobs.results import engine_result
 from domain.jobs.store import TERMINAL, JobStore
@@ -30,18 +30,20 @@ from workers.memory_refusal import refused_for_memory
 log = logging.getLogger(__name__)
 
 
-def open_jobs(rt, job_ids: list[str], *, device, holder: str = "") -> tuple[list[tuple[dict, Any, Attempt | None]], list[str]]:
+def open_jobs(rt, job_ids: list[str], *, device, holder: str = "") -> tuple[list[tuple[StoredJob, Any]], list[str]]:
     """The jobs of ``job_ids`` that are ready to run, moved to ``generating``, with their opened
-    prompts and, for a generate job, its new attempt (begun for ``holder``, this worker's heartbeat
-    key); and the ids settled without running (gone, already ended, sent back to preprocessing,
-    cancelled meanwhile, or run by another live worker's attempt), whose messages are done."""
+    prompts and, for a generate job, its new attempt (``StoredJob.attempt``, begun for ``holder``,
+    this worker's heartbeat key); and the ids settled without running (gone, already ended, sent
+    back to preprocessing, cancelled meanwhile, or run by another live worker's attempt), whose
+    messages are done."""
     ready, ended, settled = [], [], []
-    for job_id, (job, raw) in zip(job_ids, rt.jobs.with_prompts(job_ids), strict=True):
-        if job is None:
+    for job_id, (record, raw) in zip(job_ids, rt.jobs.with_prompts(job_ids), strict=True):
+        if record is None:
             settled.append(job_id)
             continue
-        if job["status"] in TERMINAL:
-            ended.append(job)
+        job = StoredJob.of(record)
+        if job.status in TERMINAL:
+            ended.append(record)
             settled.append(job_id)
             continue
         if raw is None:
@@ -60,28 +62,28 @@ def open_jobs(rt, job_ids: list[str], *, device, holder: str = "") -> tuple[list
             continue
         ready.append((job, prompt))
     resume_followups(rt, ended)
-    moved = rt.jobs.advance_many([(job["id"], job["owner"]) for job, _ in ready], "generating")
+    moved = rt.jobs.advance_many([(job.id, job.owner) for job, _ in ready], "generating")
     running, cancelled = [], []
     for (job, prompt), advanced in zip(ready, moved, strict=True):
         # Neither moved nor already generating (a redelivery): it was cancelled meanwhile.
-        if advanced or job["status"] == "generating":
+        if advanced or job.status == "generating":
             running.append((job, prompt))
         else:
             cancelled.append(prompt)
-            settled.append(job["id"])
+            settled.append(job.id)
     release_prompts(rt.redis, cancelled)
-    generating = [job["id"] for job, _ in running if job["kind"] == "generate"]
+    generating = [job.id for job, _ in running if job.kind == "generate"]
     attempts = dict(zip(generating, rt.events.begin_attempts(generating, holder=holder), strict=True))
     opened = []
     for job, prompt in running:
-        attempt = attempts.get(job["id"])
-        if job["kind"] == "generate" and attempt is None:
+        attempt = attempts.get(job.id)
+        if job.kind == "generate" and attempt is None:
             # Ended meanwhile, or a duplicate of a message another live worker runs (it was handed
             # back while that worker seemed dead): that attempt ends the job, and uses its prompt.
-            log.info("job %s: run by another attempt; this message is a duplicate", job["id"])
-            settled.append(job["id"])
+            log.info("job %s: run by another attempt; this message is a duplicate", job.id)
+            settled.append(job.id)
             continue
-        opened.append((job, prompt, attempt))
+        opened.append((job.began(attempt), prompt))
     return opened, settled
 
 
@@ -114,12 +116,12 @@ def poll_session(redis, attempts: dict[str, int], running: list[str], unwatched:
                     if number is not None and int(number) != attempt})
 
 
-def run_score_jobs(rt, engine, group: list[tuple[dict, Any]]) -> None:
+def run_score_jobs(rt, engine, group: list[tuple[StoredJob, Any]]) -> None:
     deadline = time.monotonic() + rt.settings.task_soft_time_limit
     _run_part(rt, engine, "score", group, deadline)
 
 
-def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: float) -> None:
+def _run_group(rt, engine, kind: str, group: list[tuple[StoredJob, Any]], deadline: float) -> None:
     """Run ``group`` as one scoring batch and end its jobs. Raises only for a group of one."""
     from engine.scoring import ScoreRequest
 
@@ -127,9 +129,9 @@ def _run_group(rt, engine, kind: str, group: list[tuple[dict, Any]], deadline: f
     try:
         outputs = engine.score([
             ScoreRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                         completion_token_ids=StoredJob.of(job).request.completion_token_ids,
-                         adapter=engine_adapter(job["request"], engine.adapter_ids),
-                         routed_experts=StoredJob.of(job).request.sampling.routed_experts)
+                         completion_token_ids=job.request.completion_token_ids,
+                         adapter=engine_adapter(job.adapter_id, engine.adapter_ids),
+                         routed_experts=job.request.sampling.routed_experts)
             for job, prompt in group
         ])
     except REDIS_DOWN:
@@ -155,7 +157,7 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
     if len(part) > 1:
         _run_group(rt, engine, kind, part, deadline)
         return
-    job_id = part[0][0]["id"]
+    job_id = part[0][0].id
     try:
         _run_group(rt, engine, kind, part, deadline)
     except REDIS_DOWN:
@@ -168,28 +170,28 @@ def _run_part(rt, engine, kind: str, part, deadline: float) -> None:
         fail_unexpected(rt, job_id, "generating")
 
 
-def requeue_generate(rt, job: dict, prompt) -> None:
+def requeue_generate(rt, job: StoredJob, prompt) -> None:
     """Queue the job's generation again (a weight update in mode retract): it runs from its prompt,
     on the new weights, most likely on this worker (its prefix is here); its feature handles stay
     held on this node."""
     media = [(item.offset[0], item.content_hash) for item in prompt.items if item.content_hash]
     send_placed(rt.celery, rt.redis, [
-        placement(job["id"], job["owner"], StoredJob.of(job).request, prompt.token_ids, media=media,
+        placement(job.id, job.owner, job.request, prompt.token_ids, media=media,
                   transport=prompt.transport, node_id=rt.settings.node_id)])
 
 
-def ending(rt, engine, job: dict, prompt, output, elapsed: float, *, batch_size: int,
+def ending(rt, engine, job: StoredJob, prompt, output, elapsed: float, *, batch_size: int,
            stopped_by_weights: bool = False):
-    """``(job, status, fields)`` that end a job with its engine output (see ``end_jobs``). A row
+    """``(job record, status, fields)`` that end a job with its engine output (see ``end_jobs``). A row
     stopped by a weight update in mode abort succeeds with ``finish_reason: "abort"`` (the job was
     not cancelled: it ended early with its tokens so far)."""
-    timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job["kind"]: elapsed,
+    timings = {**prompt.timings, **(getattr(output, "timings", None) or {}), job.kind: elapsed,
                "batch_size": batch_size}
-    result = engine_result(output, kind=job["kind"], prompt_token_ids=prompt.token_ids,
+    result = engine_result(output, kind=job.kind, prompt_token_ids=prompt.token_ids,
                            placeholder_ranges=prompt.placeholder_ranges, weight_version=engine.weight_version,
                            transport=prompt.transport, timings=timings,
                            # Handles never cross nodes: where the prompt was preprocessed and where it ran.
                            nodes={"preprocess": prompt.node_id, "generate": rt.settings.node_id,
                                   "generate_worker": worker_name(rt.settings.node_id)})
     aborted = any(choice["finish_reason"] == "abort" for choice in result.get("choices", ()))
-    return job, "cancelled" if aborted and not stopped_by_weights else "succeeded", {"result": result}
+    return job.record, "cancelled" if aborted and not stopped_by_weights else "succeeded", {"result": result}

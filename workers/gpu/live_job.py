@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from domain.jobs.attempts import Fence
+from domain.jobs.stored_job import StoredJob
 from domain.jobs.stream_text import StreamText
 
 
@@ -18,7 +19,7 @@ class ChoiceStream:
 
 @dataclass
 class LiveJob:
-    job: dict[str, Any]
+    job: StoredJob
     prompt: Any
     message_ids: list[str]
     sampling: Any
@@ -31,4 +32,4 @@ class LiveJob:
 
     @property
     def fence(self) -> Fence:
-        return Fence.generation(self.job["id"], self.attempt)
+        return Fence.generation(self.job.id, self.attempt)

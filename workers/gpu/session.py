@@ -49,7 +49,6 @@ import redis
 from domain.infra.heartbeats import heartbeat_key
 from domain.jobs.attempts import Fence
 from domain.jobs.prompt_codec import release_prompts
-from domain.jobs.stored_job import StoredJob
 from domain.jobs.stream_text import StreamText
 from domain.lifecycle import fail_job
 from domain.names import worker_name
@@ -193,9 +192,9 @@ class GenerateSession:
             self.batches.hand_back([mid for mids in messages.values() for mid in mids])
             return
         self.batches.acknowledge([mid for job_id in settled for mid in messages[job_id]])
-        scores = [(job, prompt) for job, prompt, _ in ready if job["kind"] == "score"]
+        scores = [(job, prompt) for job, prompt in ready if job.kind == "score"]
         if scores:
-            score_messages = [mid for job, _ in scores for mid in messages[job["id"]]]
+            score_messages = [mid for job, _ in scores for mid in messages[job.id]]
             try:
                 run_score_jobs(rt, self.engine, scores)
             except Exception as error:
@@ -206,26 +205,26 @@ class GenerateSession:
             finally:
                 release_prompts(rt.redis, [prompt for _job, prompt in scores])
                 self.batches.acknowledge(score_messages)
-        for job, prompt, attempt in ready:
-            if job["kind"] != "generate":
+        for job, prompt in ready:
+            if job.kind != "generate":
                 continue
+            attempt = job.attempt
             try:
-                stored = StoredJob.of(job)
                 request = GenerationRequest(prompt_token_ids=prompt.token_ids, items=prompt.items,
-                                            sampling=stored.request.sampling, enqueued_at=stored.created_at,
-                                            cache_scope=stored.cache_scope, tenant=stored.owner,
-                                            adapter=engine_adapter(job["request"], self.engine.adapter_ids))
+                                            sampling=job.request.sampling, enqueued_at=job.created_at,
+                                            cache_scope=job.cache_scope, tenant=job.owner,
+                                            adapter=engine_adapter(job.adapter_id, self.engine.adapter_ids))
                 features = self.scheduler.check(request)
             except Exception as error:  # whatever one request raises, it fails alone
-                if fail_job(rt, job["id"], _job_error(job, error), fence=Fence.generation(job["id"], attempt.number)):
+                if fail_job(rt, job.id, _job_error(job.id, error), fence=Fence.generation(job.id, attempt.number)):
                     release_prompts(rt.redis, [prompt])  # not a superseded attempt's: the newer one uses it
-                self.batches.acknowledge(messages[job["id"]])
+                self.batches.acknowledge(messages[job.id])
                 continue
-            handle = self.scheduler.submit(request, tag=job["id"], time_limit=rt.settings.task_soft_time_limit,
+            handle = self.scheduler.submit(request, tag=job.id, time_limit=rt.settings.task_soft_time_limit,
                                            features=features)
-            live = LiveJob(job, prompt, messages[job["id"]], request.sampling, attempt=attempt.number)
+            live = LiveJob(job, prompt, messages[job.id], request.sampling, attempt=attempt.number)
             self.live[handle] = live
-            self._by_job[job["id"]] = live
+            self._by_job[job.id] = live
             if attempt.watched:
                 self._watch(handle, live)
 
@@ -285,7 +284,7 @@ class GenerateSession:
 
     def _entry(self, live: LiveJob, index: int) -> dict[str, Any]:
         """The choice's entry of the next flush (started at the first token not yet staged)."""
-        choices = self._unflushed.setdefault((live.job["id"], live.attempt), {})
+        choices = self._unflushed.setdefault((live.job.id, live.attempt), {})
         if index not in choices:
             stream = live.streams[index]
             choices[index] = {"index": index, "offset": stream.sent, "token_ids": [], "finish_reason": None}
@@ -326,9 +325,9 @@ class GenerateSession:
         """A newer attempt of these jobs began elsewhere: stop their rows here (they end at the next
         step, and ``_end`` drops them) and write nothing more for them."""
         for handle, live in self.live.items():
-            if live.job["id"] in job_ids and not live.superseded:
+            if live.job.id in job_ids and not live.superseded:
                 log.warning("job %s: attempt %d was superseded by a newer one elsewhere; dropping its rows",
-                            live.job["id"], live.attempt)
+                            live.job.id, live.attempt)
                 live.superseded = True
                 self.scheduler.abort(handle)
 
@@ -339,7 +338,7 @@ class GenerateSession:
         if now < self._next_poll or not self.live:
             return
         self._next_poll = now + ABORT_POLL_SECONDS
-        by_job = {live.job["id"]: handle for handle, live in self.live.items()}
+        by_job = {live.job.id: handle for handle, live in self.live.items()}
         unwatched = [job_id for job_id, live in self._by_job.items() if not live.watched]
         attempts = {job_id: live.attempt for job_id, live in self._by_job.items() if not live.superseded}
         try:
@@ -361,7 +360,7 @@ class GenerateSession:
         for item in finished:
             live = self.live.pop(item.handle)
             self._by_job.pop(item.tag, None)
-            job = live.job
+            job = live.job.record  # what the job ends from (domain/lifecycle.py)
             if live.superseded:
                 superseded.append(live)  # the newer attempt ends the job and releases its prompt
                 continue
@@ -371,23 +370,23 @@ class GenerateSession:
             elapsed = time.perf_counter() - live.started
             durations.append(elapsed)
             if item.error is not None:
-                endings.append((job, "failed", {"error": _job_error(job, item.error).to_dict()}))
+                endings.append((job, "failed", {"error": _job_error(live.job.id, item.error).to_dict()}))
             elif item.timed_out:
                 limit = rt.settings.task_soft_time_limit
                 error = JobTimeoutError(f"generation exceeded its time limit ({limit} s)")
                 endings.append((job, "failed", {"error": error.to_dict()}))
             else:
-                endings.append(ending(rt, self.engine, job, live.prompt, item.result, elapsed,
+                endings.append(ending(rt, self.engine, live.job, live.prompt, item.result, elapsed,
                                       batch_size=item.batch_rows, stopped_by_weights=live.stopped_by is not None))
             ended.append(live)
         self._stats.batch.observe_stage("generate", *durations)
         self._ends.finish(ended, endings, retracted, superseded)
 
 
-def _job_error(job: dict[str, Any], error: BaseException) -> RolloutError:
+def _job_error(job_id: str, error: BaseException) -> RolloutError:
     """The error a job ends with: typed errors as they are; anything else is logged here and
     reaches the client as ``internal_error``, never with its text."""
     if isinstance(error, RolloutError):
         return error
-    log.error("job %s: unexpected error while generating", job["id"], exc_info=error)
+    log.error("job %s: unexpected error while generating", job_id, exc_info=error)
     return InternalError("internal error while generating")

@@ -84,7 +84,7 @@ def settle_after_error(rt, session: GenerateSession, batches) -> None:
     failed = []
     for live in (live for live in session.live.values() if not live.superseded):
         try:
-            fail_unexpected(rt, live.job["id"], "generating", fence=live.fence)
+            fail_unexpected(rt, live.job.id, "generating", fence=live.fence)
         except Exception as error:
             if not refused_for_memory(rt.redis, error):
                 raise

@@ -33,3 +33,17 @@ def test_a_request_the_engine_refuses_raises_where_it_is_used_not_where_it_is_re
     assert job.owner == OWNER  # read: the caller can still fail this job by its id and owner
     with pytest.raises(InvalidRequestError):
         _ = job.request
+
+
+def test_a_stored_job_names_its_adapter_and_takes_the_attempt_begun_for_it(jobs):
+    from domain.jobs.events import Attempt
+
+    tuned = stored_request(token_ids=[1, 2], adapter="tuned", lora_id="k/tuned@4")
+    unresolved = stored_request(token_ids=[1, 2], adapter="tuned")
+    base = stored_request(token_ids=[1, 2])
+    read = [StoredJob.of(jobs.create(owner=OWNER, kind="generate", request=r, request_id=None))
+            for r in (tuned, unresolved, base)]
+    assert [job.adapter_id for job in read] == ["k/tuned@4", "tuned", ""]
+    assert read[0].attempt is None  # not begun on a GPU worker yet
+    begun = read[0].began(Attempt(2, watched=True))
+    assert begun.attempt == Attempt(2, watched=True) and begun.id == read[0].id and begun.record is read[0].record

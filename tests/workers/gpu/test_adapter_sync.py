@@ -156,8 +156,8 @@ def test_a_job_queued_under_a_replaced_version_runs_under_the_served_one():
     """The id the API resolved was replaced in place while the job waited: it runs under that
     adapter's version served now; an unloaded adapter, or a name nobody resolved, stays refused."""
     served = ["k/x@7", "k/y@3"]
-    assert engine_adapter({"adapter": "x", "lora_id": "k/x@5"}, served) == "k/x@7"
-    assert engine_adapter({"adapter": "x", "lora_id": "k/x@7"}, served) == "k/x@7"
-    assert engine_adapter({"adapter": "z", "lora_id": "k/z@2"}, served) == "k/z@2"  # unloaded: refused
-    assert engine_adapter({"adapter": "x"}, served) == "x"  # never resolved: refused
-    assert engine_adapter({}, served) == ""
+    assert engine_adapter("k/x@5", served) == "k/x@7"
+    assert engine_adapter("k/x@7", served) == "k/x@7"
+    assert engine_adapter("k/z@2", served) == "k/z@2"  # unloaded: refused
+    assert engine_adapter("x", served) == "x"  # a batch line's name nobody resolved: refused
+    assert engine_adapter("", served) == ""
