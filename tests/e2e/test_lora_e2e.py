@@ -5,7 +5,8 @@ Loaded by vLLM's, SGLang's and the native routes from a directory under the weig
 by ``model`` (OpenAI / vLLM), ``lora_path`` (SGLang) or ``adapter`` (native); tokens and logprobs
 equal PEFT's own forward; another key neither lists nor uses a key's adapter; an admin's is shared;
 a bad adapter is refused and changes nothing; unloaded, a request naming it is a 404, never the
-base's answer."""
+base's answer. Updated in place in mode keep (item 5), its running jobs go on under the new version,
+their ``weight_versions`` naming the version of each token."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from domain.adapters.store import AdapterRegistry
 from domain.infra.redis_server import EmbeddedRedis
 from tests.e2e.conftest import API_KEY, OTHER_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.job_checks import statuses, wait_until
 from tests.engine.lora.lora_support import make_adapter, peft_reference
 from tests.fidelity import assert_close
 
@@ -29,6 +31,7 @@ def weights_root(tmp_path_factory, demo_model_dir):
     root = tmp_path_factory.mktemp("lora-root")
     make_adapter(demo_model_dir, root / "tuned", rank=4, alpha=8, seed=1)
     make_adapter(demo_model_dir, root / "other", rank=2, alpha=4, seed=2, suffixes=("q_proj", "v_proj"))
+    make_adapter(demo_model_dir, root / "tuned-step-2", rank=4, alpha=8, seed=7)  # the trainer's next step
     poisoned = make_adapter(demo_model_dir, root / "poisoned", rank=2, alpha=4, seed=3)
     tensors = load_file(poisoned / "adapter_model.safetensors")
     name = sorted(tensors)[0]
@@ -150,3 +153,40 @@ def test_per_key_cap_same_names_per_key_and_shared_adapters(stack):
     for key, name in ((API_KEY, "one"), (API_KEY, "two"), (OTHER_KEY, "one")):
         assert stack.client.delete(f"/v1/adapters/{name}", headers=stack.headers(key)).status_code == 200
     assert post(stack, "/unload_lora_adapter", {"lora_name": "common"}, ADMIN).get_json()["success"]
+
+
+KEEP_TOKENS = 400
+
+
+def test_an_update_in_mode_keep_carries_running_jobs_over(stack):
+    old = post(stack, "/v1/adapters", {"name": "policy", "path": "tuned"})
+    assert old.status_code == 200, old.get_json()
+    sampling = {"max_tokens": KEEP_TOKENS, "temperature": 0, "ignore_eos": True}
+    fresh = choice_of(post(stack, "/v1/generate", {"token_ids": PROMPT, "sampling_params": sampling,
+                                                   "adapter": "policy"}))["token_ids"]  # the old version alone
+    ids = [stack.submit({"token_ids": PROMPT, "sampling_params": sampling, "adapter": "policy"})["id"]
+           for _ in range(2)]
+    wait_until(lambda: statuses(stack, ids) == ["generating"] * 2, 60, "both jobs decoding")
+
+    new = post(stack, "/v1/adapters", {"name": "policy", "path": "tuned-step-2", "load_inplace": True,
+                                       "mode": "keep"})
+    assert new.status_code == 200 and new.get_json()["mode"] == "keep", new.get_json()
+    old_id, new_id = old.get_json()["id"], new.get_json()["id"]
+    kept = 0
+    for job_id in ids:
+        job = stack.wait(job_id, timeout=120)
+        assert job["status"] == "succeeded", job.get("error")
+        [choice] = job["result"]["choices"]
+        assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == KEEP_TOKENS
+        spans = choice["weight_versions"]
+        if len(spans) == 1:  # it had no token yet at the update: wholly the new version's
+            assert spans[0]["adapter"] == new_id
+            continue
+        first, second = spans
+        at = first["end"]
+        assert (first["adapter"], first["start"], second["adapter"], second["start"], second["end"]) \
+            == (old_id, 0, new_id, at, KEEP_TOKENS) and 0 < at < KEEP_TOKENS
+        assert choice["token_ids"][:at] == fresh[:at], "the tokens before the update are the old version's"
+        kept += 1
+    assert kept >= 1, "no job was running at the update"
+    assert stack.client.delete("/v1/adapters/policy", headers=stack.headers()).status_code == 200
