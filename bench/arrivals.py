@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from bench.rows import print_rows
-from bench.service import BATCH, NEW_TOKENS, PROMPT_TOKENS, _row, engine_request
+from bench.service import _row
+from bench.stack import BATCH, NEW_TOKENS, PROMPT_TOKENS, engine_request
 from engine.demo_model import build_demo_model
 from engine.generation import Engine, GenerationRequest
 from engine.loading import load_model

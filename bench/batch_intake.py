@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.rows import print_rows
-from bench.service import BATCH, HEADERS, NEW_TOKENS, Service, job_body, prompt
+from bench.stack import BATCH, HEADERS, NEW_TOKENS, Service, job_body, prompt
 from domain.batches.creation import ParsedBatch
 from engine.demo_model import build_demo_model
 from web.api import batches as batches_route

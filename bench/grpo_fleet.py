@@ -30,7 +30,7 @@ from pathlib import Path
 from PIL import Image
 
 from bench.rows import print_rows
-from bench.service import Service
+from bench.stack import Service
 from engine.demo_model import build_demo_model
 
 

@@ -26,17 +26,8 @@ import torch
 from rollout_queue_client import RolloutClient
 
 from bench.rows import print_rows
-from bench.service import (
-    BATCH,
-    KEY,
-    ROOT,
-    CpuMeter,
-    Service,
-    _row,
-    engine_request,
-    job_body,
-    process_cpu_seconds,
-)
+from bench.service import CpuMeter, _row, process_cpu_seconds
+from bench.stack import BATCH, KEY, ROOT, Service, engine_request, job_body
 from domain.infra.redis_server import free_port
 from engine.demo_model import build_demo_model
 from engine.generation import Engine

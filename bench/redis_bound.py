@@ -22,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-from bench.service import HEADERS, Service
+from bench.stack import HEADERS, Service
 from engine.demo_model import build_demo_model
 
 BOUND = 8 * 1024 * 1024

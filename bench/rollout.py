@@ -160,7 +160,7 @@ def service_epoch(service, work: Workload) -> dict:
 
 
 def run() -> list[dict]:
-    from bench.service import Service
+    from bench.stack import Service
     from engine.loading import load_model
 
     torch.set_num_threads(1)

@@ -34,7 +34,8 @@ import requests
 import torch
 
 from bench.http_service import start_api
-from bench.service import BATCH, HEADERS, Service, _row, engine_request, job_body
+from bench.service import _row
+from bench.stack import BATCH, HEADERS, Service, engine_request, job_body
 from domain.jobs.events import JobEvents
 from engine.demo_model import build_demo_model
 from engine.generation import Engine

@@ -26,7 +26,7 @@ from pathlib import Path
 import requests
 
 from bench.http_service import start_api
-from bench.service import HEADERS, KEY, Service
+from bench.stack import HEADERS, KEY, Service
 from engine.demo_model import build_demo_model
 
 OTHER_KEY = "bench-other-key"

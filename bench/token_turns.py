@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.rows import print_rows
-from bench.service import HEADERS, Service
+from bench.stack import HEADERS, Service
 from engine.demo_model import build_demo_model
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the docs",

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.rows import print_rows
-from bench.service import Service, job_body
+from bench.stack import Service, job_body
 from engine.demo_model import build_demo_model
 
 ADMIN = "bench-admin"

@@ -272,8 +272,7 @@ class Settings:
         return node_generate_queue(self.node_id)
 
 
-# Checks beyond the type, by field. Every field of Settings is read from ROLLOUT_<FIELD NAME>.
-# Checks beyond the type that are not a range or a choice (those are declared with each field).
+# Each field is read from ROLLOUT_<FIELD NAME>; its checks beyond type, range and choice, by field:
 _VALIDATORS = {"node_id": lambda: _node_id}
 
 
