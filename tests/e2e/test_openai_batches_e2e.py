@@ -54,6 +54,11 @@ def wait(client, batch_id: str, timeout: float = 180.0):
         time.sleep(0.1)
 
 
+def listed_ids(resource) -> set[str]:
+    """Every id the caller lists, over all pages (the client follows ``has_more``)."""
+    return {item.id for item in resource.list()}
+
+
 def lines_of(client, file_id: str) -> list[dict]:
     return [json.loads(text) for text in client.files.content(file_id).text.splitlines()]
 
@@ -152,10 +157,13 @@ def test_another_key_gets_404_on_the_file_and_the_batch(client, server, model):
     with pytest.raises(openai.NotFoundError) as missing:
         stranger.files.retrieve(uploaded.id)
     assert missing.value.body["code"] == "not_found"  # OpenAI's error shape: the client reads body["error"]
-    assert stranger.files.list().data == [] and stranger.batches.list().data == []
+    # Not "the stranger lists nothing": other tests on the shared stack may have left that key's own files.
+    assert uploaded.id in listed_ids(client.files) and batch.id in listed_ids(client.batches)
+    assert uploaded.id not in listed_ids(stranger.files) and batch.id not in listed_ids(stranger.batches)
     done = wait(client, batch.id)
     with pytest.raises(openai.NotFoundError):
         stranger.files.content(done.output_file_id)
+    assert done.output_file_id in listed_ids(client.files) and done.output_file_id not in listed_ids(stranger.files)
     assert client.files.delete(uploaded.id).deleted is True
 
 
