@@ -2,7 +2,7 @@
 scheduler (:meth:`engine.scheduler.Scheduler.weights_changed`): the swap lands between two steps,
 and every request goes on from where it was under the new weights. An in-place update of one LoRA
 adapter in mode keep is the same crossing for that adapter's requests alone
-(:meth:`engine.scheduler.Scheduler.adapter_replaced`): they go on under its new version, the base's
+(:meth:`engine.scheduler.Scheduler.replace_adapter`): they go on under its new version, the base's
 and other adapters' rows untouched.
 
 - A running row keeps its KV blocks: its prompt and earlier tokens stay as the old weights computed
