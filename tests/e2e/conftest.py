@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from domain.settings import load_settings
+from tests.conftest import empty_db_url
 from web.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,8 +115,10 @@ def make_stack_env(*, redis_url: str, model_dir, state_dir, loopback: LoopbackHo
 
 @pytest.fixture(scope="session")
 def stack_env(redis_url, demo_model_dir, loopback_host, tmp_path_factory):
-    return make_stack_env(redis_url=redis_url, model_dir=demo_model_dir, state_dir=tmp_path_factory.mktemp("state"),
-                          loopback=loopback_host)
+    # A database of its own (tests/conftest.py's db_url): its GPU worker keeps reporting in the
+    # background, and tests on db 0 that ran after it in the same session saw a second worker.
+    return make_stack_env(redis_url=empty_db_url(redis_url, 1), model_dir=demo_model_dir,
+                          state_dir=tmp_path_factory.mktemp("state"), loopback=loopback_host)
 
 
 def settings_from_env(env: dict[str, str]):
