@@ -97,12 +97,18 @@ def test_a_worker_that_starts_loads_the_current_set(registry, root, demo_model_d
         sync.stop()
 
 
-def test_an_update_in_mode_abort_ends_the_old_versions_rows_only(worker, registry, root):
+TOKENS = 64
+
+
+def update_while_decoding(worker, registry, root, mode: str):
+    """A row of adapter x and a base row decode; three steps in, x is replaced in place in ``mode``
+    through the fleet call (answered once the worker's sync applied it). Each row's choice, and
+    the old and new entries."""
     from engine.generation import GenerationRequest
     from engine.sampling_params import SamplingParams
 
     old = _load(registry, root, "x", "good")
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
     prompt = [300, 301, 302, 303, 304]
     scheduler = worker.engine.scheduler()
     finished = []
@@ -112,44 +118,28 @@ def test_an_update_in_mode_abort_ends_the_old_versions_rows_only(worker, registr
         for _ in range(3):
             finished += scheduler.step()
         new = fleet.load(registry, scope="k", name="x", path=str(root / "good"), inplace=True, per_key_cap=None,
-                         timeout=10, mode="abort")
+                         timeout=10, mode=mode)
         assert worker.engine.adapter_ids == [new.id]
         while scheduler.has_work:
             finished += scheduler.step()
     finally:
         scheduler.close()
     by_handle = {done.handle: done.result.choices[0] for done in finished}
-    assert by_handle[old_row].finish_reason == "abort" and 0 < len(by_handle[old_row].token_ids) < 64
-    assert by_handle[base_row].finish_reason == "length" and len(by_handle[base_row].token_ids) == 64
+    return by_handle[old_row], by_handle[base_row], old, new
+
+
+def test_an_update_in_mode_abort_ends_the_old_versions_rows_only(worker, registry, root):
+    aborted, base, _, _ = update_while_decoding(worker, registry, root, "abort")
+    assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < TOKENS
+    assert base.finish_reason == "length" and len(base.token_ids) == TOKENS
 
 
 def test_an_update_in_mode_keep_carries_the_old_versions_rows_over(worker, registry, root):
-    from engine.generation import GenerationRequest
-    from engine.sampling_params import SamplingParams
-
-    old = _load(registry, root, "x", "good")
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    prompt = [300, 301, 302, 303, 304]
-    scheduler = worker.engine.scheduler()
-    finished = []
-    try:
-        old_row = scheduler.submit(GenerationRequest(prompt, params, adapter=old.id))
-        base_row = scheduler.submit(GenerationRequest(prompt, params))
-        for _ in range(3):
-            finished += scheduler.step()
-        new = fleet.load(registry, scope="k", name="x", path=str(root / "good"), inplace=True, per_key_cap=None,
-                         timeout=10, mode="keep")
-        assert worker.engine.adapter_ids == [new.id]
-        while scheduler.has_work:
-            finished += scheduler.step()
-    finally:
-        scheduler.close()
-    by_handle = {done.handle: done.result.choices[0] for done in finished}
-    kept = by_handle[old_row]
-    assert kept.finish_reason == "length" and len(kept.token_ids) == 64
+    kept, base, old, new = update_while_decoding(worker, registry, root, "keep")
+    assert kept.finish_reason == "length" and len(kept.token_ids) == TOKENS
     assert [span["adapter"] for span in kept.weight_versions] == [old.id, new.id]
     assert kept.weight_versions[0]["end"] == kept.weight_versions[1]["start"] >= 3
-    assert by_handle[base_row].weight_versions == [{"version": worker.engine.weight_version, "start": 0, "end": 64}]
+    assert base.weight_versions == [{"version": worker.engine.weight_version, "start": 0, "end": TOKENS}]
 
 
 def test_a_job_queued_under_a_replaced_version_runs_under_the_served_one():
