@@ -15,10 +15,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from domain.models import resolve_model_path
-from domain.settings import Settings
-from tests.conftest import empty_db_url
-from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.chat_demo import chat_demo_stack, openai_client
 from tests.e2e.dialect_server import serve
 from web.parsers.message import MessageParsers, parsed_message
 from web.parsers.reasoning import REASONING_PARSERS
@@ -35,18 +32,14 @@ HISTORY = [{"role": "user", "content": "Weather in Paris?"},
 
 @pytest.fixture(scope="module")
 def stack(redis_url, loopback_host, tmp_path_factory):
-    state = tmp_path_factory.mktemp("tools-state")
-    model = resolve_model_path(Settings(state_dir=state, demo_model="demo-qwen3"))
-    # db 17: the fidelity routes' stacks use it in turn too; each empties it first.
-    env = make_stack_env(redis_url=empty_db_url(redis_url, 17), model_dir=model, state_dir=state, loopback=loopback_host)
-    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "tools-chat"), workers=("gpu",)) as built:
+    with chat_demo_stack(redis_url, loopback_host, tmp_path_factory, "tools-chat") as built:
         yield built
 
 
 @pytest.fixture(scope="module")
 def client(stack):
     with serve(stack) as (url, _):
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        yield openai_client(url)
 
 
 def test_tools_and_history_reach_the_prompt_and_the_reply_and_stream_agree(client, stack):

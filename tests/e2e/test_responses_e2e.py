@@ -20,10 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from domain.models import resolve_model_path
-from domain.settings import Settings
-from tests.conftest import empty_db_url
-from tests.e2e.conftest import API_KEY, build_stack, log_dir_for, make_stack_env
+from tests.e2e.chat_demo import chat_demo_stack, openai_client
 from tests.e2e.dialect_server import serve
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": True,
@@ -35,11 +32,7 @@ OFF = {"reasoning": {"effort": "none"}}
 
 @pytest.fixture(scope="module")
 def stack(redis_url, loopback_host, tmp_path_factory):
-    state = tmp_path_factory.mktemp("responses-state")
-    model = resolve_model_path(Settings(state_dir=state, demo_model="demo-qwen3"))
-    # db 17: the tools, turns and fidelity stacks use it in turn too; each empties it first.
-    env = make_stack_env(redis_url=empty_db_url(redis_url, 17), model_dir=model, state_dir=state, loopback=loopback_host)
-    with build_stack(env, loopback_host, log_dir_for(tmp_path_factory, "responses"), workers=("gpu",)) as built:
+    with chat_demo_stack(redis_url, loopback_host, tmp_path_factory, "responses") as built:
         yield built
 
 
@@ -51,7 +44,7 @@ def served(stack):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=f"{served}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(served)
 
 
 def test_a_chained_turn_continues_the_first_turns_ids(client, served, stack):
