@@ -85,7 +85,7 @@ def db_url(url: str, db: int) -> str:
     queues (db 1: the end-to-end stack, 2: API tests, 3: batch store, 4: fuzzing, 5: webhooks,
     6: handles, 7: transport, 8: follow-ups, 9: preprocess time limit, 10: the API under gunicorn,
     11: GPU isolation, 12: job store, 13: job ends, 14: GPU batching, 15: the media stack,
-    16: weight sync, 17, 18: the fidelity routes (stacks in turn), 19: slow clients, 20: a GPU worker's death,
+    16: weight sync, 17, 18: the fidelity routes and 17 the agent routes (stacks in turn), 19: slow clients, 20: a GPU worker's death,
     21: held messages, 22: heartbeats, 23: Redis plumbing (pipelined scripts, bulk acks, the Celery app),
     31: the model check, 24: job events, 25: streams
     under gunicorn, 26: the job reaper, 27: the webhook reaper, 28: runtimes, 29: the batch reaper,

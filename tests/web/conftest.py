@@ -11,6 +11,14 @@ KEY_A = "key-a-secret"
 KEY_B = "key-b-secret"
 
 
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """The built-in Qwen3 chat demo (tool calls, reasoning) the agent routes' tests serve, built once."""
+    from engine.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "demo-qwen3", arch="qwen3_tools")
+
+
 @pytest.fixture
 def web_redis_url(redis_url) -> str:
     return db_url(redis_url, 2)

@@ -64,13 +64,6 @@ CASES = {
 TOKENS = {"token out of the vocabulary": [10**8], "tokens over the context": [1] * 5000}
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    from engine.demo_model import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("models") / "demo-qwen3", arch="qwen3_tools")
-
-
 @pytest.fixture
 def client(web_redis_url, qwen3_dir, tmp_path):
     redis.Redis.from_url(web_redis_url).flushdb()

@@ -31,13 +31,6 @@ OUTPUT = ('<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name
           '{"city": "Paris"}}\n</tool_call>')
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    from engine.demo_model import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("models") / "demo-qwen3", arch="qwen3_tools")
-
-
 @pytest.fixture
 def app(web_redis_url, qwen3_dir, tmp_path):
     def make(**overrides):
