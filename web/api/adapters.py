@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import g
 from flask.views import MethodView
-from marshmallow import fields, validate
+from marshmallow import ValidationError, fields, validate, validates_schema
 
 from domain.adapters import fleet
 from domain.adapters.store import MODES, SHARED, AdapterEntry, AdapterRegistry
@@ -105,6 +105,12 @@ class AdapterLoadSchema(Schema):
                        "other adapters never pause"})
     recompute_kv = StrictBoolean(load_default=False, metadata={
         "description": "Mode keep: the rows' KV so far is computed again by the new version"})
+
+    @validates_schema
+    def _recompute_only_when_kept(self, data, **_kwargs):
+        # A knob that would change nothing is refused by name, not ignored.
+        if data.get("recompute_kv") and data.get("mode") != "keep":
+            raise ValidationError("only with mode keep (the rows carried over to the new version)", "recompute_kv")
 
 
 class AdapterSchema(Schema):

@@ -59,6 +59,9 @@ def test_adapter_routes_refuse_in_each_dialects_shape(make_app, tmp_path):
     odd = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned", "load_inplace": True, "mode": "wait"},
                       headers=auth())
     assert odd.status_code == 422 and odd.get_json()["code"] == "invalid_request"
+    ignored = client.post("/v1/adapters", json={"name": "tuned", "path": "tuned", "load_inplace": True,
+                                                "recompute_kv": True}, headers=auth())
+    assert ignored.status_code == 422 and "recompute_kv" in ignored.get_json()["errors"]
 
     assert [a["name"] for a in client.get("/v1/adapters", headers=auth(KEY_A)).get_json()["data"]] == ["tuned"]
     assert client.get("/v1/adapters", headers=auth(KEY_B)).get_json()["data"] == []
