@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.web.conftest import auth
-from tests.web.dialects.test_chat_tools_api import ASK, WEATHER, app, qwen3_dir  # noqa: F401 (fixtures)
+from tests.web.dialects.test_chat_tools_api import ASK, WEATHER, app  # noqa: F401 (a fixture)
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
