@@ -76,8 +76,10 @@ def wait_for_lines(count: int, timeout: float = 20.0) -> list[list[str]]:
 def busy(app, name: str) -> None:
     """Start a batch that runs for a second: what is sent meanwhile waits in the worker's buffer,
     so the next batches do not depend on how fast the messages are published."""
+    with lock:
+        before = sum(len(batch) for batch in batches)  # counted before sending: the batch may end at once
     send(app, name)
-    wait_for_lines(sum(len(batch) for batch in batches) + 1)
+    wait_for_lines(before + 1)
 
 
 def test_waiting_jobs_run_as_full_batches_without_the_wait(app):
