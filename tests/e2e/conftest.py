@@ -1,6 +1,7 @@
-"""The whole stack for end-to-end tests: real Redis, real Celery workers in subprocesses (started
-with the same ``rollout-queue worker KIND`` commands a deployment runs), the API in-process, and a
-loopback HTTP server that plays media host and webhook receiver.
+"""The whole stack for end-to-end tests: real Redis, real Celery workers in subprocesses (running
+the entry point of the ``rollout-queue worker KIND`` commands a deployment runs, forked from a
+process that has already imported what workers import: ``tests/worker_forks.py``), the API
+in-process, and a loopback HTTP server that plays media host and webhook receiver.
 
 The session ``stack`` fixture is shared by tests that leave it as they found it. A test module that
 kills, restarts or reconfigures parts builds its own with :func:`make_stack_env` and
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -24,6 +24,7 @@ import pytest
 
 from domain.settings import load_settings
 from tests.conftest import empty_db_url
+from tests.worker_forks import start_worker
 from web.app import create_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,13 +154,8 @@ class Stack:
         if env is not None:
             self.worker_env[name] = env
         worker_env = {**self.env, **self.worker_env.get(name, {})}
-        log = open(self.log_dir / f"worker-{name}.log", "ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "worker", kind],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **worker_env}, stdout=log,
-            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-        )
-        log.close()
+        process = start_worker(kind, {**os.environ, "OMP_NUM_THREADS": "1", **worker_env},
+                               self.log_dir / f"worker-{name}.log")
         self.workers[name] = process
         self.kinds[name] = kind
         return process
@@ -244,15 +240,6 @@ def _process_tree(pid: int) -> list[int]:
                 pass  # the task ended meanwhile
         i += 1
     return tree
-
-
-def _die_with_parent() -> None:
-    # A test run that dies without its teardown (a hard timeout) must not leave workers behind,
-    # retrying forever against a Redis that is gone.
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _stop(processes: list[subprocess.Popen], timeout: float) -> None:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -120,7 +118,8 @@ def test_a_killed_workers_countdown_retry_goes_back_at_once_to_a_live_worker(kin
     import redis
 
     from domain.settings import Settings
-    from tests.workers.test_worker_start import ROOT, worker_env
+    from tests.worker_forks import start_worker
+    from tests.workers.test_worker_start import worker_env
     from workers.celery_app import create_celery
 
     # A visibility timeout far beyond the test: only the sweep can give the message back in time.
@@ -128,9 +127,8 @@ def test_a_killed_workers_countdown_retry_goes_back_at_once_to_a_live_worker(kin
     url = env["ROLLOUT_REDIS_URL"]
     workers = []
 
-    def start() -> subprocess.Popen:
-        worker = subprocess.Popen([sys.executable, "-m", "launcher.cli", "worker", kind], cwd=ROOT, env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def start():
+        worker = start_worker(kind, env)
         workers.append(worker)
         return worker
 
