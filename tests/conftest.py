@@ -66,6 +66,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# What one xdist process running stack files peaks at, Redis and its workers included (17 GB for
+# three on the 2-core development machine).
+MEMORY_PER_PROCESS = 6 * 2**30
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one process per core and one more, since stack files spend much of their time
+    waiting on kills, restarts and time limits, as many as memory holds."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores + 1, memory // MEMORY_PER_PROCESS))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     from domain.infra.redis_server import EmbeddedRedis
