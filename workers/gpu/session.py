@@ -58,6 +58,7 @@ from workers.gpu.adapter_sync import engine_adapter
 from workers.gpu.job_ends import JobEnds
 from workers.gpu.jobs import ending, open_jobs, poll_session, run_score_jobs
 from workers.gpu.live_job import ChoiceStream, LiveJob
+from workers.gpu.requeue import REQUEUE
 from workers.gpu.session_metrics import SessionMetrics
 from workers.memory_refusal import refused_for_memory
 
@@ -70,9 +71,6 @@ TOKENS_REFUSED_PAUSE_SECONDS = 0.5
 # How long a session waits for a paused or failed worker to serve again before its messages go back.
 WEIGHTS_HOLD_SECONDS = 2.0
 
-# What a session returns when Redis went away under it: its messages go back to the queue
-# (workers.tasks.gpu_batching puts them back).
-REQUEUE = "requeue"
 
 
 class GenerateSession:

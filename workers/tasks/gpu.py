@@ -24,6 +24,7 @@ messages back to the queue.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from celery import shared_task
 
@@ -32,10 +33,13 @@ from domain.infra.redis_client import REDIS_DOWN
 from domain.jobs.prompt_codec import release_prompts
 from domain.lifecycle import fail_unexpected
 from domain.names import GENERATE_TASK
-from workers.gpu.session import REQUEUE, GenerateSession
+from workers.gpu.requeue import REQUEUE
 from workers.memory_refusal import refused_for_memory
 from workers.runtime import runtime
 from workers.tasks.gpu_batching import GenerateBatches
+
+if TYPE_CHECKING:
+    from workers.gpu.session import GenerateSession
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,10 @@ def generate(self, requests) -> str | None:
             for job_id in job_ids:
                 fail_unexpected(rt, job_id, "loading the model")
             return None
+        # Imported here, not above: every worker kind imports this module (Celery's include), and
+        # the session brings torch, 1.5 s of a webhooks or batches worker's start for nothing.
+        from workers.gpu.session import GenerateSession
+
         session = GenerateSession(rt, engine, self)
         try:
             return session.run(requests)

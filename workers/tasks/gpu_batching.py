@@ -52,7 +52,7 @@ from domain.infra.intake_order import waiting
 from domain.infra.redis_client import REDIS_DOWN
 from domain.names import SHARED_GENERATE_QUEUE
 from workers.gpu.bulk_ack import acknowledge_messages
-from workers.gpu.session import REQUEUE
+from workers.gpu.requeue import REQUEUE
 from workers.runtime import runtime
 
 

@@ -14,7 +14,7 @@ from domain.names import SHARED_GENERATE_QUEUE
 from domain.settings import Settings
 from tests.conftest import empty_db_url
 from workers.celery_app import create_celery
-from workers.gpu.session import REQUEUE
+from workers.gpu.requeue import REQUEUE
 from workers.tasks.gpu_batching import GenerateBatches
 
 TASK = "tests.gpu_batching.record"
