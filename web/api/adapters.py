@@ -15,14 +15,14 @@ from typing import Any
 
 from flask import g
 from flask.views import MethodView
-from marshmallow import ValidationError, fields, validate, validates_schema
+from marshmallow import fields, validate, validates_schema
 
 from domain.adapters import fleet
 from domain.adapters.store import MODES, SHARED, AdapterEntry, AdapterRegistry
 from domain.weights.paths import resolve_weights_dir
 from engine.lora.adapter_config import check_adapter_dir
 from engine.lora.errors import AdapterNotFoundError
-from web.api.schemas import StrictBoolean
+from web.api.schemas import StrictBoolean, refuse_recompute_kv_outside_keep
 from web.auth import current_owner
 from web.blueprint import Blueprint
 from web.schema_base import Schema
@@ -108,9 +108,7 @@ class AdapterLoadSchema(Schema):
 
     @validates_schema
     def _recompute_only_when_kept(self, data, **_kwargs):
-        # A knob that would change nothing is refused by name, not ignored.
-        if data.get("recompute_kv") and data.get("mode") != "keep":
-            raise ValidationError("only with mode keep (the rows carried over to the new version)", "recompute_kv")
+        refuse_recompute_kv_outside_keep(data)
 
 
 class AdapterSchema(Schema):

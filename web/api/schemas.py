@@ -42,6 +42,13 @@ class StrictBoolean(fields.Boolean):
         return value
 
 
+def refuse_recompute_kv_outside_keep(data: dict) -> None:
+    """The weights and adapters update routes: ``recompute_kv`` changes nothing outside mode keep,
+    so it is refused by name, not ignored."""
+    if data.get("recompute_kv") and data.get("mode") != "keep":
+        raise ValidationError("only with mode keep (the rows carried over to the new weights)", "recompute_kv")
+
+
 TokenId = fields.Integer(strict=True, validate=validate.Range(0, MAX_TOKEN_ID))
 
 

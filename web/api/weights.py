@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from flask.views import MethodView
-from marshmallow import EXCLUDE, fields, validate
+from marshmallow import EXCLUDE, fields, validate, validates_schema
 
 from domain.weights.paths import resolve_weights_dir
 from domain.weights.store import MODES, PAUSE_MODES
 from domain.weights.updates import fleet_paused, update_weights
 from engine.checkpoint_dir import CheckpointDir
 from engine.checkpoints import check_checkpoint, weight_version_of
-from web.api.schemas import StrictBoolean
+from web.api.schemas import StrictBoolean, refuse_recompute_kv_outside_keep
 from web.auth import require_admin
 from web.blueprint import Blueprint
 from web.schema_base import Schema
@@ -42,6 +42,10 @@ class WeightsUpdateSchema(Schema):
     recompute_kv = StrictBoolean(load_default=False, metadata={
         "description": "mode keep: the new weights compute the kept rows' KV again (else they attend to the old)"})
     timeout_s = fields.Float(validate=validate.Range(min=0, max=3600))
+
+    @validates_schema
+    def _recompute_only_when_kept(self, data, **_kwargs):
+        refuse_recompute_kv_outside_keep(data)
 
 
 class SglangUpdateSchema(Schema):

@@ -113,6 +113,9 @@ def test_mode_keep_takes_recompute_kv(admin_client, weights_root):
     target = admin_client.get("/v1/weights", headers=auth(ADMIN)).get_json()["target"]
     assert target["mode"] == "keep" and target["recompute_kv"] is True
     assert _post(admin_client, {**body, "recompute_kv": "yes"}).status_code == 422
+    # Outside mode keep it would change nothing: refused by name, not ignored.
+    ignored = _post(admin_client, {**body, "mode": "finish"})
+    assert ignored.status_code == 422 and "recompute_kv" in ignored.get_json()["errors"]
 
 
 def test_sglang_routes_take_sglang_bodies(admin_client, weights_root):
