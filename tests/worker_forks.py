@@ -50,10 +50,7 @@ PRELOAD = (
 def start_worker(kind: str, env: dict[str, str], log_path: Path | str | None = None):
     """Run ``rollout-queue worker KIND`` with ``env`` (the whole environment), output to ``log_path``
     (appended; discarded when None). Returns a ``subprocess.Popen`` or a :class:`ForkedProcess`."""
-    return start_command(["worker", kind], env, log_path)
-
-
-def start_command(argv: list[str], env: dict[str, str], log_path: Path | str | None = None):
+    argv = ["worker", kind]
     if os.environ.get(EXEC_VARIABLE) == "1":
         with open(log_path or os.devnull, "ab") as log:
             return subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], cwd=ROOT, env=env, stdout=log,
